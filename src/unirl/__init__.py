@@ -1,0 +1,3 @@
+"""unirl: post-training of unified multimodal autoregressive models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Datasets: the embedded digits tasks, generic JSONL/parquet loading, templates."""
