@@ -1,0 +1,155 @@
+"""The `unirl` command line: a dispatch table of subcommands.
+
+Each subcommand is a `Command`: a name, a one-line help, a function that adds its arguments
+to its own parser, and a function `run(args) -> exit code`. To add one, write those two
+functions and append a `Command` to `COMMANDS`.
+
+Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`); 1 any other
+failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`
+adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from unirl import __version__
+from unirl.config import ConfigError, UnirlConfig, config_hash, load_config, to_yaml
+
+PROG = "unirl"
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `configure` adds arguments to its parser; `run` returns the exit code."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`CONFIG [key=value ...]`: a YAML config file and schema-typed dotted overrides."""
+    parser.add_argument("config", metavar="CONFIG", help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. trainer.optimizer.lr=1e-4 (typed by the schema)",
+    )
+
+
+def load_args_config(args: argparse.Namespace) -> UnirlConfig:
+    """The validated config named by `add_config_arguments` arguments (creates nothing)."""
+    return load_config(args.config, args.overrides)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
+    cfg = load_args_config(args)
+    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(f"hash: {config_hash(cfg)}\n")
+    return 0
+
+
+def not_yet_available(name: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand body for a command a later release provides (validates the config)."""
+
+    def run(args: argparse.Namespace) -> int:
+        load_args_config(args)
+        print(f"{PROG} {name}: not yet available", file=sys.stderr)
+        return 1
+
+    return run
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "inspect",
+        "print the resolved config and its hash (CPU only, creates nothing)",
+        add_config_arguments,
+        run_inspect,
+    ),
+    Command(
+        "train",
+        "train a model (SFT, GRPO or OPD)",
+        add_config_arguments,
+        not_yet_available("train"),
+    ),
+    Command(
+        "generate",
+        "sample from a model",
+        add_config_arguments,
+        not_yet_available("generate"),
+    ),
+    Command("eval", "evaluate a model", add_config_arguments, not_yet_available("eval")),
+]
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per command; `--debug` works before or
+    after the subcommand name."""
+    debug = _Parser(add_help=False)
+    debug.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show tracebacks on errors",
+    )
+    parser = _Parser(
+        prog=PROG,
+        description="Post-train unified multimodal autoregressive models (SFT, GRPO, OPD).",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in commands:
+        child = sub.add_parser(
+            command.name, help=command.help, description=command.help, parents=[debug]
+        )
+        command.configure(child)
+        child.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None = None) -> int:
+    """Run the CLI on `argv` (default `sys.argv[1:]`) over `commands` (default `COMMANDS`)
+    and return the exit code."""
+    parser = build_parser(COMMANDS if commands is None else commands)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        return _fail(args, str(exc), 2)
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted", 130)
+    except Exception as exc:  # one line for people; --debug for the traceback
+        return _fail(args, f"{type(exc).__name__}: {exc}", 1)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

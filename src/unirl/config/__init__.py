@@ -1,0 +1,93 @@
+"""Strict run configuration: pydantic schema, YAML loading with `defaults:` inheritance,
+schema-typed `dotted.key=value` overrides, one-line `ConfigError`s and a stable hash.
+
+    cfg = load_config("recipes/examples/grpo_tiny.yaml", ["trainer.optimizer.lr=3e-4"])
+    print(to_yaml(cfg), config_hash(cfg))
+"""
+
+from __future__ import annotations
+
+from unirl.config.algorithms import (
+    AlgorithmConfig,
+    BitflipConfig,
+    GRPOConfig,
+    InformationGainConfig,
+    KLConfig,
+    OPDConfig,
+    SFTConfig,
+)
+from unirl.config.base import StrictModel, incompatible
+from unirl.config.errors import COMMAND_LINE, ConfigError, suggest
+from unirl.config.hashing import (
+    canonical_json,
+    config_hash,
+    diff_configs,
+    resume_conflicts,
+    short_hash,
+    to_yaml,
+)
+from unirl.config.loader import load_config
+from unirl.config.overrides import apply_overrides, parse_override
+from unirl.config.schema import (
+    IMAGE_GENERATION_TASKS,
+    CheckpointConfig,
+    CodecConfig,
+    CycleConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    RewardConfig,
+    RewardPluginConfig,
+    RolloutConfig,
+    RunConfig,
+    Task,
+    TinyModelConfig,
+    UnirlConfig,
+)
+from unirl.config.trainer import LoRAConfig, OptimizerConfig, SchedulerConfig, TrainerConfig
+from unirl.config.validation import validate_config
+from unirl.config.yaml_io import read_config_tree
+
+__all__ = [
+    "COMMAND_LINE",
+    "IMAGE_GENERATION_TASKS",
+    "AlgorithmConfig",
+    "BitflipConfig",
+    "CheckpointConfig",
+    "CodecConfig",
+    "ConfigError",
+    "CycleConfig",
+    "DataConfig",
+    "GRPOConfig",
+    "InformationGainConfig",
+    "KLConfig",
+    "LoRAConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OPDConfig",
+    "OptimizerConfig",
+    "RewardConfig",
+    "RewardPluginConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SFTConfig",
+    "SchedulerConfig",
+    "StrictModel",
+    "Task",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "UnirlConfig",
+    "apply_overrides",
+    "canonical_json",
+    "config_hash",
+    "diff_configs",
+    "incompatible",
+    "load_config",
+    "parse_override",
+    "read_config_tree",
+    "resume_conflicts",
+    "short_hash",
+    "suggest",
+    "to_yaml",
+    "validate_config",
+]

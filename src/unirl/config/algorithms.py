@@ -1,0 +1,153 @@
+"""The `algorithm:` section: one of SFT, GRPO or OPD, chosen by its `name` field.
+
+Formulas are in /shared/NUMERICS.md; the field descriptions name the choice each knob makes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from unirl.config.base import StrictModel, incompatible
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class BitflipConfig(StrictModel):
+    """Input noise for BSQ teacher forcing: flip each input bit with some probability."""
+
+    probability: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Bit-flip probability of input visual bits (0 = off)."
+    )
+    probability_mode: Literal["fixed", "uniform"] = Field(
+        "fixed",
+        description="fixed: every sample uses `probability`; uniform: per sample ~ U(0, probability).",
+    )
+
+
+class InformationGainConfig(StrictModel):
+    """Information Gain term: reward answers that need the image (full vs blind view)."""
+
+    weight: float = Field(0.0, ge=0.0, description="Weight of the information-gain loss (0 = off).")
+
+
+class SFTConfig(StrictModel):
+    """Supervised fine-tuning: cross-entropy on policy-owned target positions."""
+
+    name: Literal["sft"] = Field("sft", description="Algorithm selector.")
+    lambda_visual: float = Field(
+        1.0, ge=0.0, description="Weight of the visual-token loss (VQ CE or bit CE) vs text CE."
+    )
+    bitflip: BitflipConfig = Field(
+        default_factory=BitflipConfig, description="BSQ input bit-flip noise."
+    )
+    information_gain: InformationGainConfig = Field(
+        default_factory=InformationGainConfig, description="Information Gain auxiliary loss."
+    )
+
+
+class KLConfig(StrictModel):
+    """Divergence penalty to the frozen reference policy (the initial weights)."""
+
+    type: Literal["none", "k1", "k2", "k3", "jsd"] = Field(
+        "none",
+        description="none | k1 (l - l_ref) | k2 (0.5 d^2) | k3 (exp(d) - d - 1) | jsd (full-distribution symmetric JSD).",
+    )
+    coef: float = Field(0.0, ge=0.0, description="Coefficient of the penalty in the loss.")
+
+    @model_validator(mode="after")
+    def _coef_needs_type(self) -> KLConfig:
+        if self.type == "none" and self.coef > 0:
+            raise incompatible("coef", f"coef={self.coef} has no effect with type='none'")
+        return self
+
+
+class GRPOConfig(StrictModel):
+    """Group-relative policy optimisation with a clipped surrogate (NUMERICS.md)."""
+
+    name: Literal["grpo"] = Field("grpo", description="Algorithm selector.")
+    group_size: int = Field(8, ge=2, description="G: samples drawn per prompt.")
+    scope: Literal["group", "global"] = Field(
+        "group", description="Advantage baseline: per-prompt group, or the whole gathered batch."
+    )
+    normalize_by_std: bool = Field(
+        True, description="Divide advantages by std + eps (false: A = r - mean, Dr.GRPO)."
+    )
+    std_ddof: Literal[0, 1] = Field(
+        1,
+        description="Std degrees of freedom: 1 = sample std (default; verl, TRL), 0 = population.",
+    )
+    eps: float = Field(
+        1e-6, gt=0.0, description="Added to the std in the advantage denominator (verl: 1e-6)."
+    )
+    clip_low: float = Field(
+        0.2, gt=0.0, lt=1.0, description="eps_low: ratio floor is 1 - clip_low."
+    )
+    clip_high: float = Field(0.2, gt=0.0, description="eps_high: ratio cap is 1 + clip_high.")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c > 1 for A < 0 (verl: 3); null = off."
+    )
+    aggregation: Aggregation = Field(
+        "token_mean", description="How per-position losses are reduced (NUMERICS.md)."
+    )
+    horizon: int | None = Field(
+        None, gt=0, description="H for seq_mean_token_sum_norm (required there)."
+    )
+    kl: KLConfig = Field(default_factory=KLConfig, description="Penalty to the reference policy.")
+    old_logp_source: Literal["rollout", "replay"] = Field(
+        "replay",
+        description="Ratio denominator: the sampler's log-probs (rollout) or a replay at training geometry.",
+    )
+    updates_per_batch: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch (PPO epochs x mini-batches)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        if self.old_logp_source == "rollout" and self.updates_per_batch > 1:
+            raise incompatible(
+                "old_logp_source",
+                f"'rollout' requires updates_per_batch=1 (got {self.updates_per_batch}): "
+                "later updates must anchor the ratio at a replay at training geometry; "
+                "use old_logp_source=replay",
+            )
+        if self.aggregation == "seq_mean_token_sum_norm" and self.horizon is None:
+            raise incompatible("horizon", "aggregation 'seq_mean_token_sum_norm' requires horizon")
+        return self
+
+
+class OPDConfig(StrictModel):
+    """On-policy distillation: generalised JSD to a teacher at the student's sampled positions."""
+
+    name: Literal["opd"] = Field("opd", description="Algorithm selector.")
+    teacher_path: str | None = Field(
+        None, description="Local directory of the teacher checkpoint (required)."
+    )
+    beta: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Generalised-JSD beta: 0 = KL(T||S), 0.5 = JSD, 1 = KL(S||T).",
+    )
+    top_k: int = Field(
+        0, ge=0, description="Score on the union of teacher and student top-k ids (0 = full vocab)."
+    )
+    retained_mass_min: float = Field(
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description="Fall back to the full vocab where the top-k union keeps less teacher mass.",
+    )
+    chunk_size: int = Field(
+        1024, gt=0, description="Positions per chunk when computing full distributions."
+    )
+
+    @model_validator(mode="after")
+    def _teacher_required(self) -> OPDConfig:
+        if not self.teacher_path:
+            raise incompatible("teacher_path", "opd requires a local teacher checkpoint directory")
+        return self
+
+
+AlgorithmConfig = Annotated[Union[SFTConfig, GRPOConfig, OPDConfig], Field(discriminator="name")]

@@ -1,0 +1,277 @@
+"""The run schema: `UnirlConfig` and its sections (one YAML section per model).
+
+Every field has a type, a default and a one-line description, so an empty YAML file is a
+valid config (the embedded tiny model, SFT on the digits t2i task). Cross-field checks
+raise `incompatible(...)` naming the dotted key at fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, SFTConfig
+from unirl.config.base import StrictModel, incompatible
+from unirl.config.trainer import TrainerConfig
+
+Task = Literal["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
+IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
+DIGITS_IMAGE_SIZE = 8  # == unirl.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)
+
+
+class RunConfig(StrictModel):
+    """Identity of a run."""
+
+    name: str = Field("unirl", min_length=1, description="Run name (used in logs and paths).")
+    seed: int = Field(0, ge=0, description="Run seed: all sampling seeds derive from it.")
+    output_dir: str | None = Field(
+        None, description="Run directory (created by train, never by loading); null = runs/<name>."
+    )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_output_dir(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("output_dir") is None:
+            return {**data, "output_dir": f"runs/{data.get('name', 'unirl')}"}
+        return data
+
+
+class TinyModelConfig(StrictModel):
+    """Sizes of the embedded tiny decoder (used when model.kind = tiny)."""
+
+    hidden_size: int = Field(128, gt=0, description="Residual width.")
+    num_layers: int = Field(4, gt=0, description="Decoder layers.")
+    num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
+    intermediate_size: int = Field(512, gt=0, description="MLP inner width.")
+    max_position_embeddings: int = Field(
+        512, gt=0, description="Native context length (a rollout stop condition)."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise incompatible(
+                "num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}"
+            )
+        return self
+
+
+class CodecConfig(StrictModel):
+    """The embedded image codec of the tiny model (real checkpoints ship their own)."""
+
+    path: str | None = Field(
+        None, description="Directory of a fitted codec; null = fit one on the digits train split."
+    )
+    patch_size: int = Field(2, gt=0, description="Pixels per side of one visual position.")
+    codebook_size: int = Field(64, ge=2, description="VQ codebook entries.")
+    bits: int = Field(8, gt=0, description="BSQ bits L per patch.")
+    group: int = Field(
+        1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
+    )
+
+    @model_validator(mode="after")
+    def _grid(self) -> CodecConfig:
+        if DIGITS_IMAGE_SIZE % self.patch_size:
+            raise incompatible(
+                "patch_size", f"{self.patch_size} does not divide the {DIGITS_IMAGE_SIZE}px image"
+            )
+        grid = DIGITS_IMAGE_SIZE // self.patch_size
+        if grid % self.group:
+            raise incompatible("group", f"{self.group} does not divide the {grid}x{grid} grid")
+        return self
+
+
+class ModelConfig(StrictModel):
+    """Which unified model to post-train."""
+
+    kind: Literal["tiny", "janus_pro", "uniar"] = Field(
+        "tiny", description="tiny (embedded) | janus_pro (VQ) | uniar (Qwen3-VL + BSQ head)."
+    )
+    path: str | None = Field(
+        None, description="Local checkpoint directory (required unless kind = tiny)."
+    )
+    visual_head: Literal["vq", "bsq"] = Field(
+        "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
+    codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
+
+    @model_validator(mode="after")
+    def _kind(self) -> ModelConfig:
+        if self.kind != "tiny" and not self.path:
+            raise incompatible("path", f"required: kind '{self.kind}' loads a local checkpoint")
+        head = {"janus_pro": "vq", "uniar": "bsq"}.get(self.kind)
+        if head is not None and self.visual_head != head:
+            raise incompatible("visual_head", f"kind '{self.kind}' has a '{head}' head")
+        return self
+
+
+class DataConfig(StrictModel):
+    """Training and evaluation data."""
+
+    tasks: list[Task] = Field(["t2i"], min_length=1, description="Tasks to mix (no repeats).")
+    task_weights: dict[Task, float] | None = Field(
+        None, description="Sampling weight per task (> 0); null = uniform."
+    )
+    path: str | None = Field(
+        None, description="JSONL/parquet file or directory of rows; null = built-in digits tasks."
+    )
+    val_size: int = Field(64, ge=0, description="Validation samples per evaluation (0 = none).")
+    test_size: int = Field(64, ge=0, description="Test samples for final evaluation (0 = none).")
+    seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
+    shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
+
+    @model_validator(mode="after")
+    def _tasks(self) -> DataConfig:
+        if len(set(self.tasks)) != len(self.tasks):
+            raise incompatible("tasks", f"repeated task in {self.tasks}")
+        for task, weight in (self.task_weights or {}).items():
+            if task not in self.tasks:
+                raise incompatible(f"task_weights.{task}", f"task '{task}' is not in tasks")
+            if weight <= 0:
+                raise incompatible(f"task_weights.{task}", f"weight must be > 0 (got {weight})")
+        return self
+
+
+class CycleConfig(StrictModel):
+    """Stop a row that repeats itself."""
+
+    enabled: bool = Field(True, description="Stop rows caught in a cycle (finish_reason cycle).")
+    max_period: int = Field(4, gt=0, description="Longest repeating period detected.")
+    repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
+
+
+class RolloutConfig(StrictModel):
+    """Sampling parameters of the rollout engine (also applied in replay)."""
+
+    temperature: float = Field(1.0, gt=0.0, description="Text/VQ softmax temperature.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely ids (0 = off).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass (1.0 = off).")
+    guidance: float = Field(
+        1.0, ge=0.0, description="CFG weight w: z = u + w (c - u) on visual logits (1 = off)."
+    )
+    guidance_logprob: Literal["guided", "conditional"] = Field(
+        "guided", description="Score visual log-probs under the guided or the conditional logits."
+    )
+    bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
+    max_new_tokens: int = Field(64, gt=0, description="Generation budget per row.")
+    length_semantics: Literal["cap", "exact"] = Field(
+        "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
+    )
+    batch_size: int = Field(64, gt=0, description="Rows decoded together.")
+    cycle: CycleConfig = Field(default_factory=CycleConfig, description="Cycle detector.")
+    grid_min: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
+    grid_max: int = Field(32, gt=0, description="Largest H or W accepted in an image header.")
+    on_invalid_header: Literal["invalid", "reject"] = Field(
+        "invalid",
+        description="Bad 'generate image H W' header: end the row as 'invalid', or raise (reject).",
+    )
+
+    @model_validator(mode="after")
+    def _grid(self) -> RolloutConfig:
+        if self.grid_min > self.grid_max:
+            raise incompatible("grid_min", f"{self.grid_min} exceeds grid_max={self.grid_max}")
+        return self
+
+
+class RewardPluginConfig(StrictModel):
+    """One reward plugin; the total reward is the weighted sum of the plugins' scores."""
+
+    name: str = Field(
+        "mc_exact", pattern=r"^[a-z][a-z0-9_]*$", description="Registered reward plugin name."
+    )
+    weight: float = Field(1.0, description="Weight of this plugin's score in the total.")
+    path: str | None = Field(None, description="Local model directory for learned scorers.")
+    tasks: list[Task] | None = Field(None, description="Score only these tasks; null = all.")
+    kwargs: dict[str, bool | int | float | str] = Field(
+        default_factory=dict, description="Plugin-specific scalar options."
+    )
+
+
+class RewardConfig(StrictModel):
+    """The reward service (GRPO)."""
+
+    plugins: list[RewardPluginConfig] = Field(
+        default_factory=list, description="Reward plugins (GRPO requires at least one)."
+    )
+    truncated_reward: Literal["zero", "keep"] = Field(
+        "zero", description="Reward of rows truncated by a cap/context/cycle."
+    )
+    on_error: Literal["raise", "zero"] = Field(
+        "raise", description="A plugin exception or non-finite score: fail, or score 0 and count."
+    )
+
+
+class CheckpointConfig(StrictModel):
+    """Atomic checkpoints in <output_dir>/checkpoints."""
+
+    every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0 = off).")
+    every_minutes: float = Field(0.0, ge=0.0, description="Also every N minutes (0 = off).")
+    keep_last: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all).")
+    resume_mode: Literal["strict", "allow_schedule_changes"] = Field(
+        "strict",
+        description="strict: resume needs the same config (cadence/logging aside); "
+        "allow_schedule_changes: total_updates, scheduler and eval_every may change too.",
+    )
+
+
+class LoggingConfig(StrictModel):
+    """Metric sinks."""
+
+    jsonl: bool = Field(True, description="Write <output_dir>/metrics.jsonl.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
+    progress_bar: bool = Field(True, description="Show a rich progress bar on a TTY.")
+    every: int = Field(1, gt=0, description="Log metrics every N updates.")
+
+
+class UnirlConfig(StrictModel):
+    """A complete run: what `unirl inspect` prints and the config hash covers."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=SFTConfig, description="sft | grpo | opd, chosen by algorithm.name."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> UnirlConfig:
+        algo, tasks = self.algorithm, set(self.data.tasks)
+        if isinstance(algo, GRPOConfig):
+            if self.trainer.global_batch_size % algo.group_size:
+                raise incompatible(
+                    "trainer.global_batch_size",
+                    f"{self.trainer.global_batch_size} is not a multiple of "
+                    f"algorithm.group_size={algo.group_size}",
+                )
+            if not self.reward.plugins:
+                raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
+        if isinstance(algo, SFTConfig) and algo.bitflip.probability > 0:
+            if self.model.visual_head != "bsq":
+                raise incompatible(
+                    "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
+                )
+        if self.rollout.length_semantics == "exact" and tasks != {"t2i"}:
+            raise incompatible(
+                "rollout.length_semantics",
+                f"'exact' is for image-only generation (tasks [t2i]); got {sorted(tasks)}",
+            )
+        if self.rollout.guidance != 1.0 and not tasks & IMAGE_GENERATION_TASKS:
+            raise incompatible(
+                "rollout.guidance",
+                f"guidance {self.rollout.guidance} needs an image-generation task "
+                f"({', '.join(sorted(IMAGE_GENERATION_TASKS))}); got {sorted(tasks)}",
+            )
+        return self

@@ -1,0 +1,111 @@
+"""The `trainer:` section: optimizer, schedule, batch geometry, precision and LoRA.
+
+One "update" is one optimizer step; `total_updates` counts them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from unirl.config.base import StrictModel, incompatible
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW (torch.optim.AdamW argument names)."""
+
+    lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam (beta1, beta2).")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon.")
+
+
+class SchedulerConfig(StrictModel):
+    """Learning-rate multiplier as a function of the update index."""
+
+    name: Literal["constant", "warmup_cosine", "warmup_constant"] = Field(
+        "constant",
+        description="constant | warmup_cosine (linear warmup, cosine to min_lr_ratio) | warmup_constant.",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in updates.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Final lr / peak lr for warmup_cosine."
+    )
+
+    @model_validator(mode="after")
+    def _no_warmup_for_constant(self) -> SchedulerConfig:
+        if self.name == "constant" and self.warmup_steps > 0:
+            raise incompatible(
+                "warmup_steps", "the 'constant' schedule has no warmup; use 'warmup_constant'"
+            )
+        return self
+
+
+class LoRAConfig(StrictModel):
+    """Low-rank adapters via peft (base weights frozen when enabled)."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    r: int = Field(8, gt=0, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: str = Field(
+        r".*\.(q_proj|k_proj|v_proj|o_proj)$",
+        min_length=1,
+        description="Regex (full match) of module names that get adapters.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+class TrainerConfig(StrictModel):
+    """Optimisation loop settings."""
+
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Learning-rate schedule."
+    )
+    total_updates: int = Field(100, gt=0, description="Number of optimizer steps in the run.")
+    global_batch_size: int = Field(
+        16, gt=0, description="Trajectories per update, summed over ranks and micro-batches."
+    )
+    micro_batch_size: int = Field(
+        8, gt=0, description="Trajectories per forward/backward (must divide global_batch_size)."
+    )
+    micro_token_budget: int | None = Field(
+        None,
+        gt=0,
+        description="If set, pack micro-batches up to this many tokens (micro_batch_size caps rows).",
+    )
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Max global grad norm; null = off.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype of the forward.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate on the val split every N updates (0 = off)."
+    )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters.")
+
+    @model_validator(mode="after")
+    def _geometry(self) -> TrainerConfig:
+        if self.global_batch_size % self.micro_batch_size:
+            raise incompatible(
+                "micro_batch_size",
+                f"{self.micro_batch_size} does not divide "
+                f"global_batch_size={self.global_batch_size}",
+            )
+        if self.scheduler.warmup_steps > self.total_updates:
+            raise incompatible(
+                "scheduler.warmup_steps",
+                f"{self.scheduler.warmup_steps} exceeds total_updates={self.total_updates}",
+            )
+        return self

@@ -1,0 +1,143 @@
+"""Validate merged config data against the schema; pydantic errors become `ConfigError`s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from unirl.config.base import INCOMPATIBLE
+from unirl.config.errors import ConfigError, suggest
+from unirl.config.introspect import (
+    Node,
+    describe,
+    dotted_keys,
+    is_model,
+    loc_to_key,
+    strip_optional,
+    union_branches,
+)
+from unirl.config.schema import UnirlConfig
+
+Provenance = Mapping[str, str]
+
+
+def source_of(key: str, provenance: Provenance, default: str) -> str:
+    """The file that set `key` or its closest enclosing section, else `default`."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in provenance:
+            return provenance[prefix]
+    return default
+
+
+def join_key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unknown_key_error(
+    root: type[BaseModel], parent_key: str, parent: type[BaseModel], name: str, source: str
+) -> ConfigError:
+    """`name` is not a field of `parent` (at `parent_key`): name the valid keys and suggest one.
+
+    The suggestion is the closest sibling; failing that, the same name elsewhere in the schema
+    (``trainer.temperature`` -> ``rollout.temperature``).
+    """
+    names = list(parent.model_fields)
+    close = suggest(name, names)
+    if close is not None:
+        suggestion = join_key(parent_key, close)
+    else:
+        elsewhere = [k for k in dotted_keys(root) if k.rsplit(".", 1)[-1] == name]
+        suggestion = elsewhere[0] if elsewhere else None
+    return ConfigError(
+        "unknown key",
+        key=join_key(parent_key, name),
+        source=source,
+        expected=f"a key of {parent_key or 'the top level'}: {', '.join(names)}",
+        suggestion=suggestion,
+    )
+
+
+def literal_choices(node: Node | None) -> tuple[Any, ...]:
+    if node is None:
+        return ()
+    inner, _ = strip_optional(node[0])
+    return get_args(inner) if get_origin(inner) is Literal else ()
+
+
+def from_validation_error(
+    exc: ValidationError,
+    provenance: Provenance,
+    default_source: str,
+    root: type[BaseModel] = UnirlConfig,
+) -> ConfigError:
+    """Turn the first error of `exc` into a one-line `ConfigError` (counting the others)."""
+    errors = exc.errors(include_url=False)
+    err, more = errors[0], len(errors) - 1
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    key, node = loc_to_key(root, loc)
+    expected = suggestion = None
+    if kind == INCOMPATIBLE:
+        key = join_key(key, ctx["field"])
+        problem = ctx["detail"]
+    elif kind in ("union_tag_invalid", "union_tag_not_found"):
+        disc, branches = union_branches(node)  # type: ignore[misc]
+        key = join_key(key, disc)
+        expected = "one of " + ", ".join(map(repr, branches))
+        if kind == "union_tag_invalid":
+            problem = f"unknown {disc} {short_repr(ctx['tag'])}"
+            suggestion = suggest(str(ctx["tag"]), [str(t) for t in branches])
+        else:
+            problem = f"missing (the {disc} selects the section's schema)"
+    elif kind == "extra_forbidden":
+        parent_key, parent = loc_to_key(root, loc[:-1])
+        parent_model = strip_optional(parent[0])[0] if parent is not None else None
+        if is_model(parent_model):
+            error = unknown_key_error(root, parent_key, parent_model, str(loc[-1]), "<config>")
+            expected, suggestion, problem = error.expected, error.suggestion, error.problem
+        else:
+            problem = "unknown key"
+    elif kind == "missing":
+        problem = "required key is missing"
+        expected = describe(node) if node is not None else None
+    else:
+        choices = literal_choices(node)
+        problem = f"invalid value {short_repr(err['input'])}"
+        if choices:
+            suggestion = suggest(str(err["input"]), [str(c) for c in choices])
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            problem += f": {msg[:1].lower()}{msg[1:]}"
+            if kind == "string_type" and not isinstance(err["input"], (dict, list)):
+                problem += " (quote the value in YAML)"
+        expected = describe(node) if node is not None else None
+    return ConfigError(
+        problem,
+        key=key,
+        source=source_of(key, provenance, default_source),
+        expected=expected,
+        suggestion=suggestion,
+        more=more,
+    )
+
+
+def validate_config(
+    data: Mapping[str, Any], provenance: Provenance | None = None, source: str = "<config>"
+) -> UnirlConfig:
+    """Validate a merged config mapping into `UnirlConfig`, or raise `ConfigError`.
+
+    `provenance` maps dotted keys to the file (or `<command line>`) that set them; errors
+    name the source of the offending key, falling back to `source`.
+    """
+    try:
+        return UnirlConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise from_validation_error(exc, provenance or {}, source) from exc

@@ -1,0 +1,414 @@
+"""The one token stream (DESIGN §1): a `Trajectory` per sample, `TrajectoryBatch` padded.
+
+Convention: position t holds token t. Scored positions are those with owner == POLICY
+(never position 0); the log-prob stored at position t is log pi(token t | tokens < t),
+computed from the model's hidden state at t-1. `visual_codes` is VQ long [T] (-1 where
+not visual) or BSQ float32 [T, L] with values {0, 1} (0 where not visual). Visual
+positions hold the placeholder token id (`<|image_pad|>`).
+
+A batch is right-padded: row i's real positions are 0..lengths[i]-1. Padding values:
+token_ids = pad_id, modality = TEXT, owner = PROMPT, visual_codes = -1 (VQ) / 0 (BSQ),
+rollout log-probs = 0. `collate` then `unbatch` returns equal trajectories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from unirl.core.types import (
+    FINISH_REASONS,
+    LENGTH_SEMANTICS,
+    TRUNCATED_REASONS,
+    FinishReason,
+    LengthSemantics,
+    Modality,
+    Owner,
+)
+
+VQ_PAD = -1
+BITS_PAD = 0.0
+
+
+def _fail(name: str, what: str) -> None:
+    raise ValueError(f"{name}: {what}")
+
+
+def _check_grids(name: str, grids: Sequence[Any]) -> list[int]:
+    sizes = []
+    for k, g in enumerate(grids):
+        ok = isinstance(g, tuple) and len(g) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in g)
+        if not ok:
+            _fail(f"{name}[{k}]", f"expected a tuple (H, W) of positive ints, got {g!r}")
+        sizes.append(g[0] * g[1])
+    return sizes
+
+
+@dataclass
+class Trajectory:
+    """One sample's positions. See the module docstring for the conventions."""
+
+    token_ids: torch.Tensor
+    modality: torch.Tensor
+    owner: torch.Tensor
+    visual_codes: torch.Tensor
+    image_grids: list[tuple[int, int]]
+    sample_id: str = ""
+    rollout_logp: torch.Tensor | None = None
+    rollout_logp_factors: torch.Tensor | None = None
+    finish_reason: FinishReason | None = None
+    length_semantics: LengthSemantics | None = None
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def is_bits(self) -> bool:
+        """True for BSQ codes (float [T, L])."""
+        return self.visual_codes.dim() == 2
+
+    def to(self, device: torch.device | str) -> Trajectory:
+        """A copy with every tensor on `device`."""
+        return replace(self, **_moved(self, device))
+
+    def validate(self) -> Trajectory:
+        """Check shapes, dtypes and the conventions; ValueError naming the field. Returns self.
+
+        Checks: 1-D long token_ids/modality/owner of one length T >= 1; modality and owner
+        values in their enums; position 0 not POLICY; VQ codes -1 exactly off visual
+        positions (>= 0 on them), BSQ codes in {0, 1} and 0 off visual positions; the
+        visual position count equals sum(H*W) of `image_grids` (a truncated row, finish
+        reason cap/context/cycle, may stop inside its last image); rollout log-probs float
+        of shape [T] / [T, L] and 0 at non-policy positions; finish/length labels valid.
+        """
+        for name in ("token_ids", "modality", "owner"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 1:
+                _fail(name, f"expected a long tensor [T], got {_describe(t)}")
+        T = len(self)
+        if T == 0:
+            _fail("token_ids", "a trajectory needs at least one position")
+        for name in ("modality", "owner"):
+            if getattr(self, name).shape[0] != T:
+                _fail(name, f"length {getattr(self, name).shape[0]} != len(token_ids) {T}")
+        if not ((self.modality == Modality.TEXT) | (self.modality == Modality.VISUAL)).all():
+            _fail("modality", "values must be Modality.TEXT (0) or Modality.VISUAL (1)")
+        if not ((self.owner >= Owner.PROMPT) & (self.owner <= Owner.CONTROLLER)).all():
+            _fail("owner", "values must be Owner.PROMPT/POLICY/CONTROLLER (0/1/2)")
+        if int(self.owner[0]) == Owner.POLICY:
+            _fail("owner", "position 0 cannot be POLICY (it has no preceding state)")
+        visual = self.modality == Modality.VISUAL
+        self._validate_codes(visual, T)
+        n_visual = int(visual.sum())
+        sizes = _check_grids("image_grids", self.image_grids)
+        expected = sum(sizes)
+        truncated_inside_last = (
+            self.finish_reason in TRUNCATED_REASONS
+            and bool(sizes)
+            and expected - sizes[-1] < n_visual < expected
+        )
+        if n_visual != expected and not truncated_inside_last:
+            _fail(
+                "image_grids",
+                f"grids {self.image_grids} give {expected} visual positions, "
+                f"modality has {n_visual}",
+            )
+        non_policy = self.owner != Owner.POLICY
+        if self.rollout_logp is not None:
+            lp = self.rollout_logp
+            if not isinstance(lp, torch.Tensor) or not lp.is_floating_point() or lp.shape != (T,):
+                _fail("rollout_logp", f"expected a float tensor [{T}], got {_describe(lp)}")
+            if (lp[non_policy] != 0).any():
+                _fail("rollout_logp", "must be 0 at non-policy positions")
+        if self.rollout_logp_factors is not None:
+            lf = self.rollout_logp_factors
+            if not self.is_bits:
+                _fail("rollout_logp_factors", "only BSQ trajectories have per-factor log-probs")
+            shape = tuple(self.visual_codes.shape)
+            if not isinstance(lf, torch.Tensor) or not lf.is_floating_point() or lf.shape != shape:
+                _fail(
+                    "rollout_logp_factors", f"expected a float tensor {shape}, got {_describe(lf)}"
+                )
+            if (lf[non_policy] != 0).any():
+                _fail("rollout_logp_factors", "must be 0 at non-policy positions")
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            _fail(
+                "finish_reason",
+                f"expected one of {sorted(FINISH_REASONS)}, got {self.finish_reason!r}",
+            )
+        if self.length_semantics is not None and self.length_semantics not in LENGTH_SEMANTICS:
+            _fail("length_semantics", f"expected 'cap' or 'exact', got {self.length_semantics!r}")
+        if not isinstance(self.sample_id, str):
+            _fail("sample_id", f"expected a str, got {type(self.sample_id).__name__}")
+        return self
+
+    def _validate_codes(self, visual: torch.Tensor, T: int) -> None:
+        c = self.visual_codes
+        if not isinstance(c, torch.Tensor):
+            _fail("visual_codes", f"expected a tensor, got {type(c).__name__}")
+        if c.dim() == 1:
+            if c.dtype != torch.long or c.shape[0] != T:
+                _fail("visual_codes", f"VQ codes must be long [{T}], got {_describe(c)}")
+            if (c[~visual] != VQ_PAD).any():
+                _fail("visual_codes", "VQ codes must be -1 at non-visual positions")
+            if (c[visual] < 0).any():
+                _fail("visual_codes", "VQ codes must be >= 0 at visual positions")
+        elif c.dim() == 2:
+            if not c.is_floating_point() or c.shape[0] != T or c.shape[1] == 0:
+                _fail("visual_codes", f"BSQ codes must be float [{T}, L], got {_describe(c)}")
+            if not ((c == 0) | (c == 1)).all():
+                _fail("visual_codes", "BSQ codes must have values in {0, 1}")
+            if (c[~visual] != BITS_PAD).any():
+                _fail("visual_codes", "BSQ codes must be 0 at non-visual positions")
+        else:
+            _fail("visual_codes", f"expected VQ [T] or BSQ [T, L], got {_describe(c)}")
+
+
+@dataclass
+class TrajectoryBatch:
+    """Right-padded trajectories: tensors [B, T] ([B, T, L] for BSQ codes / factors)."""
+
+    token_ids: torch.Tensor
+    modality: torch.Tensor
+    owner: torch.Tensor
+    attention_mask: torch.Tensor
+    visual_codes: torch.Tensor
+    lengths: torch.Tensor
+    image_grids: list[list[tuple[int, int]]]
+    sample_ids: list[str]
+    rollout_logp: torch.Tensor | None
+    rollout_logp_factors: torch.Tensor | None
+    finish_reasons: list[FinishReason | None]
+    length_semantics: list[LengthSemantics | None]
+    pad_id: int = 0
+
+    @classmethod
+    def collate(
+        cls, trajs: Sequence[Trajectory], pad_id: int, validate: bool = True
+    ) -> TrajectoryBatch:
+        """Right-pad `trajs` into one batch (padding values in the module docstring).
+
+        All trajectories must agree on the code kind (VQ or BSQ with one L) and on
+        whether rollout log-probs are present; with `validate` each is validated first.
+        """
+        if len(trajs) == 0:
+            raise ValueError("collate: no trajectories")
+        if validate:
+            for k, t in enumerate(trajs):
+                try:
+                    t.validate()
+                except ValueError as err:
+                    raise ValueError(f"trajectory {k} ({t.sample_id!r}): {err}") from None
+        first = trajs[0]
+        for k, t in enumerate(trajs):
+            if t.visual_codes.shape[1:] != first.visual_codes.shape[1:] or (
+                t.visual_codes.dtype != first.visual_codes.dtype
+            ):
+                _fail(
+                    "visual_codes",
+                    f"trajectory {k} has {_describe(t.visual_codes)}, trajectory 0 has "
+                    f"{_describe(first.visual_codes)} (VQ and BSQ / different L cannot mix)",
+                )
+            for name in ("rollout_logp", "rollout_logp_factors"):
+                if (getattr(t, name) is None) != (getattr(first, name) is None):
+                    _fail(name, f"present in some trajectories but not in trajectory {k}")
+        lengths = torch.tensor([len(t) for t in trajs], dtype=torch.long)
+        device = first.token_ids.device
+        T = int(lengths.max())
+        code_pad = BITS_PAD if first.is_bits else VQ_PAD
+
+        def pad(name: str, value: float) -> torch.Tensor:
+            seqs = [getattr(t, name) for t in trajs]
+            return pad_sequence(seqs, batch_first=True, padding_value=value)
+
+        return cls(
+            token_ids=pad("token_ids", pad_id),
+            modality=pad("modality", Modality.TEXT),
+            owner=pad("owner", Owner.PROMPT),
+            attention_mask=torch.arange(T, device=device) < lengths.to(device)[:, None],
+            visual_codes=pad("visual_codes", code_pad),
+            lengths=lengths.to(device),
+            image_grids=[list(t.image_grids) for t in trajs],
+            sample_ids=[t.sample_id for t in trajs],
+            rollout_logp=None if first.rollout_logp is None else pad("rollout_logp", 0.0),
+            rollout_logp_factors=None
+            if first.rollout_logp_factors is None
+            else pad("rollout_logp_factors", 0.0),
+            finish_reasons=[t.finish_reason for t in trajs],
+            length_semantics=[t.length_semantics for t in trajs],
+            pad_id=pad_id,
+        )
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        """T, the padded length."""
+        return int(self.token_ids.shape[1])
+
+    @property
+    def is_bits(self) -> bool:
+        """True for BSQ codes ([B, T, L])."""
+        return self.visual_codes.dim() == 3
+
+    @property
+    def n_factors(self) -> int:
+        """L for BSQ codes, 1 for VQ."""
+        return int(self.visual_codes.shape[2]) if self.is_bits else 1
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """bool [B, T]: owner == POLICY on real positions (the scored positions)."""
+        return (self.owner == Owner.POLICY) & self.attention_mask
+
+    @property
+    def visual_mask(self) -> torch.Tensor:
+        """bool [B, T]: modality == VISUAL on real positions."""
+        return (self.modality == Modality.VISUAL) & self.attention_mask
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """long [B, T]: 0..len-1 on real positions, 0 on padding."""
+        T = self.max_length
+        ar = torch.arange(T, device=self.token_ids.device).expand(len(self), T)
+        return ar * self.attention_mask
+
+    def n_scored(self) -> int:
+        """Number of scored (policy) positions in the batch."""
+        return int(self.policy_mask.sum())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TrajectoryBatch:
+        """A copy with every tensor on `device`."""
+        return replace(self, **_moved(self, device, non_blocking))
+
+    def __getitem__(self, index: slice | Sequence[int] | torch.Tensor) -> TrajectoryBatch:
+        """Rows selected by a slice, a list of ints, or a long (or bool [B]) tensor.
+
+        The result is trimmed to its longest row (trailing all-padding columns dropped).
+        A plain int is rejected: use `batch[i : i + 1]` or `unbatch()[i]`.
+        """
+        rows = self._rows(index)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.token_ids.device)
+        T = int(self.lengths[idx].max()) if rows else 0
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "lengths":
+                out[f.name] = v[idx]
+            elif isinstance(v, torch.Tensor):
+                out[f.name] = v[idx, :T]
+            elif isinstance(v, list):
+                out[f.name] = [v[r] for r in rows]
+            else:
+                out[f.name] = v
+        return TrajectoryBatch(**out)
+
+    def _rows(self, index: slice | Sequence[int] | torch.Tensor) -> list[int]:
+        B = len(self)
+        if isinstance(index, slice):
+            index = list(range(B))[index]
+        elif isinstance(index, int):
+            raise TypeError(
+                "TrajectoryBatch index must be a slice, list of ints or tensor; "
+                "use batch[i : i + 1] for one row or unbatch() for trajectories"
+            )
+        elif isinstance(index, torch.Tensor):
+            if index.dtype == torch.bool:
+                if index.shape != (B,):
+                    raise IndexError(f"bool index must have shape ({B},), got {tuple(index.shape)}")
+                index = index.nonzero().flatten()
+            elif index.dtype != torch.long or index.dim() != 1:
+                raise TypeError(f"tensor index must be 1-D long or bool, got {_describe(index)}")
+            index = index.tolist()
+        rows = []
+        for r in index:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise TypeError(f"row index must be an int, got {r!r}")
+            if not -B <= r < B:
+                raise IndexError(f"row {r} out of range for a batch of {B}")
+            rows.append(r % B)
+        if not rows:
+            raise IndexError("an index selecting no rows gives an empty batch")
+        return rows
+
+    def micro_batches(self, size: int) -> list[TrajectoryBatch]:
+        """Consecutive chunks of `size` rows (the last may be smaller), each trimmed."""
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"micro-batch size must be a positive int, got {size!r}")
+        return [self[s : s + size] for s in range(0, len(self), size)]
+
+    def unbatch(self) -> list[Trajectory]:
+        """The trajectories this batch was collated from (exact inverse of `collate`)."""
+        out = []
+        for i, n in enumerate(self.lengths.tolist()):
+            out.append(
+                Trajectory(
+                    token_ids=self.token_ids[i, :n].clone(),
+                    modality=self.modality[i, :n].clone(),
+                    owner=self.owner[i, :n].clone(),
+                    visual_codes=self.visual_codes[i, :n].clone(),
+                    image_grids=list(self.image_grids[i]),
+                    sample_id=self.sample_ids[i],
+                    rollout_logp=None
+                    if self.rollout_logp is None
+                    else self.rollout_logp[i, :n].clone(),
+                    rollout_logp_factors=None
+                    if self.rollout_logp_factors is None
+                    else self.rollout_logp_factors[i, :n].clone(),
+                    finish_reason=self.finish_reasons[i],
+                    length_semantics=self.length_semantics[i],
+                )
+            )
+        return out
+
+    def validate(self) -> TrajectoryBatch:
+        """Check the batch's shapes and padding agree; ValueError naming the field."""
+        B, T = len(self), self.max_length
+        for name in ("token_ids", "modality", "owner", "attention_mask"):
+            if tuple(getattr(self, name).shape) != (B, T):
+                _fail(name, f"expected shape ({B}, {T}), got {tuple(getattr(self, name).shape)}")
+        if self.attention_mask.dtype != torch.bool:
+            _fail("attention_mask", f"expected bool, got {self.attention_mask.dtype}")
+        if self.lengths.shape != (B,) or self.lengths.dtype != torch.long:
+            _fail("lengths", f"expected long [{B}], got {_describe(self.lengths)}")
+        expected_mask = torch.arange(T, device=self.lengths.device) < self.lengths[:, None]
+        if not torch.equal(self.attention_mask, expected_mask):
+            _fail("attention_mask", "must be the right-padded prefix mask of `lengths`")
+        if tuple(self.visual_codes.shape[:2]) != (B, T) or self.visual_codes.dim() not in (2, 3):
+            _fail(
+                "visual_codes",
+                f"expected [{B}, {T}] or [{B}, {T}, L], got {_describe(self.visual_codes)}",
+            )
+        if self.rollout_logp is not None and tuple(self.rollout_logp.shape) != (B, T):
+            _fail("rollout_logp", f"expected shape ({B}, {T}), got {_describe(self.rollout_logp)}")
+        if self.rollout_logp_factors is not None and (
+            self.rollout_logp_factors.shape != self.visual_codes.shape or not self.is_bits
+        ):
+            _fail(
+                "rollout_logp_factors",
+                f"expected the BSQ codes' shape, got {_describe(self.rollout_logp_factors)}",
+            )
+        for name in ("image_grids", "sample_ids", "finish_reasons", "length_semantics"):
+            if len(getattr(self, name)) != B:
+                _fail(name, f"expected {B} entries, got {len(getattr(self, name))}")
+        return self
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)}"
+    return type(t).__name__
+
+
+def _moved(obj: Any, device: torch.device | str, non_blocking: bool = False) -> dict[str, Any]:
+    return {
+        f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
+        for f in fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor)
+    }

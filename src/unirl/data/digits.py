@@ -1,0 +1,221 @@
+"""The four embedded digits tasks, built on the real 8x8 scans of `digits_images`.
+
+Every task draws its images from one split only (`load_split`), so no image crosses
+splits. Sample `i` of (task, split, seed) is a pure function of those four values: its
+image is entry `i` of a stream of permutations of the split's images (seeded by
+(seed, task, split)), and its other random choices come from a generator seeded by
+(seed, task, split, i). A longer request therefore extends a shorter one unchanged, and
+ids are stable: f"{task}-{split}-{i:05d}".
+
+Tasks (parts are user prompt parts followed by assistant target parts):
+
+- `t2i`: "draw the digit 7" -> ImagePart (the real image). answer "7".
+- `i2t_mc`: ImagePart + "Which digit is shown? A) 3 B) 7 C) 1 D) 9. Answer with the letter
+  only." -> "B". Options: the true digit and three distinct distractors, shuffled.
+- `jigsaw_mc`: the image cut into four 4x4 quadrants numbered 0 top left, 1 top right,
+  2 bottom left, 3 bottom right, shown with its quadrants permuted. The shown image's
+  quadrant at position p is the original's quadrant `permutation[p]` (the shown image
+  always differs from the original).
+  Each option "A) 2 0 3 1" lists, for positions 0 1 2 3, which quadrant of the shown image
+  to put there; the correct option is `solution`, the inverse of `permutation`, because
+  `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. The three
+  distractors are distinct permutations that do not restore the image. -> the letter.
+- `draw_then_answer`: "What is 3 + 4? Draw the answer, then state it." -> "The answer is
+  drawn below." + ImagePart (a real image of 7 from the same split) + "7". Problems are
+  sums and differences of single digits whose result is a single digit 0-9.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from unirl.core.sample import ImagePart, Sample, TextPart
+from unirl.data.digits_images import SPLITS, DigitImages, Split, load_split
+
+TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
+LETTERS = "ABCD"
+QUADRANT = 4
+
+T2I_PROMPT = "draw the digit {digit}"
+I2T_PROMPT = "Which digit is shown? {options}. Answer with the letter only."
+JIGSAW_PROMPT = (
+    "This image is cut into four quadrants numbered 0 top left, 1 top right, "
+    "2 bottom left, 3 bottom right, and the quadrants are shuffled. Each option lists, "
+    "for positions 0 1 2 3, which quadrant of the shown image to put there. Which option "
+    "restores the digit? {options}. Answer with the letter only."
+)
+MATH_PROMPT = "What is {a} {op} {b}? Draw the answer, then state it."
+MATH_RESPONSE = "The answer is drawn below."
+
+_PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
+
+
+def math_problems(result: int) -> list[tuple[int, str, int]]:
+    """All (a, op, b) with single digits a, b, op in {+, -} and a op b == result (0-9)."""
+    sums = [(a, "+", result - a) for a in range(result + 1)]
+    diffs = [(result + b, "-", b) for b in range(10 - result)]
+    return sums + diffs
+
+
+def permute_quadrants(image: np.ndarray, perm: Sequence[int]) -> np.ndarray:
+    """out's quadrant at position p = image's quadrant perm[p] (positions row-major 0..3)."""
+    q = QUADRANT
+    if image.shape[:2] != (2 * q, 2 * q):
+        raise ValueError(f"permute_quadrants expects an 8x8 image, got {image.shape}")
+    if sorted(perm) != [0, 1, 2, 3]:
+        raise ValueError(f"perm must be a permutation of 0..3, got {list(perm)}")
+    blocks = [
+        image[(k // 2) * q : (k // 2 + 1) * q, (k % 2) * q : (k % 2 + 1) * q] for k in range(4)
+    ]
+    out = np.empty_like(image)
+    for p, src in enumerate(perm):
+        out[(p // 2) * q : (p // 2 + 1) * q, (p % 2) * q : (p % 2 + 1) * q] = blocks[src]
+    return out
+
+
+def inverse_permutation(perm: Sequence[int]) -> tuple[int, ...]:
+    """inv with inv[perm[p]] = p."""
+    inv = [0] * len(perm)
+    for p, v in enumerate(perm):
+        inv[v] = p
+    return tuple(inv)
+
+
+def format_options(options: Sequence[object]) -> str:
+    """ "A) x B) y C) z D) w"; a sequence option is written space-separated."""
+    texts = [" ".join(map(str, o)) if isinstance(o, (tuple, list)) else str(o) for o in options]
+    return " ".join(f"{LETTERS[k]}) {t}" for k, t in enumerate(texts))
+
+
+def _stable_code(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def _image_stream(n_images: int, seed: int, task: str, split: Split) -> Iterator[int]:
+    rng = np.random.default_rng([seed, _stable_code(task), SPLITS.index(split)])
+    while True:
+        yield from rng.permutation(n_images).tolist()
+
+
+def _t2i(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+    parts = [
+        TextPart(T2I_PROMPT.format(digit=digit), "user"),
+        ImagePart(pixels=image, role="assistant"),
+    ]
+    return parts, str(digit), {}
+
+
+def _i2t_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+    others = [d for d in range(10) if d != digit]
+    options = [digit] + [int(d) for d in rng.choice(others, size=3, replace=False)]
+    options = [options[k] for k in rng.permutation(4)]
+    letter = LETTERS[options.index(digit)]
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_PROMPT.format(options=format_options(options)), "user"),
+        TextPart(letter, "assistant"),
+    ]
+    return parts, letter, {"options": options}
+
+
+def _jigsaw_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+    scrambles = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(image, p), image)]
+    permutation = scrambles[int(rng.integers(len(scrambles)))]
+    shown = permute_quadrants(image, permutation)
+    solution = inverse_permutation(permutation)
+    others = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(shown, p), image)]
+    options = [solution] + [others[k] for k in rng.choice(len(others), size=3, replace=False)]
+    options = [options[k] for k in rng.permutation(4)]
+    letter = LETTERS[options.index(solution)]
+    parts = [
+        ImagePart(pixels=shown, role="user"),
+        TextPart(JIGSAW_PROMPT.format(options=format_options(options)), "user"),
+        TextPart(letter, "assistant"),
+    ]
+    meta = {
+        "permutation": list(permutation),
+        "solution": list(solution),
+        "options": [list(o) for o in options],
+    }
+    return parts, letter, meta
+
+
+def _draw_then_answer(
+    rng: np.random.Generator, image: np.ndarray, digit: int
+) -> tuple[list, str, dict]:
+    problems = math_problems(digit)
+    a, op, b = problems[int(rng.integers(len(problems)))]
+    parts = [
+        TextPart(MATH_PROMPT.format(a=a, op=op, b=b), "user"),
+        TextPart(MATH_RESPONSE, "assistant"),
+        ImagePart(pixels=image, role="assistant"),
+        TextPart(str(digit), "assistant"),
+    ]
+    return parts, str(digit), {"problem": f"{a} {op} {b}"}
+
+
+_BUILDERS = {
+    "t2i": _t2i,
+    "i2t_mc": _i2t_mc,
+    "jigsaw_mc": _jigsaw_mc,
+    "draw_then_answer": _draw_then_answer,
+}
+
+
+def _check_args(task: str, split: str, n: int, seed: int) -> None:
+    if task not in _BUILDERS:
+        raise ValueError(f"unknown digits task {task!r}; expected one of {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown digits split {split!r}; expected one of {', '.join(SPLITS)}")
+    for name, v in (("n", n), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+
+
+def make_task_samples(task: str, split: Split, n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples of `task` on `split` (deterministic in (task, split, seed, index)).
+
+    meta holds "digit" (the label of the image used), "image_index" (its row in
+    scikit-learn's dataset) and the task's own fields: i2t_mc "options" (digits in
+    option order); jigsaw_mc "permutation", "solution", "options" (see the module
+    docstring); draw_then_answer "problem" (e.g. "3 + 4").
+    """
+    _check_args(task, split, n, seed)
+    data: DigitImages = load_split(split)
+    stream = _image_stream(len(data), seed, task, split)
+    samples = []
+    for i in range(n):
+        k = next(stream)
+        digit = int(data.labels[k])
+        rng = np.random.default_rng([seed, _stable_code(task), SPLITS.index(split), i])
+        parts, answer, extra = _BUILDERS[task](rng, data.images[k].copy(), digit)
+        meta = {"digit": digit, "image_index": int(data.indices[k]), **extra}
+        samples.append(
+            Sample(id=f"{task}-{split}-{i:05d}", parts=parts, answer=answer, task=task, meta=meta)
+        )
+    return samples
+
+
+def make_mixed(tasks: Sequence[str], split: Split, n_per_task: int, seed: int = 0) -> list[Sample]:
+    """`n_per_task` samples of each task, shuffled together deterministically by `seed`."""
+    if len(tasks) == 0 or len(set(tasks)) != len(tasks):
+        raise ValueError(f"tasks must be a non-empty list without repeats, got {list(tasks)}")
+    samples = [s for t in tasks for s in make_task_samples(t, split, n_per_task, seed)]
+    order = np.random.default_rng([seed, _stable_code("mixed"), SPLITS.index(split)])
+    return [samples[k] for k in order.permutation(len(samples))]
+
+
+def vocabulary_texts() -> list[str]:
+    """Every text the tasks can produce, up to the digits and letters filled in."""
+    texts = [T2I_PROMPT.format(digit=d) for d in range(10)]
+    texts.append(I2T_PROMPT.format(options=format_options([0, 1, 2, 3])))
+    texts.append(JIGSAW_PROMPT.format(options=format_options(_PERMUTATIONS[:4])))
+    for d in range(10):
+        texts += [MATH_PROMPT.format(a=a, op=op, b=b) for a, op, b in math_problems(d)]
+    texts.append(MATH_RESPONSE)
+    texts += list(LETTERS) + [str(d) for d in range(10)]
+    return texts

@@ -1,0 +1,146 @@
+"""Export digits tasks as a JSONL + PNG dataset that `unirl.data.loader` reads back.
+
+`export_task("t2i", "train", 100, "DIR")` writes
+
+    DIR/t2i-train.jsonl          one row per sample (loader format, with answer/task/meta)
+    DIR/images/<id>-<k>.png      image k of sample <id>, 8-bit grayscale
+
+Pixels are stored as round(255 * p), so reading back (value / 255) is exact to 0.5/255.
+The export is atomic: everything is written (and fsynced) into a temporary sibling
+directory which is then renamed to DIR, so a failure leaves DIR as it was. DIR must not
+exist or be empty, unless `overwrite` replaces it.
+
+CLI (`unirl data export`): `add_arguments(parser)` + `run(args) -> int`; `main(argv)`
+runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from unirl.core.sample import ImagePart, Sample, TextPart
+from unirl.data.digits import TASKS, make_task_samples
+from unirl.data.digits_images import SPLITS, Split
+
+IMAGE_DIR = "images"
+
+
+def _file_stem(sample_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", sample_id)
+
+
+def _write_png(path: Path, pixels: np.ndarray) -> None:
+    if pixels.ndim != 2:
+        raise ValueError(f"only grayscale [H, W] images can be exported, got {pixels.shape}")
+    levels = np.round(np.clip(pixels, 0.0, 1.0) * 255.0).astype(np.uint8)
+    with open(path, "wb") as f:
+        Image.fromarray(levels).save(f, format="PNG")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sample_to_row(sample: Sample, root: Path) -> dict:
+    """The loader row of `sample`; its images are written under root/images/."""
+    messages: list[dict] = []
+    n_images = 0
+    for k, part in enumerate(sample.parts):
+        if not messages or messages[-1]["role"] != part.role:
+            messages.append({"role": part.role, "content": []})
+        if isinstance(part, TextPart):
+            messages[-1]["content"].append({"type": "text", "text": part.text})
+        elif isinstance(part, ImagePart) and part.pixels is not None:
+            rel = f"{IMAGE_DIR}/{_file_stem(sample.id)}-{n_images}.png"
+            _write_png(root / rel, part.pixels)
+            messages[-1]["content"].append({"type": "image", "path": rel})
+            n_images += 1
+        else:
+            raise ValueError(
+                f"sample {sample.id!r} parts[{k}]: only text and images with pixels export"
+            )
+    row: dict = {"id": sample.id, "messages": messages}
+    for key in ("answer", "task"):
+        if getattr(sample, key) is not None:
+            row[key] = getattr(sample, key)
+    if sample.meta:
+        row["meta"] = sample.meta
+    return row
+
+
+def export_samples(
+    samples: Sequence[Sample], out_dir: str | Path, name: str, overwrite: bool = False
+) -> Path:
+    """Write `samples` as out_dir/<name>.jsonl + out_dir/images/ atomically; the JSONL path."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty; choose a new directory or overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / IMAGE_DIR).mkdir()
+        lines = [json.dumps(sample_to_row(s, tmp), ensure_ascii=False) for s in samples]
+        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        if out.is_dir() and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out / f"{name}.jsonl"
+
+
+def export_task(
+    task: str, split: Split, n: int, out_dir: str | Path, seed: int = 0, overwrite: bool = False
+) -> Path:
+    """Export `make_task_samples(task, split, n, seed)` to out_dir/<task>-<split>.jsonl."""
+    samples = make_task_samples(task, split, n, seed)
+    return export_samples(samples, out_dir, f"{task}-{split}", overwrite=overwrite)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `unirl data export`."""
+    parser.add_argument("--task", required=True, choices=TASKS, help="digits task to export")
+    parser.add_argument("--split", required=True, choices=SPLITS, help="image split")
+    parser.add_argument("--n", type=int, default=100, help="number of samples (default 100)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (new/empty)")
+    parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty output directory"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the export; 0 on success, 2 with one line on stderr on bad input."""
+    try:
+        path = export_task(args.task, args.split, args.n, args.out, args.seed, args.overwrite)
+    except (ValueError, OSError) as err:
+        print(f"unirl data export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.n} {args.task} samples ({args.split}) to {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`unirl data export ...` as a standalone entry point."""
+    parser = argparse.ArgumentParser(prog="unirl data export", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

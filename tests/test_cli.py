@@ -1,0 +1,218 @@
+"""The `unirl` command line, mostly through real subprocesses of the installed entry point."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unirl import cli
+from unirl.config import config_hash, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "recipes" / "examples"
+SCRIPT = Path(sys.executable).with_name("unirl")
+ENTRY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "unirl"]
+
+
+def run_cli(args: list[str], cwd: Path, entry: list[str] = ENTRY) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*entry, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+# (name, files {relative path: text}, argv after "inspect", fragments the message must contain)
+# Each run also gets `run.output_dir=<tmp>/out/run`, which must not exist afterwards.
+BAD_CONFIGS = [
+    (
+        "unknown_top_level",
+        {"c.yaml": "runn: {name: x}\n"},
+        ["c.yaml"],
+        ["c.yaml: runn: unknown key", "did you mean 'run'?"],
+    ),
+    (
+        "unknown_section_key",
+        {"c.yaml": "trainer: {total_update: 5}\n"},
+        ["c.yaml"],
+        ["c.yaml: trainer.total_update: unknown key", "did you mean 'trainer.total_updates'?"],
+    ),
+    (
+        "unknown_nested_key",
+        {"c.yaml": "algorithm:\n  name: grpo\n  kl: {type: k3, kind: k2}\n"},
+        ["c.yaml"],
+        ["c.yaml: algorithm.kl.kind: unknown key", "expected a key of algorithm.kl: type, coef"],
+    ),
+    (
+        "wrong_type",
+        {"c.yaml": "trainer: {total_updates: lots}\n"},
+        ["c.yaml"],
+        ["c.yaml: trainer.total_updates: invalid value 'lots'", "expected int (> 0)"],
+    ),
+    (
+        "bad_enum",
+        {"c.yaml": "trainer: {precision: fp16}\n"},
+        ["c.yaml"],
+        ["c.yaml: trainer.precision: invalid value 'fp16'", "expected one of 'fp32', 'bf16'"],
+    ),
+    (
+        "typo_suggestion",
+        {"c.yaml": "trainer:\n  optimizer:\n    lerning_rate: 1.0e-4\n"},
+        ["c.yaml"],
+        [
+            "c.yaml: trainer.optimizer.lerning_rate: unknown key",
+            "did you mean 'trainer.optimizer.lr'?",
+        ],
+    ),
+    (
+        "bad_override_syntax",
+        {"c.yaml": ""},
+        ["c.yaml", "trainer.optimizer.lr"],
+        [
+            "<command line>: bad override 'trainer.optimizer.lr': no '='",
+            "expected dotted.key=value",
+        ],
+    ),
+    (
+        "override_unknown_key",
+        {"c.yaml": ""},
+        ["c.yaml", "rollout.temprature=0.5"],
+        ["<command line>: rollout.temprature: unknown key", "did you mean 'rollout.temperature'?"],
+    ),
+    ("missing_file", {}, ["nope.yaml"], ["nope.yaml: file not found"]),
+    (
+        "yaml_syntax_error",
+        {"c.yaml": "run:\n  name: x\n  seed: [1, 2\n"},
+        ["c.yaml"],
+        ["c.yaml:4:1: YAML syntax error"],
+    ),
+    (
+        "incompatible_rollout_logp_with_ppo_epochs",
+        {
+            "c.yaml": "algorithm: {name: grpo, old_logp_source: rollout, updates_per_batch: 2}\n"
+            "reward: {plugins: [{name: mc_exact}]}\n"
+        },
+        ["c.yaml"],
+        ["c.yaml: algorithm.old_logp_source: 'rollout' requires updates_per_batch=1 (got 2)"],
+    ),
+    (
+        "negative_batch_size",
+        {"c.yaml": "trainer: {global_batch_size: -8}\n"},
+        ["c.yaml"],
+        ["c.yaml: trainer.global_batch_size: invalid value -8", "greater than 0"],
+    ),
+    (
+        "inheritance_loop",
+        {"a.yaml": "defaults: b.yaml\n", "b.yaml": "defaults: [a.yaml]\n"},
+        ["a.yaml"],
+        ["b.yaml: defaults: inheritance loop: a.yaml -> b.yaml -> a.yaml"],
+    ),
+    (
+        "bad_algorithm_name",
+        {"c.yaml": "algorithm: {name: ppo}\n"},
+        ["c.yaml"],
+        ["c.yaml: algorithm.name: unknown name 'ppo'", "expected one of 'sft', 'grpo', 'opd'"],
+    ),
+    (
+        "error_in_base_file_names_the_base",
+        {"base.yaml": "trainer: {micro_batch_size: 0}\n", "c.yaml": "defaults: base.yaml\n"},
+        ["c.yaml"],
+        ["base.yaml: trainer.micro_batch_size: invalid value 0"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("files", "argv", "fragments"), [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS]
+)
+def test_bad_config_exits_2_with_one_line_and_creates_nothing(tmp_path, files, argv, fragments):
+    out = tmp_path / "out" / "run"
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    before = sorted(tmp_path.rglob("*"))
+    proc = run_cli(["inspect", *argv, f"run.output_dir={out}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unirl: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not (tmp_path / "runs").exists()
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = run_cli(["--debug", "inspect", "nope.yaml"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and proc.stderr.strip().endswith("nope.yaml: file not found")
+    assert cli.main(["inspect", "nope.yaml", "--debug"]) == 2  # also after the subcommand
+
+
+def test_inspect_prints_yaml_and_a_hash_stable_across_processes(tmp_path):
+    config = str(EXAMPLES / "grpo_tiny.yaml")
+    first = run_cli(["inspect", config, "run.name=123"], cwd=tmp_path)
+    second = run_cli(
+        ["inspect", config, "run.name=123"], cwd=tmp_path, entry=[sys.executable, "-m", "unirl.cli"]
+    )
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout
+    body, last = first.stdout.rstrip("\n").rsplit("\n", 1)
+    expected = config_hash(load_config(config, ["run.name=123"]))
+    assert last == f"hash: {expected}"
+    assert "name: '123'" in body and "name: grpo" in body
+    changed = run_cli(["inspect", config, "run.name=124"], cwd=tmp_path)
+    assert changed.stdout.rsplit("\n", 2)[-2] != last
+    assert list(tmp_path.iterdir()) == []  # inspect creates nothing
+
+
+@pytest.mark.parametrize("argv", [[], ["inspect"], ["train"], ["generate"], ["eval"]])
+def test_help_for_every_subcommand(argv, capsys):
+    assert cli.main([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: unirl {' '.join(argv)}".rstrip())
+    if argv:
+        assert "CONFIG" in out and "KEY=VALUE" in out and "--debug" in out
+
+
+def test_help_via_subprocess(tmp_path):
+    proc = run_cli(["train", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: unirl train")
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "eval"])
+def test_unavailable_commands_validate_then_exit_1(command, tmp_path, capsys):
+    out = tmp_path / "run"
+    config = str(EXAMPLES / "sft_tiny.yaml")
+    assert cli.main([command, config, f"run.output_dir={out}"]) == 1
+    assert capsys.readouterr().err == f"unirl {command}: not yet available\n"
+    assert cli.main([command, config, "trainer.lr=1"]) == 2  # the config is checked first
+    assert "trainer.lr: unknown key" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["frobnicate"], ["inspect"], ["inspect", "c.yaml", "--nope"], ["--nope", "eval", "c"]],
+)
+def test_usage_errors_exit_2_with_one_line(argv, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unirl: error: ") and err.count("\n") == 1
+
+
+def test_a_new_subcommand_plugs_into_the_dispatch_table(capsys):
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--times", type=int, default=1)
+
+    def boom(args: argparse.Namespace) -> int:
+        raise RuntimeError(f"exploded {args.times} time(s)\nsecond line")
+
+    commands = [*cli.COMMANDS, cli.Command("boom", "fail on purpose", configure, boom)]
+    assert cli.main(["boom", "--times", "2"], commands=commands) == 1
+    err = capsys.readouterr().err
+    assert err == "unirl: error: RuntimeError: exploded 2 time(s) second line\n"
+    assert cli.main(["--debug", "boom"], commands=commands) == 1
+    assert "Traceback" in capsys.readouterr().err
+    assert cli.main(["boom"]) == 2  # not in the default table

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import re
+from collections import Counter
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from unirl.core.sample import ImagePart, TextPart
+from unirl.data.digits import (
+    LETTERS,
+    TASKS,
+    inverse_permutation,
+    make_mixed,
+    make_task_samples,
+    math_problems,
+    permute_quadrants,
+)
+from unirl.data.digits_images import load_split, split_indices
+
+OPTION_RE = re.compile(r"([A-D])\) ([0-9 ]+?)(?= [A-D]\)|\.)")
+
+
+@lru_cache(maxsize=1)
+def _digits():
+    from sklearn.datasets import load_digits
+
+    return load_digits()
+
+
+def image_of(index: int) -> tuple[np.ndarray, int]:
+    """The real image and label at scikit-learn row `index` (independent of the tasks)."""
+    bunch = _digits()
+    return (bunch.images[index] / 16.0).astype(np.float32), int(bunch.target[index])
+
+
+def signature(s):
+    out = [s.id, s.answer, s.task, repr(s.meta)]
+    for p in s.parts:
+        out.append((type(p).__name__, p.role, getattr(p, "text", None)))
+        if isinstance(p, ImagePart):
+            out.append(p.pixels.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_ids_determinism_and_prefix_stability(task):
+    a = make_task_samples(task, "val", 12, seed=5)
+    b = make_task_samples(task, "val", 12, seed=5)
+    short = make_task_samples(task, "val", 5, seed=5)
+    assert [signature(s) for s in a] == [signature(s) for s in b]
+    assert [signature(s) for s in a[:5]] == [signature(s) for s in short]
+    assert [s.id for s in a] == [f"{task}-val-{i:05d}" for i in range(12)]
+    assert all(s.task == task and isinstance(s.answer, str) for s in a)
+    other = make_task_samples(task, "val", 12, seed=6)
+    assert [signature(s) for s in other] != [signature(s) for s in a]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_images_come_from_their_split(task):
+    test_rows = set(split_indices("test").tolist())
+    train_rows = set(split_indices("train").tolist())
+    samples = make_task_samples(task, "test", 40, seed=0)
+    for s in samples:
+        assert s.meta["image_index"] in test_rows and s.meta["image_index"] not in train_rows
+        original, label = image_of(s.meta["image_index"])
+        assert s.meta["digit"] == label
+        images = [p for p in s.parts if isinstance(p, ImagePart)]
+        assert len(images) == 1 and images[0].pixels.shape == (8, 8)
+        if task != "jigsaw_mc":
+            np.testing.assert_allclose(images[0].pixels, original, atol=1e-7)
+    # each sample uses a different image while the split lasts
+    assert len({s.meta["image_index"] for s in samples}) == len(samples)
+
+
+def test_image_stream_cycles_through_the_whole_split():
+    n = len(load_split("val"))
+    samples = make_task_samples("t2i", "val", n + 3, seed=0)
+    assert len({s.meta["image_index"] for s in samples[:n]}) == n
+
+
+def test_t2i():
+    for s in make_task_samples("t2i", "train", 20, seed=1):
+        prompt, target = s.parts
+        assert isinstance(prompt, TextPart) and prompt.role == "user"
+        assert prompt.text == f"draw the digit {s.meta['digit']}"
+        assert isinstance(target, ImagePart) and target.role == "assistant"
+        assert s.answer == str(s.meta["digit"])
+
+
+def test_i2t_mc():
+    samples = make_task_samples("i2t_mc", "train", 60, seed=2)
+    letters = Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        assert image.role == question.role == "user" and answer.role == "assistant"
+        assert question.text.startswith("Which digit is shown? A) ")
+        assert question.text.endswith(". Answer with the letter only.")
+        options = {k: int(v) for k, v in OPTION_RE.findall(question.text)}
+        assert list(options) == list(LETTERS)
+        assert list(options.values()) == s.meta["options"]
+        assert len(set(options.values())) == 4
+        assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
+        letters[s.answer] += 1
+    assert set(letters) == set(LETTERS)  # the true option is shuffled
+
+
+def test_permute_quadrants_against_explicit_blocks():
+    image = np.zeros((8, 8), dtype=np.float32)
+    for q, (r, c) in enumerate([(0, 0), (0, 4), (4, 0), (4, 4)]):
+        image[r : r + 4, c : c + 4] = q
+    out = permute_quadrants(image, (2, 0, 3, 1))
+    assert out[0, 0] == 2 and out[0, 4] == 0 and out[4, 0] == 3 and out[4, 4] == 1
+    assert inverse_permutation((2, 0, 3, 1)) == (1, 3, 0, 2)
+    np.testing.assert_array_equal(permute_quadrants(out, (1, 3, 0, 2)), image)
+    with pytest.raises(ValueError):
+        permute_quadrants(image, (0, 0, 1, 2))
+
+
+def test_jigsaw_mc():
+    samples = make_task_samples("jigsaw_mc", "val", 40, seed=3)
+    letters = Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        original, _ = image_of(s.meta["image_index"])
+        perm, solution = s.meta["permutation"], s.meta["solution"]
+        assert perm != [0, 1, 2, 3]
+        np.testing.assert_allclose(image.pixels, permute_quadrants(original, perm), atol=1e-7)
+        options = {k: [int(x) for x in v.split()] for k, v in OPTION_RE.findall(question.text)}
+        assert list(options) == list(LETTERS)
+        assert list(options.values()) == s.meta["options"]
+        assert len({tuple(o) for o in options.values()}) == 4
+        restoring = [
+            k
+            for k, o in options.items()
+            if np.allclose(permute_quadrants(image.pixels, o), original, atol=1e-7)
+        ]
+        assert restoring == [s.answer] and options[s.answer] == solution
+        assert answer.text == s.answer and answer.role == "assistant"
+        letters[s.answer] += 1
+    assert set(letters) == set(LETTERS)
+
+
+def test_draw_then_answer():
+    ops = Counter()
+    for s in make_task_samples("draw_then_answer", "train", 60, seed=4):
+        question, lead, image, final = s.parts
+        m = re.fullmatch(
+            r"What is (\d) ([+-]) (\d)\? Draw the answer, then state it\.", question.text
+        )
+        assert m is not None and question.role == "user"
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        result = a + b if op == "+" else a - b
+        assert 0 <= result <= 9 and str(result) == s.answer == final.text
+        assert s.meta["digit"] == result and s.meta["problem"] == f"{a} {op} {b}"
+        assert [lead.role, image.role, final.role] == ["assistant"] * 3
+        assert isinstance(lead, TextPart) and isinstance(image, ImagePart)
+        ops[op] += 1
+    assert set(ops) == {"+", "-"}
+
+
+def test_math_problems_cover_every_single_digit_result():
+    for r in range(10):
+        problems = math_problems(r)
+        assert len(problems) == len(set(problems)) == 11
+        for a, op, b in problems:
+            assert 0 <= a <= 9 and 0 <= b <= 9
+            assert (a + b if op == "+" else a - b) == r
+
+
+def test_make_mixed():
+    mixed = make_mixed(list(TASKS), "test", 6, seed=7)
+    assert Counter(s.task for s in mixed) == {t: 6 for t in TASKS}
+    assert len({s.id for s in mixed}) == len(mixed)
+    assert [signature(s) for s in mixed] == [
+        signature(s) for s in make_mixed(list(TASKS), "test", 6, seed=7)
+    ]
+    assert [s.task for s in mixed] != sorted(s.task for s in mixed)  # interleaved
+    by_id = {s.id: s for s in make_task_samples("i2t_mc", "test", 6, seed=7)}
+    for s in mixed:
+        if s.task == "i2t_mc":
+            assert signature(s) == signature(by_id[s.id])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown digits task 'nope'"):
+        make_task_samples("nope", "train", 1)
+    with pytest.raises(ValueError, match="unknown digits split"):
+        make_task_samples("t2i", "dev", 1)
+    with pytest.raises(ValueError, match="seed"):
+        make_task_samples("t2i", "train", 1, seed=-1)
+    with pytest.raises(ValueError, match="repeats"):
+        make_mixed(["t2i", "t2i"], "train", 1)
