@@ -66,6 +66,33 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_train(args: argparse.Namespace) -> int:
+    """Validate the config (before anything is created), then train / resume the run."""
+    cfg = load_args_config(args)
+    from unirl.train.run import run_train as train
+
+    run_dir = train(cfg)
+    print(f"{PROG} train: done; run directory {run_dir}", file=sys.stderr)
+    return 0
+
+
+def configure_data(parser: argparse.ArgumentParser) -> None:
+    """`unirl data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
+    from unirl.data import export
+
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    child = sub.add_parser(
+        "export", help="write a digits task as JSONL + PNG files", description=export.__doc__
+    )
+    export.add_arguments(child)
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from unirl.data import export
+
+    return export.run(args)
+
+
 def not_yet_available(name: str) -> Callable[[argparse.Namespace], int]:
     """A subcommand body for a command a later release provides (validates the config)."""
 
@@ -88,7 +115,7 @@ COMMANDS: list[Command] = [
         "train",
         "train a model (SFT, GRPO or OPD)",
         add_config_arguments,
-        not_yet_available("train"),
+        run_train,
     ),
     Command(
         "generate",
@@ -97,6 +124,7 @@ COMMANDS: list[Command] = [
         not_yet_available("generate"),
     ),
     Command("eval", "evaluate a model", add_config_arguments, not_yet_available("eval")),
+    Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
 ]
 
 

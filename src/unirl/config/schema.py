@@ -67,8 +67,8 @@ class CodecConfig(StrictModel):
         None, description="Directory of a fitted codec; null = fit one on the digits train split."
     )
     patch_size: int = Field(2, gt=0, description="Pixels per side of one visual position.")
-    codebook_size: int = Field(64, ge=2, description="VQ codebook entries.")
-    bits: int = Field(8, gt=0, description="BSQ bits L per patch.")
+    codebook_size: int = Field(32, ge=2, description="VQ codebook entries.")
+    bits: int = Field(16, gt=0, description="BSQ bits L per patch.")
     group: int = Field(
         1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
     )
@@ -119,6 +119,9 @@ class DataConfig(StrictModel):
     )
     path: str | None = Field(
         None, description="JSONL/parquet file or directory of rows; null = built-in digits tasks."
+    )
+    train_size: int = Field(
+        0, ge=0, description="Training samples per task (0 = one per train-split image)."
     )
     val_size: int = Field(64, ge=0, description="Validation samples per evaluation (0 = none).")
     test_size: int = Field(64, ge=0, description="Test samples for final evaluation (0 = none).")

@@ -1,0 +1,175 @@
+"""Replay peak memory and time vs a naive full-logits forward (vocabulary 102,400).
+
+Both score the same batch of text trajectories (`--batch` rows of 512 positions, the
+last `--response` of them policy-owned) with the same tiny model, whose tokenizer has
+Janus-Pro's 102,400 ids. Naive: head on every position, [B, T, V] logits, log-softmax,
+gather the targets at the policy positions (what `model(...).logits` leads to). unirl:
+`unirl.replay.replay_logprobs` (heads only at policy positions, 128 at a time). The two
+results are checked to agree.
+
+Peak memory method: Linux's resident-set high-water mark. Before each call the script
+resets it (`echo 5 > /proc/self/clear_refs`) and reads VmRSS; after the call it reads
+VmHWM from /proc/self/status; peak = VmHWM - VmRSS(before). Large tensors are mmap'd and
+returned to the OS on free, so the measurements in one process are independent; unirl's
+replay is measured before and after the naive forward and the larger value is kept.
+Time: median of `--repeats` calls. `--grad` also measures forward + backward of the
+summed log-probs (training-time scoring; replay checkpoints each chunk).
+
+    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import re
+import statistics
+import string
+import time
+from collections.abc import Callable
+
+import torch
+
+from unirl.codecs import build_codec
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
+from unirl.core.types import Owner
+from unirl.data.digits_images import load_split
+from unirl.data.tokenizer import build_tokenizer, build_vocab
+from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.replay import replay_logprobs
+from unirl.rollout import SamplingParams, SamplingRecord
+from unirl.train.forward import body_hidden
+
+VOCAB = 102_400
+SEQ = 512
+
+
+def janus_sized_tokenizer():
+    """The embedded tokenizer grown to VOCAB ids with extra four-letter words."""
+    vocab = set(build_vocab())
+    words = ("".join(p) for p in itertools.product(string.ascii_lowercase, repeat=4))
+    extra = list(itertools.islice((w for w in words if w not in vocab), VOCAB - len(vocab)))
+    tokenizer = build_tokenizer([" ".join(extra)])
+    assert len(tokenizer) == VOCAB, len(tokenizer)
+    return tokenizer
+
+
+def build(batch: int, response: int) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
+    tokenizer = janus_sized_tokenizer()
+    codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=3)
+    codec.fit(load_split("train").images[:100])
+    torch.manual_seed(0)
+    config = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, max_positions=SEQ)
+    model = TinyUnifiedModel(config, tokenizer, codec).eval()
+    trajs = []
+    for _ in range(batch):
+        owner = torch.full((SEQ,), int(Owner.PROMPT))
+        owner[SEQ - response :] = int(Owner.POLICY)
+        trajs.append(
+            Trajectory(
+                token_ids=torch.randint(16, VOCAB, (SEQ,)),
+                modality=torch.zeros(SEQ, dtype=torch.long),
+                owner=owner,
+                visual_codes=torch.full((SEQ,), -1),
+                image_grids=[],
+            )
+        )
+    return model, TrajectoryBatch.collate(trajs, tokenizer.pad_token_id)
+
+
+def naive_logprobs(model: TinyUnifiedModel, batch: TrajectoryBatch) -> torch.Tensor:
+    """Full-sequence logits [B, T, V] -> log-softmax -> targets at the policy positions."""
+    hidden = body_hidden(model, batch)
+    logp_all = torch.log_softmax(model.text_logits(hidden[:, :-1]).float(), dim=-1)
+    target = logp_all.gather(-1, batch.token_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(target, (1, 0)) * batch.policy_mask
+
+
+def _status() -> dict[str, int]:
+    text = open("/proc/self/status").read()
+    return {
+        k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")
+    }
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Resident-memory high-water mark of fn() above the resident size before it."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status()["VmRSS"]
+    result = fn()
+    peak = _status()["VmHWM"]
+    del result
+    gc.collect()
+    return peak - before
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def report(name: str, fns: dict[str, Callable[[], object]], repeats: int) -> None:
+    mem = {"replay": peak_bytes(fns["replay"]), "naive": peak_bytes(fns["naive"])}
+    mem["replay"] = max(mem["replay"], peak_bytes(fns["replay"]))
+    sec = {k: median_seconds(fn, repeats) for k, fn in fns.items()}
+    print(f"\n[{name}]")
+    for k in ("naive", "replay"):
+        print(f"  {k:7s} peak {mem[k] / 2**20:8.1f} MiB   time {sec[k] * 1e3:8.1f} ms")
+    print(f"  ratio replay / naive peak memory: {mem['replay'] / mem['naive']:.3f}x")
+    print(f"  ratio replay / naive time:        {sec['replay'] / sec['naive']:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--response", type=int, default=384)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grad", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, batch = build(args.batch, args.response)
+    records = [SamplingRecord(SamplingParams())] * len(batch)
+    logits_mib = len(batch) * (SEQ - 1) * VOCAB * 4 / 2**20
+    print(
+        f"vocab {VOCAB}, batch {len(batch)} x {SEQ} positions, {batch.n_scored()} scored, "
+        f"chunk {args.chunk_size}; one fp32 [B, T, V] logits tensor = {logits_mib:.0f} MiB"
+    )
+
+    def replay() -> torch.Tensor:
+        return replay_logprobs(model, batch, records, chunk_size=args.chunk_size).logp
+
+    with torch.no_grad():
+        diff = (replay() - naive_logprobs(model, batch)).abs().max().item()
+        print(f"max |replay - naive| log-prob: {diff:.2e}")
+        report(
+            "no grad (old log-probs)",
+            {"replay": replay, "naive": lambda: naive_logprobs(model, batch)},
+            args.repeats,
+        )
+    if args.grad:
+
+        def backward(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+            def run() -> None:
+                model.zero_grad(set_to_none=True)
+                fn().sum().backward()
+
+            return run
+
+        report(
+            "forward + backward (new log-probs)",
+            {"replay": backward(replay), "naive": backward(lambda: naive_logprobs(model, batch))},
+            args.repeats,
+        )
+
+
+if __name__ == "__main__":
+    main()

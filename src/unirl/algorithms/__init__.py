@@ -1,0 +1,1 @@
+"""Losses as pure functions of log-probs, targets, advantages and references."""

@@ -1,0 +1,113 @@
+"""Supervised fine-tuning objective on interleaved trajectories (pure functions).
+
+Per scored position t (policy-owned targets):
+- text:        ℓ_t = −log softmax(z_t)[y_t]
+- visual, VQ:  ℓ_t = −log softmax(z_t)[c_t]
+- visual, BSQ: ℓ_t = −Σ_f [b_f log σ(z_f) + (1 − b_f) log σ(−z_f)]   (sum over the L bits)
+
+    L = (Σ_text ℓ_t + λ_visual · Σ_visual ℓ_t) / N
+
+where N is the number of scored positions (text + visual) in the *global* batch — all
+micro-batches and ranks — so every position weighs the same however the batch is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+
+def text_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy [N] of categorical `logits` [N, V] at `targets` [N]."""
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def bit_ce(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Per-position bit cross-entropy [N], summed over the L Bernoulli factors."""
+    return F.binary_cross_entropy_with_logits(logits.float(), bits.float(), reduction="none").sum(
+        -1
+    )
+
+
+def visual_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """VQ categorical CE when `targets` are indices [N], BSQ bit CE when they are bits [N, L]."""
+    return bit_ce(logits, targets) if targets.dim() == 2 else text_ce(logits, targets)
+
+
+@dataclass
+class SFTTerms:
+    """Summed (not averaged) loss terms of one micro-batch and their position counts."""
+
+    text_sum: torch.Tensor
+    visual_sum: torch.Tensor
+    n_text: int
+    n_visual: int
+
+
+def sft_terms(
+    text_logits: torch.Tensor,
+    text_targets: torch.Tensor,
+    visual_logits: torch.Tensor,
+    visual_targets: torch.Tensor,
+) -> SFTTerms:
+    """Sums of per-position text and visual cross-entropies for one micro-batch."""
+    return SFTTerms(
+        text_sum=text_ce(text_logits, text_targets).sum(),
+        visual_sum=visual_ce(visual_logits, visual_targets).sum(),
+        n_text=int(text_targets.shape[0]),
+        n_visual=int(visual_targets.shape[0]),
+    )
+
+
+def sft_loss(terms: SFTTerms, lambda_visual: float, n_global: int) -> torch.Tensor:
+    """(Σ text CE + λ_visual · Σ visual CE) / N_global (see module docstring)."""
+    if n_global <= 0:
+        raise ValueError("sft_loss: the global batch has no scored positions")
+    return (terms.text_sum + lambda_visual * terms.visual_sum) / n_global
+
+
+def bitflip(
+    codes: torch.Tensor,
+    visual_mask: torch.Tensor,
+    rates: torch.Tensor,
+    n_codes: int,
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """BitFlip input noise: corrupt visual *input* codes, row b at rate `rates[b]`.
+
+    BSQ codes [B, T, L]: each bit of a visual position flips with probability rates[b].
+    VQ codes [B, T]: each visual position is replaced by a uniformly drawn code index with
+    probability rates[b] (the categorical analogue). Non-visual positions never change.
+    Row b draws only from `generators[b]` (a stateless per-trajectory seed), so the noise
+    of a trajectory does not depend on how the batch is split across micro-batches/ranks.
+    """
+    if len(generators) != codes.shape[0]:
+        raise ValueError(f"bitflip: {len(generators)} generators for {codes.shape[0]} rows")
+    row_shape = codes.shape[1:]
+    draw = torch.stack([torch.rand(row_shape, generator=g) for g in generators])
+    draw = draw.to(codes.device)
+    rate = rates.to(codes.device).view(-1, *([1] * (codes.dim() - 1)))
+    mask = visual_mask if codes.dim() == 2 else visual_mask.unsqueeze(-1)
+    flip = (draw < rate) & mask
+    if codes.dim() == 3:
+        return torch.where(flip, 1.0 - codes, codes)
+    replacement = torch.stack(
+        [torch.randint(0, n_codes, row_shape, generator=g) for g in generators]
+    ).to(codes.device)
+    return torch.where(flip, replacement, codes)
+
+
+def bitflip_rates(
+    probability: float,
+    mode: Literal["fixed", "uniform"],
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Per-trajectory flip rates: `probability` (fixed) or `u · probability`, u ~ U[0, 1]
+    drawn per trajectory from its stateless seed (uniform)."""
+    if mode == "fixed":
+        return torch.full_like(uniforms, probability)
+    return uniforms * probability

@@ -1,0 +1,146 @@
+"""The `UnifiedModel` contract (DESIGN.md §1).
+
+A unified model reads and writes one stream of positions. It exposes four hooks and
+nothing more; algorithms, rollout and replay are written against these alone:
+
+- ``embed(token_ids, modality, visual_codes) -> inputs_embeds [B, T, d]``
+- ``body(embeds, attention_mask, position_ids, cache) -> BodyOutput(hidden, cache)``
+- ``text_logits(hidden [N, d]) -> [N, V]`` and ``visual_logits(hidden [N, d]) -> [N, K | L]``,
+  applied by callers only at the positions they score (never to a full sequence).
+
+plus the image codec (``encode`` / ``decode``), the tokenizer and the chat template.
+For classifier-free guidance an adapter also builds the unconditional prompt of a
+conditional one (``unconditional_prompt``; the default blanks the user turns' content).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from unirl.core.trajectory import Trajectory
+from unirl.core.types import Modality, Owner
+
+VisualHead = Literal["vq", "bsq"]
+
+
+@dataclass
+class BodyOutput:
+    """Hidden states [B, T, d] of the decoder body and its (updated) KV cache."""
+
+    hidden: torch.Tensor
+    cache: Any = None
+
+
+class UnifiedModel(nn.Module, ABC):
+    """One decoder over text and visual positions, with a text and a visual head."""
+
+    kind: str
+    visual_head: VisualHead
+    tokenizer: Any
+    codec: Any
+
+    @abstractmethod
+    def embed(
+        self, token_ids: torch.Tensor, modality: torch.Tensor, visual_codes: torch.Tensor
+    ) -> torch.Tensor:
+        """Input embeddings [B, T, d]: text embedding at text positions, visual embedding of
+        the code (VQ index or BSQ bit vector) at visual positions."""
+
+    @abstractmethod
+    def body(
+        self,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any = None,
+    ) -> BodyOutput:
+        """Run the decoder. `attention_mask` [B, T_past + T] covers cached and new positions."""
+
+    @abstractmethod
+    def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Text-vocabulary logits [N, V] for hidden states [N, d] at scored positions."""
+
+    @abstractmethod
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """VQ: codebook logits [N, K]; BSQ: one Bernoulli logit per bit [N, L]."""
+
+    @property
+    @abstractmethod
+    def n_visual_outputs(self) -> int:
+        """K (VQ codebook size) or L (bits per visual position)."""
+
+    @abstractmethod
+    def save_pretrained(
+        self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write weights (safetensors; `state_dict` instead of the live one if given),
+        config, tokenizer and codec to `path`."""
+
+    @abstractmethod
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the body's activations in backward instead of storing them."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for incremental decoding."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def unconditional_prompt(self, traj: Trajectory) -> Trajectory:
+        """The unconditional twin of a prompt for classifier-free guidance (same length).
+
+        Default (ChatML, DESIGN §3): every PROMPT-owned position strictly inside a user turn
+        (after ``<|im_start|>user\\n``, before its ``<|im_end|>``) becomes the pad token:
+        text modality, no visual code, and the images there are dropped from
+        ``image_grids``. The chat scaffold, other turns, the open assistant header and an
+        image-generation prefix are kept, so the guided rows share positions with the
+        conditional ones. Adapters with another convention (Janus) override this.
+        """
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        header = [im_start, *tok.encode("user\n", add_special_tokens=False)]
+        ids = traj.token_ids.tolist()
+        owner = traj.owner.tolist()
+        visual = (traj.modality == Modality.VISUAL).tolist()
+        blank = [False] * len(ids)
+        t = 0
+        while t < len(ids):
+            if ids[t : t + len(header)] != header:
+                t += 1
+                continue
+            t += len(header)
+            while t < len(ids) and ids[t] != im_end and owner[t] == Owner.PROMPT:
+                blank[t] = True
+                t += 1
+        keep_grids, image, t = [], 0, 0
+        while t < len(ids):
+            if visual[t]:
+                h, w = traj.image_grids[image]
+                if not blank[t]:
+                    keep_grids.append((h, w))
+                image, t = image + 1, t + h * w
+            else:
+                t += 1
+        mask = torch.tensor(blank, dtype=torch.bool, device=traj.token_ids.device)
+        codes = traj.visual_codes.clone()
+        codes[mask] = -1 if codes.dim() == 1 else 0
+        return replace(
+            traj,
+            token_ids=traj.token_ids.masked_fill(mask, pad),
+            modality=traj.modality.masked_fill(mask, Modality.TEXT),
+            visual_codes=codes,
+            image_grids=keep_grids,
+            rollout_logp=None,
+            rollout_logp_factors=None,
+        )

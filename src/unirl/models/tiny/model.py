@@ -1,0 +1,160 @@
+"""Tiny unified model: a transformers `LlamaModel` body with a text and a visual head.
+
+Inputs: text positions use the token embedding; visual positions use a visual embedding
+of their code — VQ: an embedding table over the codebook; BSQ: a linear map of the
+±1/√L code vector. Outputs: `text_head` (vocabulary logits) and `visual_head_proj`
+(VQ: codebook logits; BSQ: one Bernoulli logit per bit), applied only to the hidden
+states the caller passes (the positions it scores).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+
+from unirl.codecs import ImageCodec, load_codec
+from unirl.core.types import Modality
+from unirl.models.base import BodyOutput, UnifiedModel, VisualHead
+from unirl.models.registry import MODEL_CONFIG
+
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Decoder sizes of the tiny model (defaults give ~1.9 M parameters)."""
+
+    visual_head: VisualHead = "vq"
+    hidden_size: int = 192
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    max_positions: int = 512
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+
+
+class TinyUnifiedModel(UnifiedModel):
+    kind = "tiny"
+
+    def __init__(
+        self, config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec
+    ) -> None:
+        super().__init__()
+        if config.visual_head != codec.kind:
+            raise ValueError(
+                f"model.visual_head={config.visual_head!r} needs a {config.visual_head} codec, "
+                f"got a {codec.kind} codec"
+            )
+        self.config = config
+        self.visual_head = config.visual_head
+        self.tokenizer = tokenizer
+        self.codec = codec
+        self.decoder = LlamaModel(self._llama_config(config, len(tokenizer)))
+        d = config.hidden_size
+        n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
+        self._n_visual = int(n_out)
+        if codec.kind == "vq":
+            self.visual_embed: nn.Module = nn.Embedding(self._n_visual, d)
+        else:
+            self.visual_embed = nn.Linear(self._n_visual, d, bias=False)
+        self.text_head = nn.Linear(d, len(tokenizer), bias=False)
+        self.visual_head_proj = nn.Linear(d, self._n_visual, bias=False)
+        for module in (self.visual_embed, self.text_head, self.visual_head_proj):
+            nn.init.normal_(module.weight, std=config.initializer_range)
+
+    @staticmethod
+    def _llama_config(config: TinyModelConfig, vocab_size: int) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_heads,
+            max_position_embeddings=config.max_positions,
+            rope_theta=config.rope_theta,
+            initializer_range=config.initializer_range,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+
+    @property
+    def n_visual_outputs(self) -> int:
+        return self._n_visual
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_positions
+
+    def embed(
+        self, token_ids: torch.Tensor, modality: torch.Tensor, visual_codes: torch.Tensor
+    ) -> torch.Tensor:
+        text = self.decoder.embed_tokens(token_ids)
+        is_visual = modality == Modality.VISUAL
+        if self.visual_head == "vq":
+            visual = self.visual_embed(visual_codes.clamp(min=0))
+        else:
+            vectors = (2.0 * visual_codes.to(text.dtype) - 1.0) / self._n_visual**0.5
+            visual = self.visual_embed(vectors)
+        return torch.where(is_visual.unsqueeze(-1), visual.to(text.dtype), text)
+
+    def body(
+        self,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any = None,
+    ) -> BodyOutput:
+        out = self.decoder(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+        )
+        return BodyOutput(hidden=out.last_hidden_state, cache=out.cache)
+
+    def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.text_head(hidden)
+
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.visual_head_proj(hidden)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.decoder.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+
+    def save_pretrained(
+        self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": self.kind, "config": asdict(self.config)}
+        (path / MODEL_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        source = self.state_dict() if state_dict is None else state_dict
+        state = {k: v.detach().contiguous().cpu() for k, v in source.items()}
+        save_file(state, str(path / WEIGHTS))
+        self.tokenizer.save_pretrained(str(path / "tokenizer"))
+        self.codec.save_pretrained(path / "codec")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> TinyUnifiedModel:
+        path = Path(path)
+        for name in (MODEL_CONFIG, WEIGHTS, "tokenizer", "codec"):
+            if not (path / name).exists():
+                raise FileNotFoundError(f"{path}: incomplete model directory (missing {name})")
+        meta = json.loads((path / MODEL_CONFIG).read_text())
+        config = TinyModelConfig(**meta["config"])
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
+        model = cls(config, tokenizer, load_codec(path / "codec"))
+        model.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)
+        return model

@@ -1,0 +1,29 @@
+"""Rollout: batched, KV-cached sampling of interleaved trajectories (DESIGN §3)."""
+
+from unirl.rollout.engine import RolloutEngine, context_length
+from unirl.rollout.params import POLICY_FIELDS, SamplingParams, check_same_policy
+from unirl.rollout.request import (
+    RolloutRequest,
+    RolloutTrajectory,
+    SamplingRecord,
+    prompt_length_of,
+    sampling_records,
+)
+from unirl.rollout.state import RowState
+from unirl.rollout.stopping import has_cycle, image_header
+
+__all__ = [
+    "POLICY_FIELDS",
+    "RolloutEngine",
+    "RolloutRequest",
+    "RolloutTrajectory",
+    "RowState",
+    "SamplingParams",
+    "SamplingRecord",
+    "check_same_policy",
+    "context_length",
+    "has_cycle",
+    "image_header",
+    "prompt_length_of",
+    "sampling_records",
+]

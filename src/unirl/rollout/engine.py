@@ -1,0 +1,313 @@
+"""The rollout engine: one batched, KV-cached decode loop over a `UnifiedModel` (DESIGN §3).
+
+Prompts (and the unconditional prompts of guided requests, one twin row per
+conditional row) are left-padded and prefilled in one forward; then every step feeds
+each live row the position it appended last and appends one more: a sampled text token,
+a sampled visual code, or the controller's `<|vision_end|>` (`RowState`). Rows with
+equal sampling parameters share one distribution object per step; each row draws only
+from its own generator (seeded by its request's seed), so a trajectory does not depend
+on the batch it was sampled in, its size or its order.
+
+Finished rows stop costing compute: by default (`finished="compact"`) their rows are
+removed from the KV cache and the batch as soon as they finish; `finished="mask"` keeps
+them in the batch (fed padding, outputs ignored), as transformers' `generate` does, for
+caches that cannot drop rows. `bench/rollout.py` measures both: on the 2-core dev CPU,
+with rows of varied lengths, compaction was 1.4x (32 rows) to 1.6x (64 rows) faster.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from unirl.core.sample import GenerationRequest, Sample
+from unirl.core.trajectory import Trajectory
+from unirl.core.types import Modality, Owner
+from unirl.data.template import image_generation_prefix, parse_image_header, serialize
+from unirl.data.tokenizer import SpecialIds
+from unirl.models.base import UnifiedModel
+from unirl.rollout.guidance import unconditional_prompt
+from unirl.rollout.policy import text_distribution, visual_distribution
+from unirl.rollout.request import RolloutRequest, RolloutTrajectory
+from unirl.rollout.state import RowState
+
+Finished = Literal["compact", "mask"]
+
+
+def context_length(model: UnifiedModel) -> int | None:
+    """The model's native context length: `model.max_positions`, else
+    `model.config.max_position_embeddings`; None when the model declares neither."""
+    value = getattr(model, "max_positions", None)
+    if value is None:
+        value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return None if value is None else int(value)
+
+
+class RolloutEngine:
+    """Batched sampler over a `UnifiedModel`: `generate(requests) -> trajectories`.
+
+    `max_positions` overrides the model's context length (`context_length`).
+    """
+
+    def __init__(
+        self,
+        model: UnifiedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_positions: int | None = None,
+        finished: Finished = "compact",
+    ) -> None:
+        if finished not in ("compact", "mask"):
+            raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        self.special = SpecialIds.from_tokenizer(self.tokenizer)
+        self.max_positions = max_positions if max_positions is not None else context_length(model)
+        self.finished = finished
+        self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
+
+    # ---- prompts -------------------------------------------------------------------
+    def prompt_trajectory(self, request: RolloutRequest) -> tuple[Trajectory, tuple | None]:
+        """The prompt positions of `request` and its forced image grid (or None)."""
+        grid = request.image_grid
+        if isinstance(request.prompt, Sample):
+            sample = request.prompt
+            first = next((k for k, p in enumerate(sample.parts) if p.role == "assistant"), None)
+            parts = list(sample.parts if first is None else sample.parts[:first])
+            asked = None if first is None else sample.parts[first]
+            if isinstance(asked, GenerationRequest):
+                if grid is not None and grid != (asked.height, asked.width):
+                    raise ValueError(
+                        f"request {request.id!r}: image_grid {grid} contradicts the sample's "
+                        f"GenerationRequest {(asked.height, asked.width)}"
+                    )
+                grid = (asked.height, asked.width)
+            if grid is not None:
+                parts.append(GenerationRequest(*grid))
+            prompt_sample = Sample(id=request.id, parts=parts)
+            traj = serialize(
+                prompt_sample,
+                self.tokenizer,
+                encode_image=self.model.codec.encode,
+                add_generation_prompt=True,
+                bits=self.bits,
+            )
+        else:
+            traj = request.prompt.validate()
+            if (traj.owner != Owner.PROMPT).any():
+                raise ValueError(f"request {request.id!r}: a prompt trajectory must be all PROMPT")
+            if grid is not None:
+                traj = _append_prompt(traj, image_generation_prefix(*grid, self.tokenizer))
+            elif int(traj.token_ids[-1]) == self.special.vision_start:
+                grid = parse_image_header(traj.token_ids[:-1].tolist(), self.tokenizer)
+                if grid is None:
+                    raise ValueError(
+                        f"request {request.id!r}: the prompt ends with <|vision_start|> "
+                        "without a valid 'generate image H W' header"
+                    )
+        self._check_request(request, traj, grid)
+        return traj, grid
+
+    def _check_request(self, request: RolloutRequest, prompt: Trajectory, grid: tuple | None):
+        p, where = request.params, f"request {request.id!r}"
+        if grid is not None and not p.grid_allowed(*grid):
+            raise ValueError(
+                f"{where}: forced image grid {grid} outside [{p.min_grid_side}, "
+                f"{p.max_grid_side}] per side"
+            )
+        if p.length_semantics == "exact":
+            if grid is None:
+                raise ValueError(f"{where}: length_semantics 'exact' needs a forced image grid")
+            if p.max_new_tokens != grid[0] * grid[1]:
+                raise ValueError(
+                    f"{where}: length_semantics 'exact' needs max_new_tokens == H*W = "
+                    f"{grid[0] * grid[1]}, got {p.max_new_tokens}"
+                )
+        need = len(prompt) + (grid[0] * grid[1] + 1 if p.length_semantics == "exact" else 1)
+        if self.max_positions is not None and need > self.max_positions:
+            raise ValueError(
+                f"{where}: needs {need} positions (prompt {len(prompt)}), more than the "
+                f"context length {self.max_positions}"
+            )
+
+    # ---- decoding ------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutTrajectory]:
+        """Sample every request; returns one trajectory per request, in request order."""
+        if len(requests) == 0:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(list(requests))
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, requests: list[RolloutRequest]) -> list[RolloutTrajectory]:
+        device = self.model.device
+        states, prompts, twins = [], [], []
+        for k, req in enumerate(requests):
+            prompt, grid = self.prompt_trajectory(req)
+            extra = 0
+            if req.params.guided:
+                twin = unconditional_prompt(self.model, prompt)
+                twins.append((k, twin))
+                extra = max(0, len(twin) - len(prompt))
+            limit = None if self.max_positions is None else self.max_positions - extra
+            states.append(RowState(prompt, req.params, self.tokenizer, limit, grid, self.special))
+            prompts.append(prompt)
+        gens = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
+        # Batch rows: conditional row of each request, then the unconditional twins.
+        rows = [(k, False) for k in range(len(requests))] + [(k, True) for k, _ in twins]
+        batch = _Batch.prefill(self.model, prompts + [t for _, t in twins], self.special.pad)
+        while True:
+            self._act(states, gens, rows, batch.hidden)
+            live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
+            if not live:
+                break
+            if self.finished == "compact" and len(live) < len(rows):
+                batch.select(live)
+                rows = [rows[b] for b in live]
+            batch.step(self.model, self._inputs(states, rows))
+        return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
+
+    def _act(self, states: list[RowState], gens, rows, hidden: torch.Tensor) -> None:
+        """Append one position to every live row, sampling in groups of equal params."""
+        cond, uncond = {}, {}
+        for b, (k, is_twin) in enumerate(rows):
+            (uncond if is_twin else cond)[k] = b
+        text, visual = defaultdict(list), defaultdict(list)
+        for k in cond:
+            s = states[k]
+            if s.done:
+                continue
+            action = s.action
+            if action == "text":
+                text[(s.params.text_key(), s.params.greedy)].append(k)
+            elif action == "visual":
+                visual[(s.params.visual_key(), s.params.greedy)].append(k)
+            else:
+                s.push_controller()
+        model = self.model
+        for ks in text.values():
+            params = states[ks[0]].params
+            dist = text_distribution(model.text_logits(hidden[[cond[k] for k in ks]]), params)
+            tokens = dist.mode() if params.greedy else dist.sample([gens[k] for k in ks])
+            logp = dist.log_prob(tokens)
+            for k, t, lp in zip(ks, tokens.tolist(), logp.tolist()):
+                states[k].push_text(t, lp)
+        for ks in visual.values():
+            params = states[ks[0]].params
+            idx = [cond[k] for k in ks] + ([uncond[k] for k in ks] if params.guided else [])
+            logits = model.visual_logits(hidden[idx])
+            c, u = (logits[: len(ks)], logits[len(ks) :]) if params.guided else (logits, None)
+            dist = visual_distribution(model.visual_head, c, u, params)
+            codes = dist.mode() if params.greedy else dist.sample([gens[k] for k in ks])
+            if model.visual_head == "bsq":
+                factors = dist.log_prob_factors(codes)
+                for j, k in enumerate(ks):
+                    states[k].push_visual(codes[j].cpu(), float(factors[j].sum()), factors[j].cpu())
+            else:
+                logp = dist.log_prob(codes)
+                for k, code, lp in zip(ks, codes.tolist(), logp.tolist()):
+                    states[k].push_visual(code, lp)
+
+    def _inputs(self, states: list[RowState], rows) -> tuple[list[int], list[int], list]:
+        """Next input (token, modality, code) of each batch row; padding for finished rows."""
+        ids, modality, codes = [], [], []
+        for k, _ in rows:
+            s = states[k]
+            if s.done:
+                ids.append(self.special.pad)
+                modality.append(Modality.TEXT)
+                codes.append(None)
+            else:
+                t, m, c = s.last_input()
+                ids.append(t)
+                modality.append(m)
+                codes.append(c)
+        return ids, modality, codes
+
+
+class _Batch:
+    """Device-side state of the decode loop: KV cache, attention mask, next positions and
+    the last hidden state of every batch row."""
+
+    def __init__(
+        self,
+        cache: Any,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        hidden: torch.Tensor,
+        bits: int | None,
+    ) -> None:
+        self.cache, self.mask, self.pos, self.hidden = cache, mask, pos, hidden
+        self.bits = bits
+
+    @classmethod
+    def prefill(cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int) -> _Batch:
+        """Left-pad `prompts` and run them through the body in one forward."""
+        device = model.device
+        lengths = torch.tensor([len(p) for p in prompts])
+        P = int(lengths.max())
+        first = prompts[0].visual_codes
+        code_pad = 0.0 if first.dim() == 2 else -1
+        ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+        modality = torch.full((len(prompts), P), int(Modality.TEXT), dtype=torch.long)
+        codes = torch.full((len(prompts), P, *first.shape[1:]), code_pad, dtype=first.dtype)
+        for r, p in enumerate(prompts):
+            ids[r, P - len(p) :] = p.token_ids
+            modality[r, P - len(p) :] = p.modality
+            codes[r, P - len(p) :] = p.visual_codes
+        offset = P - lengths
+        mask = torch.arange(P)[None] >= offset[:, None]
+        pos = (torch.arange(P)[None] - offset[:, None]).clamp(min=0)
+        ids, modality, codes = ids.to(device), modality.to(device), codes.to(device)
+        mask, pos = mask.to(device), pos.to(device)
+        out = model.body(model.embed(ids, modality, codes), mask, pos, model.new_cache())
+        bits = int(first.shape[1]) if first.dim() == 2 else None
+        return cls(out.cache, mask, lengths.to(device), out.hidden[:, -1], bits)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch `rows` (in this order), in the cache too."""
+        idx = torch.tensor(rows, device=self.mask.device)
+        if not hasattr(self.cache, "batch_select_indices"):
+            raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
+        self.cache.batch_select_indices(idx)
+        self.mask, self.pos, self.hidden = self.mask[idx], self.pos[idx], self.hidden[idx]
+
+    def step(self, model: UnifiedModel, inputs: tuple[list, list, list]) -> None:
+        """Feed one position per row; updates cache, mask, positions and hidden."""
+        ids, modality, codes = inputs
+        device = self.mask.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
+        mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
+        if self.bits is None:
+            codes_t = torch.tensor([-1 if c is None else c for c in codes], device=device)
+        else:
+            zero = torch.zeros(self.bits)
+            codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
+        codes_t = codes_t[:, None]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(ids), 1)], dim=1)
+        embeds = model.embed(ids_t, mod_t, codes_t)
+        out = model.body(embeds, self.mask, self.pos[:, None], self.cache)
+        self.cache, self.hidden = out.cache, out.hidden[:, -1]
+        self.pos = self.pos + 1
+
+
+def _append_prompt(traj: Trajectory, ids: list[int]) -> Trajectory:
+    """`traj` followed by text positions `ids` owned by the prompt."""
+    n = len(ids)
+    codes = traj.visual_codes
+    pad = torch.zeros(n, *codes.shape[1:], dtype=codes.dtype) if codes.dim() == 2 else None
+    return Trajectory(
+        token_ids=torch.cat([traj.token_ids, torch.tensor(ids, dtype=torch.long)]),
+        modality=torch.cat([traj.modality, torch.full((n,), int(Modality.TEXT))]),
+        owner=torch.cat([traj.owner, torch.full((n,), int(Owner.PROMPT))]),
+        visual_codes=torch.cat([codes, pad if pad is not None else torch.full((n,), -1)]),
+        image_grids=list(traj.image_grids),
+        sample_id=traj.sample_id,
+    ).validate()

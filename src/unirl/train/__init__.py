@@ -1,0 +1,1 @@
+"""The trainer loop and what it shares across methods: forward, checkpoints, logging."""

@@ -1,0 +1,153 @@
+"""`unirl train`: turn a validated config into a run directory, a trainer and a report.
+
+Layout of a run directory::
+
+    config.yaml          the resolved config (as `unirl inspect` prints it)
+    config_hash          its SHA-256
+    codec/               the fitted image codec (reused on resume)
+    checkpoints/         atomic checkpoints (update-NNNNNN)
+    metrics.jsonl        one line per update; tensorboard/ event files
+    model/               the final model (save_pretrained; LoRA merged)
+    eval.json, report.md, curves.png
+
+Re-running the same command on the same directory resumes from the latest intact
+checkpoint (see `unirl.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from unirl.config import UnirlConfig, config_hash, resume_conflicts, to_yaml
+from unirl.config.algorithms import SFTConfig
+from unirl.data.digits import make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.data.loader import load_dataset
+from unirl.data.template import serialize
+from unirl.data.tokenizer import SpecialIds
+from unirl.models.base import UnifiedModel
+from unirl.train.build import (
+    adapter_state,
+    apply_lora,
+    build_model,
+    merged_state_dict,
+    resolve_device,
+)
+from unirl.train.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.metrics import plot_metrics
+from unirl.train.sft import DatasetSource, SFTObjective
+from unirl.train.trainer import Trainer, TrainerSettings
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
+    """Create the run directory and record the resolved config and its hash (rank 0)."""
+    run_dir = Path(cfg.run.output_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        _write_atomic(run_dir / "config_hash", config_hash(cfg) + "\n")
+    barrier(info)
+    return run_dir
+
+
+def trainer_settings(cfg: UnirlConfig) -> TrainerSettings:
+    t, c = cfg.trainer, cfg.checkpoint
+    return TrainerSettings(
+        total_updates=t.total_updates,
+        lr=t.optimizer.lr,
+        betas=tuple(t.optimizer.betas),
+        weight_decay=t.optimizer.weight_decay,
+        eps=t.optimizer.eps,
+        scheduler=t.scheduler.name,
+        warmup_updates=t.scheduler.warmup_steps,
+        min_lr_ratio=t.scheduler.min_lr_ratio,
+        micro_batch_size=t.micro_batch_size,
+        micro_batch_tokens=t.micro_token_budget or 0,
+        grad_clip=t.grad_clip or 0.0,
+        precision=t.precision,
+        checkpoint_every=c.every_updates,
+        checkpoint_minutes=c.every_minutes,
+        keep_last=c.keep_last,
+        progress=cfg.logging.progress_bar,
+        tensorboard=cfg.logging.tensorboard,
+        config_hash=config_hash(cfg),
+        config_dump=cfg.model_dump(mode="json"),
+        resume_check=lambda saved: resume_conflicts(saved, cfg),
+    )
+
+
+def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
+    """Serialised SFT rows: `data.path` (JSONL/parquet) or the built-in digits tasks."""
+    if cfg.data.path:
+        samples = load_dataset(cfg.data.path)
+    else:
+        samples = [
+            s
+            for task in cfg.data.tasks
+            for s in make_task_samples(task, split, n_per_task, seed=cfg.data.seed)
+        ]
+    encode = model.codec.encode
+    return [serialize(s, model.tokenizer, encode_image=encode) for s in samples]
+
+
+def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> UnifiedModel:
+    model = build_model(cfg, codec_dir=run_dir / "codec")
+    if cfg.trainer.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if cfg.trainer.lora.enabled:
+        apply_lora(model, cfg)
+    return model.to(device).train()
+
+
+def run_train(cfg: UnirlConfig) -> Path:
+    """Train as the config says; return the run directory."""
+    if not isinstance(cfg.algorithm, SFTConfig):
+        raise NotImplementedError(
+            f"unirl train: algorithm {cfg.algorithm.name} is not available yet"
+        )
+    device = resolve_device(cfg.run.device)
+    info = init_distributed(str(device))
+    try:
+        run_dir = prepare_run_dir(cfg, info)
+        model = _prepare_model(cfg, run_dir, device)
+        n_train = cfg.data.train_size or len(load_split("train"))
+        trajs = sft_trajectories(cfg, model, "train", n_train)
+        source = DatasetSource(
+            trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle
+        )
+        objective = SFTObjective(cfg.algorithm, cfg.run.seed)
+        trainer = Trainer(
+            model,
+            source,
+            objective,
+            trainer_settings(cfg),
+            run_dir,
+            info,
+            SpecialIds.from_tokenizer(model.tokenizer).pad,
+            trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
+        )
+        for _update, _metrics in trainer.fit():
+            pass
+        if info.is_main:
+            finish_run(cfg, model, run_dir)
+        barrier(info)
+        return run_dir
+    finally:
+        shutdown_distributed()
+
+
+def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
+    """Export the final model and plot the curves (rank 0)."""
+    model.save_pretrained(run_dir / "model", state_dict=merged_state_dict(model))
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    (run_dir / "DONE").write_text(json.dumps({"updates": cfg.trainer.total_updates}) + "\n")

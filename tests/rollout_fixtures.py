@@ -1,0 +1,98 @@
+"""Shared builders for the rollout and replay tests (not collected: no test_ prefix).
+
+Codecs are fitted once per process on a small train subset; models are tiny
+(hidden 64, 2 layers). `scripted_model` performs weight surgery on a real tiny model so
+that its greedy text output follows a bigram script (attention and MLP outputs zeroed,
+so the last hidden state is the normalised embedding of the current token, and the text
+head maps each scripted token to its successor).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from unirl.codecs import build_codec
+from unirl.core.sample import Sample, TextPart
+from unirl.core.seeding import seed_for
+from unirl.data.digits import make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.data.tokenizer import build_tokenizer
+from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.rollout import RolloutRequest, SamplingParams
+
+TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
+
+
+@cache
+def tokenizer():
+    return build_tokenizer()
+
+
+@cache
+def codec(kind: str):
+    images = load_split("train").images[:200]
+    if kind == "vq":
+        return build_codec("vq", codebook_size=16, n_init=1, max_iter=5).fit(images)
+    return build_codec("bsq", latent_dim=4, entropy_group=4, hidden=16, epochs=1).fit(images)
+
+
+def tiny_model(kind: str, init: float = 0.1, seed: int = 0, max_positions: int = 512):
+    torch.manual_seed(seed)
+    config = TinyModelConfig(
+        visual_head=kind,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        max_positions=max_positions,
+        initializer_range=init,
+    )
+    return TinyUnifiedModel(config, tokenizer(), codec(kind)).eval()
+
+
+def mixed_samples(n_per_task: int = 2, seed: int = 1) -> list[Sample]:
+    """Samples of all four digits tasks, interleaved by task."""
+    per_task = [make_task_samples(t, "val", n_per_task, seed=seed) for t in TASKS]
+    return [s for group in zip(*per_task) for s in group]
+
+
+def mixed_requests(
+    samples: list[Sample],
+    text: SamplingParams,
+    image: SamplingParams,
+    grid: tuple[int, int] = (4, 4),
+) -> list[RolloutRequest]:
+    """t2i samples become forced-image requests with `image`; the others use `text`."""
+    out = []
+    for k, s in enumerate(samples):
+        seed = seed_for(7, 0, k, 0)
+        if s.task == "t2i":
+            out.append(RolloutRequest(s, seed, image, image_grid=grid))
+        else:
+            out.append(RolloutRequest(s, seed, text))
+    return out
+
+
+def token_id(text: str) -> int:
+    return int(tokenizer().convert_tokens_to_ids(text))
+
+
+def scripted_model(kind: str, script: list[tuple[str, str]], alpha: float = 60.0):
+    """A tiny model whose greedy next text token after token a is b for (a, b) in script."""
+    model = tiny_model(kind, init=0.02, seed=3)
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.text_head.weight.zero_()
+        for a, b in script:
+            e = model.decoder.embed_tokens.weight[token_id(a)]
+            h = e / e.pow(2).mean().add(model.decoder.config.rms_norm_eps).sqrt()
+            model.text_head.weight[token_id(b)] += alpha * h / h.pow(2).sum()
+    return model
+
+
+def text_sample(text: str = "draw the digit 3", sample_id: str = "scripted") -> Sample:
+    return Sample(id=sample_id, parts=[TextPart(text, "user")])

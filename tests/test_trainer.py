@@ -1,0 +1,202 @@
+"""Trainer: exact resume after SIGKILL, objective invariance to the batch split, DDP (gloo)
+equivalence, LoRA, corrupt checkpoints, refused resumes and non-finite losses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import (
+    assert_same_state,
+    checkpoint_tensors,
+    fit_small_codec,
+    run_cli,
+    tiny_config,
+    write_config,
+)
+
+from unirl.config import validate_config
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.data.tokenizer import SpecialIds
+from unirl.train.build import adapter_state, apply_lora, build_model
+from unirl.train.checkpoint import latest_checkpoint
+from unirl.train.distributed import DistInfo
+from unirl.train.forward import forward_interleaved
+from unirl.train.run import sft_trajectories, trainer_settings
+from unirl.train.sft import DatasetSource, SFTObjective
+from unirl.train.trainer import Trainer, TrainingError
+
+
+@pytest.fixture(scope="module")
+def codec_dir(tmp_path_factory):
+    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+
+
+def _updates(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["update"] for line in lines]
+
+
+def _train(cfg_path: Path, env: dict | None = None):
+    return run_cli(["train", str(cfg_path)], env_extra=env)
+
+
+def test_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir):
+    ref_dir = tmp_path / "ref"
+    ref = _train(write_config(tmp_path / "ref.yaml", tiny_config(ref_dir, codec_dir)))
+    assert ref.returncode == 0, ref.stderr
+    rng = random.Random(7)
+    kill_points = [f"after_update:{rng.randint(1, 7)}", f"checkpoint_write:{rng.choice([4, 6])}"]
+    final_ref = checkpoint_tensors(ref_dir / "checkpoints" / "update-000008")
+    for n, fault in enumerate(kill_points):
+        run_dir = tmp_path / f"killed{n}"
+        cfg = write_config(tmp_path / f"k{n}.yaml", tiny_config(run_dir, codec_dir))
+        killed = _train(cfg, {"UNIRL_FAULT": fault})
+        assert killed.returncode == -9, (fault, killed.returncode, killed.stderr)
+        if fault.startswith("checkpoint_write"):
+            assert any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
+        resumed = _train(cfg)
+        assert resumed.returncode == 0, resumed.stderr
+        final = checkpoint_tensors(run_dir / "checkpoints" / "update-000008")
+        assert_same_state(final_ref[0], final[0], f"{fault} model")
+        assert_same_state(final_ref[1], final[1], f"{fault} optimizer")
+        assert _updates(run_dir) == list(range(1, 9)), fault
+        ref_model = load_file(str(ref_dir / "model" / "model.safetensors"))
+        assert_same_state(ref_model, load_file(str(run_dir / "model" / "model.safetensors")))
+
+
+def _trainer(cfg, run_dir: Path, model=None) -> Trainer:
+    model = model or build_model(cfg)
+    trajs = sft_trajectories(cfg, model, "train", cfg.data.train_size)
+    source = DatasetSource(trajs, cfg.trainer.global_batch_size, cfg.data.seed)
+    pad = SpecialIds.from_tokenizer(model.tokenizer).pad
+    return Trainer(
+        model,
+        source,
+        SFTObjective(cfg.algorithm, cfg.run.seed),
+        trainer_settings(cfg),
+        run_dir,
+        DistInfo(),
+        pad,
+    )
+
+
+def test_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
+    base = validate_config(tiny_config(tmp_path / "r", codec_dir))
+    model = build_model(base)
+    grads = {}
+    for micro in (8, 4, 2):
+        cfg = validate_config(
+            tiny_config(tmp_path / "r", codec_dir, trainer={"micro_batch_size": micro})
+        )
+        trainer = _trainer(cfg, tmp_path / f"r{micro}", copy.deepcopy(model))
+        trainer.update = 3
+        trainer.accumulate()
+        grads[micro] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    for micro in (4, 2):
+        for name, g in grads[8].items():
+            assert (g - grads[micro][name]).abs().max() <= 1e-6, (micro, name)
+    assert any(g.abs().sum() > 0 for g in grads[8].values())
+
+
+def test_two_process_gloo_run_matches_one_process(tmp_path, codec_dir):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    results = {}
+    for procs in (1, 2):
+        run_dir = tmp_path / f"p{procs}"
+        cfg = tiny_config(run_dir, codec_dir, trainer={"total_updates": 3})
+        path = write_config(tmp_path / f"p{procs}.yaml", cfg)
+        launcher = [str(torchrun), f"--nproc-per-node={procs}", "-m", "unirl.cli"]
+        proc = run_cli(["train", str(path)], launcher=launcher if procs > 1 else None)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[procs] = load_file(str(run_dir / "model" / "model.safetensors"))
+    for name, value in results[1].items():
+        assert (value - results[2][name]).abs().max() <= 1e-6, name
+
+
+def test_lora_trains_only_adapters_and_reloads(tmp_path, codec_dir):
+    cfg = validate_config(
+        tiny_config(
+            tmp_path / "lora",
+            codec_dir,
+            trainer={"lora": {"enabled": True, "r": 4, "target_modules": r".*\.(q_proj|v_proj)$"}},
+        )
+    )
+    model = build_model(cfg)
+    targets = apply_lora(model, cfg)
+    assert targets and all("decoder.layers" in t for t in targets)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(cfg, tmp_path / "lora", model)
+    trainer.s.total_updates = 3
+    trainer._trainable_state = lambda: adapter_state(model)
+    for _ in trainer.fit():
+        pass
+    after = model.state_dict()
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)
+    ckpt = latest_checkpoint(tmp_path / "lora")
+    saved = ckpt.model_state()
+    assert set(saved) == {k for k in after if "lora_" in k}
+    fresh = build_model(cfg)
+    apply_lora(fresh, cfg)
+    fresh.load_state_dict(saved, strict=False)
+    batch = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+    with torch.no_grad():
+        a = forward_interleaved(model.eval(), batch).text_logits
+        b = forward_interleaved(fresh.eval(), batch).text_logits
+    assert torch.equal(a, b)
+
+
+def test_corrupt_checkpoint_is_skipped_and_resume_continues(tmp_path, codec_dir):
+    run_dir = tmp_path / "c"
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_config(run_dir, codec_dir))
+    assert _train(cfg_path, {"UNIRL_FAULT": "after_update:5"}).returncode == -9
+    newest = run_dir / "checkpoints" / "update-000004"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = latest_checkpoint(run_dir)
+    assert found.update == 2
+    assert any("update-000004" in str(w.message) and "truncated" in str(w.message) for w in caught)
+    resumed = _train(cfg_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _updates(run_dir) == list(range(1, 9))
+
+
+def test_resume_with_changed_config_names_the_keys(tmp_path, codec_dir):
+    run_dir = tmp_path / "d"
+    cfg = tiny_config(run_dir, codec_dir, trainer={"total_updates": 2})
+    assert _train(write_config(tmp_path / "d.yaml", cfg)).returncode == 0
+    cfg["trainer"]["optimizer"] = {"lr": 1e-2}
+    refused = _train(write_config(tmp_path / "d2.yaml", cfg))
+    assert refused.returncode == 1
+    assert "refusing to resume" in refused.stderr and "trainer.optimizer.lr" in refused.stderr
+    assert refused.stderr.count("\n") == 1
+
+
+def test_non_finite_loss_stops_without_a_nan_checkpoint(tmp_path, codec_dir):
+    run_dir = tmp_path / "n"
+    cfg = validate_config(tiny_config(run_dir, codec_dir, checkpoint={"every_updates": 1}))
+    trainer = _trainer(cfg, run_dir)
+    fit = trainer.fit()
+    next(fit)
+    with torch.no_grad():
+        trainer.model.text_head.weight[0, 0] = float("nan")
+    with pytest.raises(TrainingError, match="non-finite loss at update 2"):
+        next(fit)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["update-000000", "update-000001"]
+    for name in ckpts:
+        state = load_file(str(run_dir / "checkpoints" / name / "model.safetensors"))
+        assert all(torch.isfinite(v).all() for v in state.values())
+    shutil.rmtree(run_dir)

@@ -1,0 +1,85 @@
+"""Shared set-up for the trainer tests: a tiny SFT config on a pre-fitted codec."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from unirl.codecs import build_codec
+from unirl.data.digits_images import load_split
+
+TASKS = ["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
+
+
+def fit_small_codec(path: Path, kind: str = "vq") -> Path:
+    images = load_split("train").images[:300]
+    if kind == "vq":
+        codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=20)
+    else:
+        codec = build_codec("bsq", latent_dim=8, hidden=32, epochs=2)
+    codec.fit(images, seed=0).save_pretrained(path)
+    return path
+
+
+def tiny_config(run_dir: Path, codec_dir: Path, **sections) -> dict:
+    """A dict config: 2-layer width-32 model, 8 rows per task, fast checkpoints."""
+    cfg = {
+        "run": {"name": "t", "seed": 3, "output_dir": str(run_dir), "device": "cpu"},
+        "model": {
+            "kind": "tiny",
+            "visual_head": "vq",
+            "tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+            "codec": {"path": str(codec_dir), "codebook_size": 16},
+        },
+        "data": {"tasks": TASKS, "train_size": 8, "val_size": 0, "test_size": 0},
+        "trainer": {
+            "optimizer": {"lr": 3e-3},
+            "total_updates": 8,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "checkpoint": {"every_updates": 2, "keep_last": 0},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_cli(args: list[str], env_extra: dict | None = None, launcher: list[str] | None = None):
+    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = launcher or [sys.executable, "-m", "unirl.cli"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=600)
+
+
+def checkpoint_tensors(ckpt: Path) -> tuple[dict, dict]:
+    model = load_file(str(ckpt / "model.safetensors"))
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    return model, opt
+
+
+def assert_same_state(a: object, b: object, where: str = "") -> None:
+    """Bitwise equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
