@@ -140,16 +140,12 @@ class DataConfig(StrictModel):
         return self
 
 
-class CycleConfig(StrictModel):
-    """Stop a row that repeats itself."""
-
-    enabled: bool = Field(True, description="Stop rows caught in a cycle (finish_reason cycle).")
-    max_period: int = Field(4, gt=0, description="Longest repeating period detected.")
-    repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
-
-
 class RolloutConfig(StrictModel):
-    """Sampling parameters of the rollout engine (also applied in replay)."""
+    """Sampling parameters of the rollout engine (also applied in replay).
+
+    Each field maps 1:1 onto `unirl.rollout.SamplingParams` (`unirl.rollout.config`
+    builds them); `batch_size` is how many rows the engine decodes together.
+    """
 
     temperature: float = Field(1.0, gt=0.0, description="Text/VQ softmax temperature.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely ids (0 = off).")
@@ -161,23 +157,31 @@ class RolloutConfig(StrictModel):
         "guided", description="Score visual log-probs under the guided or the conditional logits."
     )
     bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
-    max_new_tokens: int = Field(64, gt=0, description="Generation budget per row.")
+    max_new_tokens: int = Field(
+        64, gt=0, description="Sampled positions per row (exact: must equal the image's H*W)."
+    )
     length_semantics: Literal["cap", "exact"] = Field(
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
     )
     batch_size: int = Field(64, gt=0, description="Rows decoded together.")
-    cycle: CycleConfig = Field(default_factory=CycleConfig, description="Cycle detector.")
-    grid_min: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
-    grid_max: int = Field(32, gt=0, description="Largest H or W accepted in an image header.")
-    on_invalid_header: Literal["invalid", "reject"] = Field(
+    cycle_max_period: int = Field(
+        4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
+    )
+    cycle_repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
+    min_grid_side: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
+    max_grid_side: int = Field(32, gt=0, description="Largest H or W accepted in an image header.")
+    on_invalid_header: Literal["invalid", "text"] = Field(
         "invalid",
-        description="Bad 'generate image H W' header: end the row as 'invalid', or raise (reject).",
+        description="Bad 'generate image H W' header: end the row 'invalid', or keep "
+        "<|vision_start|> as a text token (text).",
     )
 
     @model_validator(mode="after")
     def _grid(self) -> RolloutConfig:
-        if self.grid_min > self.grid_max:
-            raise incompatible("grid_min", f"{self.grid_min} exceeds grid_max={self.grid_max}")
+        if self.min_grid_side > self.max_grid_side:
+            raise incompatible(
+                "min_grid_side", f"{self.min_grid_side} exceeds max_grid_side={self.max_grid_side}"
+            )
         return self
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from unirl.config import UnirlConfig, config_hash, resume_conflicts, to_yaml
-from unirl.config.algorithms import SFTConfig
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
@@ -38,9 +38,11 @@ from unirl.train.build import (
     resolve_device,
 )
 from unirl.train.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
+from unirl.train.grpo import build_grpo_job
 from unirl.train.metrics import plot_metrics
 from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import Trainer, TrainerSettings
+from unirl.train.trainer import BatchSource, Objective, Trainer, TrainerSettings
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -86,6 +88,18 @@ def trainer_settings(cfg: UnirlConfig) -> TrainerSettings:
     )
 
 
+def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
+    """Rows per task: `n_per_task` each, or, with `data.task_weights`, n · w_t / mean(w)
+    (the mixture keeps its total size; a task's rows cycle through the split's images with
+    fresh random options)."""
+    weights = cfg.data.task_weights or {}
+    if not weights:
+        return {task: n_per_task for task in cfg.data.tasks}
+    w = {task: weights.get(task, 1.0) for task in cfg.data.tasks}
+    mean = sum(w.values()) / len(w)
+    return {task: max(1, round(n_per_task * w[task] / mean)) for task in cfg.data.tasks}
+
+
 def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
     """Serialised SFT rows: `data.path` (JSONL/parquet) or the built-in digits tasks."""
     if cfg.data.path:
@@ -93,8 +107,8 @@ def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_ta
     else:
         samples = [
             s
-            for task in cfg.data.tasks
-            for s in make_task_samples(task, split, n_per_task, seed=cfg.data.seed)
+            for task, n in task_sizes(cfg, n_per_task).items()
+            for s in make_task_samples(task, split, n, seed=cfg.data.seed)
         ]
     encode = model.codec.encode
     return [serialize(s, model.tokenizer, encode_image=encode) for s in samples]
@@ -109,9 +123,24 @@ def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> Uni
     return model.to(device).train()
 
 
+def build_sft_job(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
+) -> tuple[BatchSource, Objective]:
+    """SFT: the serialised training rows walked by a dataset cursor; cross-entropy loss."""
+    n_train = cfg.data.train_size or len(load_split("train"))
+    trajs = sft_trajectories(cfg, model, "train", n_train)
+    source = DatasetSource(trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle)
+    return source, SFTObjective(cfg.algorithm, cfg.run.seed)
+
+
+JobBuilder = Callable[[UnirlConfig, UnifiedModel, Path, DistInfo], tuple[BatchSource, Objective]]
+JOBS: dict[str, JobBuilder] = {"sft": build_sft_job, "grpo": build_grpo_job}
+
+
 def run_train(cfg: UnirlConfig) -> Path:
-    """Train as the config says; return the run directory."""
-    if not isinstance(cfg.algorithm, SFTConfig):
+    """Train as the config says (resuming if the run directory has a checkpoint); return
+    the run directory."""
+    if cfg.algorithm.name not in JOBS:
         raise NotImplementedError(
             f"unirl train: algorithm {cfg.algorithm.name} is not available yet"
         )
@@ -120,12 +149,7 @@ def run_train(cfg: UnirlConfig) -> Path:
     try:
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
-        n_train = cfg.data.train_size or len(load_split("train"))
-        trajs = sft_trajectories(cfg, model, "train", n_train)
-        source = DatasetSource(
-            trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle
-        )
-        objective = SFTObjective(cfg.algorithm, cfg.run.seed)
+        source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, info)
         trainer = Trainer(
             model,
             source,
@@ -135,6 +159,8 @@ def run_train(cfg: UnirlConfig) -> Path:
             info,
             SpecialIds.from_tokenizer(model.tokenizer).pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
+            evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
+            eval_every=cfg.trainer.eval_every,
         )
         for _update, _metrics in trainer.fit():
             pass
@@ -146,8 +172,33 @@ def run_train(cfg: UnirlConfig) -> Path:
         shutdown_distributed()
 
 
+def _digits_tasks(cfg: UnirlConfig) -> bool:
+    return cfg.model.kind == "tiny" and cfg.data.path is None
+
+
+def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
+    """Validation metrics (`val/<task>/<metric>`) on the digits val split, if configured."""
+    if not _digits_tasks(cfg) or cfg.data.val_size == 0:
+        return None
+    classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
+
+    def evaluate(update: int) -> dict[str, float]:
+        out = evaluate_digits(
+            model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
+        )
+        return {f"val/{k}": v for k, v in out.items()}
+
+    return evaluate
+
+
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
-    """Export the final model and plot the curves (rank 0)."""
+    """Export the final model, evaluate it on the test split, plot the curves (rank 0)."""
     model.save_pretrained(run_dir / "model", state_dict=merged_state_dict(model))
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
-    (run_dir / "DONE").write_text(json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
+    if _digits_tasks(cfg) and cfg.data.test_size > 0:
+        classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
+        results = evaluate_digits(
+            model, list(cfg.data.tasks), "test", cfg.data.test_size, classifier, cfg.data.seed
+        )
+        _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
+    _write_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")

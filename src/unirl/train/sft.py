@@ -52,6 +52,9 @@ class DatasetSource:
     def global_batch(self, update: int) -> list[Trajectory]:
         return [self.rows[i] for i in self.indices(update)]
 
+    def batch_metrics(self, update: int) -> dict[str, float]:
+        return {"epoch": update * self.batch_size / len(self.rows)}
+
 
 def _row_seed_index(sample_id: str) -> int:
     return zlib.crc32(sample_id.encode())

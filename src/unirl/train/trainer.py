@@ -44,6 +44,9 @@ class BatchSource(Protocol):
     def global_batch(self, update: int) -> list[Trajectory]:
         """The trajectories of update `update` (the same on every rank and every retry)."""
 
+    def batch_metrics(self, update: int) -> dict[str, float]:
+        """Metrics of producing update `update`'s batch (rewards, rollout speed, ...)."""
+
 
 class Objective(Protocol):
     def count(self, batch: TrajectoryBatch) -> int:
@@ -118,6 +121,8 @@ class Trainer:
         dist_info: DistInfo,
         pad_id: int,
         trainable_state: Any = None,
+        evaluator: Callable[[int], dict[str, float]] | None = None,
+        eval_every: int = 0,
     ) -> None:
         self.model = model
         self.source = source
@@ -128,6 +133,8 @@ class Trainer:
         self.pad_id = pad_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._trainable_state = trainable_state or self._full_state
+        self.evaluator = evaluator
+        self.eval_every = eval_every
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=settings.lr,
@@ -269,6 +276,7 @@ class Trainer:
         seconds = time.perf_counter() - t0
         tokens = metrics.pop("tokens")
         return {
+            **self.source.batch_metrics(self.update),
             **metrics,
             "lr": lr,
             "grad_norm": grad_norm,
@@ -308,6 +316,9 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self.step()
                 self.update += 1
+                if self.evaluator is not None and self.eval_every > 0:
+                    if self.update % self.eval_every == 0 or self.update == self.s.total_updates:
+                        metrics.update(self.evaluator(self.update))
                 if logger is not None:
                     logger.log(self.update, metrics)
                 _inject_fault("after_update", self.update)

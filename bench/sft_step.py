@@ -1,0 +1,100 @@
+"""SFT step throughput of the tiny model against this machine's measured GEMM peak.
+
+Prints tokens/s of full SFT steps (forward + backward + AdamW on a mixed digits batch)
+and the model-FLOPs utilisation: achieved model FLOP/s divided by the FLOP/s of a large
+fp32 matrix multiply measured in the same process (the baseline). Model FLOPs per step:
+6 · N_matmul · tokens (weights, forward + backward) + 12 · layers · d · Σ_rows T_row²
+(attention scores and values, forward + backward), with N_matmul the parameters of the
+decoder's linear layers plus the heads at the scored positions.
+
+    .venv/bin/python bench/sft_step.py [--steps 20] [--batch 32] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from unirl.codecs import build_codec
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.data.digits import TASKS, make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.data.template import serialize
+from unirl.data.tokenizer import SpecialIds, build_tokenizer
+from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train.forward import forward_interleaved
+
+
+def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of an fp32 n x n matrix multiply (best of `repeats`)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def model_flops(model: TinyUnifiedModel, batch: TrajectoryBatch, n_scored: int) -> float:
+    cfg = model.config
+    linear = sum(
+        m.weight.numel()
+        for name, m in model.decoder.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    tokens = int(batch.attention_mask.sum())
+    head = model.text_head.weight.numel()
+    attention = 12 * cfg.num_layers * cfg.hidden_size * float((batch.lengths.float() ** 2).sum())
+    return 6.0 * linear * tokens + 6.0 * head * n_scored + attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
+    tokenizer = build_tokenizer()
+    model = TinyUnifiedModel(TinyModelConfig(hidden_size=128), tokenizer, codec).train()
+    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
+    trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
+    batch = TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> int:
+        out = forward_interleaved(model, batch)
+        loss = torch.nn.functional.cross_entropy(out.text_logits, out.text_targets, reduction="sum")
+        loss = loss + torch.nn.functional.cross_entropy(
+            out.visual_logits, out.visual_targets, reduction="sum"
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return len(out.text_targets) + len(out.visual_targets)
+
+    for _ in range(3):
+        n_scored = step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = (time.perf_counter() - t0) / args.steps
+    peak = gemm_peak()
+    flops = model_flops(model, batch, n_scored)
+    tokens = int(batch.attention_mask.sum())
+    print(f"batch {len(batch)} rows, {tokens} tokens ({batch.max_length} padded length)")
+    print(f"step time            {seconds * 1e3:8.1f} ms")
+    print(f"tokens/s             {tokens / seconds:8.0f}")
+    print(f"model GFLOP/s        {flops / seconds / 1e9:8.2f}")
+    print(f"GEMM peak GFLOP/s    {peak / 1e9:8.2f}   (fp32 1024x1024 matmul, same process)")
+    print(f"fraction of peak     {flops / seconds / peak:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

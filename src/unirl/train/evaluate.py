@@ -1,0 +1,127 @@
+"""Held-out evaluation on the digits tasks, through the rollout engine and the rewards.
+
+Per task (prompts from one split, reference answers never seen in training):
+
+- `i2t_mc/accuracy`, `jigsaw_mc/accuracy`: greedy answer == the correct letter (strict
+  A–D verifier: anything but one valid letter is wrong);
+- `t2i/score`: mean p(asked digit | decoded image) under the digits classifier, images
+  *sampled* at temperature 1 with stateless per-prompt seeds (greedy decoding would give one
+  image per digit, whatever the prompt);
+- `draw_then_answer/exact_match`: greedy trajectory (text, image, final text) whose final
+  text equals the answer.
+
+Also reported: the fraction of rows per finish reason and of invalid-format responses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from unirl.core.sample import Sample
+from unirl.core.seeding import seed_for
+from unirl.data.digits import make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.models.base import UnifiedModel
+from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.plugins import (
+    DigitClassifierReward,
+    ExactAnswer,
+    JigsawVerifier,
+    MultipleChoiceExact,
+    build_responses,
+    parse_response,
+)
+from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+
+METRIC = {
+    "i2t_mc": "accuracy",
+    "jigsaw_mc": "accuracy",
+    "t2i": "score",
+    "draw_then_answer": "exact_match",
+}
+CLASSIFIER_DIR = "classifier"
+
+
+def load_or_fit_classifier(directory: Path | None, seed: int = 0) -> DigitClassifier:
+    """The digits classifier saved in `directory`, or one fitted on the train split (and
+    saved there when a directory is given)."""
+    if directory is not None and (directory / "classifier.json").is_file():
+        return DigitClassifier.from_pretrained(directory)
+    train = load_split("train")
+    classifier = DigitClassifier().fit(train.images, train.labels, seed=seed)
+    if directory is not None:
+        classifier.save_pretrained(directory)
+    return classifier
+
+
+def _plugin(task: str, classifier: DigitClassifier):
+    if task == "i2t_mc":
+        return MultipleChoiceExact()
+    if task == "jigsaw_mc":
+        return JigsawVerifier()
+    if task == "t2i":
+        return DigitClassifierReward(classifier)
+    return ExactAnswer()
+
+
+def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
+    grid = tuple(model.codec.grid)
+    if task == "t2i":
+        params = SamplingParams(max_new_tokens=grid[0] * grid[1], length_semantics="exact")
+        return [
+            RolloutRequest(s, seed_for(seed, 0, i, 0), params, image_grid=grid)
+            for i, s in enumerate(samples)
+        ]
+    cap = 8 if task in ("i2t_mc", "jigsaw_mc") else 24 + grid[0] * grid[1]
+    params = SamplingParams(greedy=True, max_new_tokens=cap)
+    return [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
+
+
+@torch.no_grad()
+def evaluate_task(
+    model: UnifiedModel,
+    task: str,
+    samples: list[Sample],
+    classifier: DigitClassifier,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Metrics of one task on `samples` (see the module docstring)."""
+    engine = RolloutEngine(model, model.tokenizer)
+    requests = _requests(model, task, samples, seed)
+    trajs = []
+    for start in range(0, len(requests), batch_size):
+        trajs.extend(engine.generate(requests[start : start + batch_size]))
+    parsed = [parse_response(t, model.tokenizer) for t in trajs]
+    responses, _ = build_responses(parsed, model.codec.decode)
+    plugin = _plugin(task, classifier)
+    scores = torch.as_tensor(plugin.score(samples, responses), dtype=torch.float64)
+    invalid = plugin.invalid_format(samples, responses)
+    reasons = Counter(t.finish_reason for t in trajs)
+    out = {
+        f"{task}/{METRIC[task]}": float(scores.mean()),
+        f"{task}/invalid_frac": sum(invalid) / len(samples),
+        f"{task}/n": float(len(samples)),
+    }
+    for reason, count in sorted(reasons.items()):
+        out[f"{task}/finish_{reason}_frac"] = count / len(samples)
+    return out
+
+
+def evaluate_digits(
+    model: UnifiedModel,
+    tasks: list[str],
+    split: str,
+    n_per_task: int,
+    classifier: DigitClassifier,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Metrics of every task on `n_per_task` prompts of `split`."""
+    out: dict[str, float] = {}
+    for task in tasks:
+        samples = make_task_samples(task, split, n_per_task, seed=seed)
+        out.update(evaluate_task(model, task, samples, classifier, seed=seed))
+    return out
