@@ -28,7 +28,7 @@ test: lint
 	CI=true $(BIN)/python -m pytest
 
 demo: $(STAMP)
-	$(BIN)/unirl demo
+	$(BIN)/unirl train recipes/digits/sft_vq.yaml
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -181,7 +181,7 @@ def test_help_via_subprocess(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("usage: unirl train")
 
 
-@pytest.mark.parametrize("command", ["generate", "eval"])
+@pytest.mark.parametrize("command", ["eval"])
 def test_unavailable_commands_validate_then_exit_1(command, tmp_path, capsys):
     out = tmp_path / "run"
     config = str(EXAMPLES / "sft_tiny.yaml")

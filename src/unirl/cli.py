@@ -76,6 +76,42 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def configure_generate(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--prompt", required=True, help='user text, e.g. "draw the digit 7"')
+    parser.add_argument("--n", type=_positive_int, default=8, help="samples to draw (default 8)")
+    parser.add_argument("--out", required=True, help="output directory for the PNG and JSON")
+    parser.add_argument(
+        "--image",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force text-to-image (default: on when the prompt starts with 'draw')",
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Validate the config, then sample and write generations.png / generations.json."""
+    cfg = load_args_config(args)
+    from pathlib import Path
+
+    from unirl.generate import generate
+
+    image = args.prompt.lower().startswith("draw") if args.image is None else args.image
+    summary = generate(cfg, args.prompt, args.n, Path(args.out), image)
+    for record in summary["samples"]:
+        print(f"{record['id']}: {record['text']!r} ({record['finish_reason']})")
+    if summary["png"]:
+        print(f"images: {summary['png']}")
+    return 0
+
+
 def configure_data(parser: argparse.ArgumentParser) -> None:
     """`unirl data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
     from unirl.data import export
@@ -119,9 +155,9 @@ COMMANDS: list[Command] = [
     ),
     Command(
         "generate",
-        "sample from a model",
-        add_config_arguments,
-        not_yet_available("generate"),
+        "sample answers / images for one prompt and write a PNG grid",
+        configure_generate,
+        run_generate,
     ),
     Command("eval", "evaluate a model", add_config_arguments, not_yet_available("eval")),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),

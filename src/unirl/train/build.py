@@ -47,7 +47,10 @@ def build_or_load_codec(cfg: UnirlConfig, seed: int, codec_dir: Path | None) -> 
         codec = build_codec("vq", codebook_size=c.codebook_size, patch=c.patch_size)
     else:
         codec = build_codec("bsq", latent_dim=c.bits, patch=c.patch_size, group=c.group)
-    return codec.fit(load_split("train").images, seed=seed)
+    codec.fit(load_split("train").images, seed=seed)
+    if codec_dir is not None:
+        codec.save_pretrained(codec_dir)
+    return codec
 
 
 def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel:
