@@ -28,7 +28,7 @@ test: lint
 	CI=true $(BIN)/python -m pytest
 
 demo: $(STAMP)
-	$(BIN)/unirl train recipes/digits/sft_vq.yaml
+	$(BIN)/unirl demo --out runs/demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

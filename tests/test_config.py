@@ -233,7 +233,7 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
             "rollout.length_semantics",
         ),
         ({"rollout": {"guidance": 3.0}, "data": {"tasks": ["i2t_mc"]}}, "rollout.guidance"),
-        ({"rollout": {"grid_min": 5, "grid_max": 4}}, "rollout.grid_min"),
+        ({"rollout": {"min_grid_side": 5, "max_grid_side": 4}}, "rollout.min_grid_side"),
         ({"trainer": {"lora": {"target_modules": "(q_proj"}}}, "trainer.lora.target_modules"),
         ({"algorithm": {"name": "opd"}}, "algorithm.teacher_path"),
         (

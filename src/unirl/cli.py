@@ -112,6 +112,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/demo", help="demo directory (default runs/demo)")
+    parser.add_argument("--sft-updates", type=_positive_int, default=300, help="SFT updates")
+    parser.add_argument("--grpo-updates", type=_positive_int, default=100, help="GRPO updates")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """codec -> short SFT -> GRPO text-to-image -> report.md (see unirl.demo)."""
+    from pathlib import Path
+
+    from unirl.demo import run_demo as demo
+
+    report = demo(Path(args.out), args.sft_updates, args.grpo_updates)
+    print(f"{PROG} demo: report {report}", file=sys.stderr)
+    return 0
+
+
 def configure_data(parser: argparse.ArgumentParser) -> None:
     """`unirl data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
     from unirl.data import export
@@ -160,6 +177,7 @@ COMMANDS: list[Command] = [
         run_generate,
     ),
     Command("eval", "evaluate a model", add_config_arguments, not_yet_available("eval")),
+    Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
 ]
 

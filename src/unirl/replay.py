@@ -7,7 +7,9 @@ the hidden state at t - 1), in chunks of at most `chunk_size` positions, so no
 the one it was sampled from (`SamplingRecord.params`: temperature, top-k, top-p,
 guidance weight and `guidance_logprob`, bit temperature; `unirl.rollout.policy`). Rows
 whose visual log-prob is the guided one (w != 1, "guided") get their unconditional twin
-(`unirl.rollout.guidance.unconditional_twin`) appended to the same forward.
+(`unirl.rollout.guidance.unconditional_twin`) appended to the same forward. The forward
+runs inside `model.rows(sample_ids)`, so adapters with side inputs (Janus-Pro's
+understanding images) find each row's.
 
 Under autograd each chunk's heads and log-probs run inside `torch.utils.checkpoint`, so
 backward recomputes them chunk by chunk and memory stays flat in the vocabulary.
@@ -115,7 +117,8 @@ class _Plan:
         self.twin_row = torch.full((B,), -1, dtype=torch.long, device=batch.token_ids.device)
         self.twin_shift = torch.zeros(B, dtype=torch.long, device=batch.token_ids.device)
         if not guided:
-            self.hidden = body_hidden(self.model, batch)
+            with self.model.rows(batch.sample_ids):
+                self.hidden = body_hidden(self.model, batch)
             return
         trajs = [replace(t, rollout_logp=None, rollout_logp_factors=None) for t in batch.unbatch()]
         twins = []
@@ -126,7 +129,8 @@ class _Plan:
             self.twin_row[i] = B + j
             self.twin_shift[i] = len(twin) - len(trajs[i])
         combined = TrajectoryBatch.collate(trajs + twins, batch.pad_id, validate=False)
-        self.hidden = body_hidden(self.model, combined)
+        with self.model.rows(combined.sample_ids):
+            self.hidden = body_hidden(self.model, combined)
 
     def chunks(self, chunk_size: int) -> Iterator[tuple[_Group, torch.Tensor, torch.Tensor]]:
         """(group, rows, cols) of every chunk, in the deterministic order."""

@@ -64,10 +64,16 @@ class KLConfig(StrictModel):
 
 
 class GRPOConfig(StrictModel):
-    """Group-relative policy optimisation with a clipped surrogate (NUMERICS.md)."""
+    """Group-relative policy optimisation with a clipped surrogate (NUMERICS.md).
+
+    An update draws trainer.global_batch_size / group_size fresh prompts and G samples of
+    each (`unirl.train.grpo_source`).
+    """
 
     name: Literal["grpo"] = Field("grpo", description="Algorithm selector.")
-    group_size: int = Field(8, ge=2, description="G: samples drawn per prompt.")
+    group_size: int = Field(
+        8, ge=2, description="G: samples per prompt (prompts per update = global_batch_size / G)."
+    )
     scope: Literal["group", "global"] = Field(
         "group", description="Advantage baseline: per-prompt group, or the whole gathered batch."
     )
@@ -100,7 +106,13 @@ class GRPOConfig(StrictModel):
         description="Ratio denominator: the sampler's log-probs (rollout) or a replay at training geometry.",
     )
     updates_per_batch: int = Field(
-        1, ge=1, description="Optimizer steps per rollout batch (PPO epochs x mini-batches)."
+        1,
+        ge=1,
+        description="Consecutive optimizer steps on one rollout batch (PPO epochs; > 1 needs "
+        "old_logp_source replay).",
+    )
+    chunk_size: int = Field(
+        128, gt=0, description="Scored positions per head chunk in replay (memory vs speed)."
     )
 
     @model_validator(mode="after")

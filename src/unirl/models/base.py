@@ -11,11 +11,22 @@ nothing more; algorithms, rollout and replay are written against these alone:
 plus the image codec (``encode`` / ``decode``), the tokenizer and the chat template.
 For classifier-free guidance an adapter also builds the unconditional prompt of a
 conditional one (``unconditional_prompt``; the default blanks the user turns' content).
+
+The chat format is a model hook too, so rollout and rewards never assume ChatML:
+``prompt_trajectory`` serialises a `Sample`, ``image_generation_prefix`` /
+``parse_image_header`` write and read what announces a generated image,
+``parse_response`` reads a rollout row's response back, and ``special_ids`` names the
+ids the rollout state machine needs. The defaults are the embedded ChatML template
+(`unirl.data.template`); Janus-Pro overrides them. ``rows(sample_ids)`` declares which
+trajectories the rows of the next ``embed`` calls hold, for adapters whose trajectories
+carry side inputs (Janus-Pro's understanding-image pixels); the default ignores it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -23,10 +34,24 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from unirl.core.sample import Part, Sample
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality, Owner
 
 VisualHead = Literal["vq", "bsq"]
+
+
+@dataclass(frozen=True)
+class StreamIds:
+    """The special ids the rollout state machine uses: `pad` (batch padding), `eos` (ends a
+    row), `vision_start` (opens a generated image), `vision_end` (the controller's close
+    of an image) and `image_pad` (the token id held by visual positions)."""
+
+    pad: int
+    eos: int
+    vision_start: int
+    vision_end: int
+    image_pad: int
 
 
 @dataclass
@@ -95,6 +120,55 @@ class UnifiedModel(nn.Module, ABC):
         from transformers import DynamicCache
 
         return DynamicCache()
+
+    @property
+    def special_ids(self) -> StreamIds:
+        """The rollout's special ids (default: the ChatML tokens of `unirl.data.tokenizer`)."""
+        from unirl.data.tokenizer import SpecialIds
+
+        sp = SpecialIds.from_tokenizer(self.tokenizer)
+        return StreamIds(sp.pad, sp.eos, sp.vision_start, sp.vision_end, sp.image_pad)
+
+    def prompt_trajectory(self, sample: Sample, add_generation_prompt: bool = True) -> Trajectory:
+        """The sample's token stream in this model's chat format (default: ChatML,
+        `unirl.data.template.serialize`, images encoded with the codec)."""
+        from unirl.data.template import serialize
+
+        bits = self.n_visual_outputs if self.visual_head == "bsq" else None
+        return serialize(
+            sample,
+            self.tokenizer,
+            encode_image=self.codec.encode,
+            add_generation_prompt=add_generation_prompt,
+            bits=bits,
+        )
+
+    def image_generation_prefix(self, height: int, width: int) -> list[int]:
+        """Token ids that announce a generated image of height x width visual positions
+        (default: ``<image_gen> generate image H W<|vision_start|>``)."""
+        from unirl.data.template import image_generation_prefix
+
+        return image_generation_prefix(height, width, self.tokenizer)
+
+    def parse_image_header(self, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(H, W) of the image announced by text `token_ids` that end just before a sampled
+        `special_ids.vision_start`, or None for no valid announcement (default: the last
+        ``<image_gen> generate image H W`` header, `unirl.data.template.parse_image_header`)."""
+        from unirl.data.template import parse_image_header
+
+        return parse_image_header(token_ids, self.tokenizer)
+
+    def parse_response(self, traj: Trajectory) -> list[Part] | None:
+        """The response parts (final assistant turn) of a rollout trajectory, or None when it
+        does not parse (default: `unirl.rewards.plugins.parse_response`, ChatML)."""
+        from unirl.rewards.plugins import parse_response
+
+        return parse_response(traj, self.tokenizer)
+
+    def rows(self, sample_ids: Sequence[str]) -> AbstractContextManager[None]:
+        """Context in which the rows of `embed`'s inputs hold the trajectories `sample_ids`
+        (batch order). Models without side inputs ignore it (the default)."""
+        return nullcontext()
 
     def unconditional_prompt(self, traj: Trajectory) -> Trajectory:
         """The unconditional twin of a prompt for classifier-free guidance (same length).

@@ -14,6 +14,12 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
 - `exact_answer` (draw_then_answer): 1 if the text after the only image, stripped, equals
   sample.answer; kwarg `require_image_class` also needs the classifier's argmax on the
   image to be the target digit. Invalid: not exactly one image followed by text.
+- `clip_score` (alias `pickscore`; t2i on real images): CLIP / PickScore-style
+  text-image score from a local `CLIPModel` directory (`unirl.rewards.clip_score`;
+  kwargs device, mode, batch_size). Invalid: not exactly one decodable image.
+
+A plugin class with a `from_config(cfg, key, resources)` classmethod and a
+`config_kwargs` set builds itself from its config entry.
 
 The target digit is meta["digit"] (else the answer). A sample a plugin cannot verify
 (e.g. mc_exact on an answer that is not a letter) raises: restrict the plugin to its
@@ -369,7 +375,7 @@ def build_plugin(
             expected=" | ".join(sorted(PLUGINS)),
             suggestion=suggest(cfg.name, PLUGINS),
         )
-    allowed = _KWARGS.get(cls, frozenset())
+    allowed = getattr(cls, "config_kwargs", _KWARGS.get(cls, frozenset()))
     for name in cfg.kwargs:
         if name not in allowed:
             raise ConfigError(
@@ -378,6 +384,8 @@ def build_plugin(
                 expected=" | ".join(sorted(allowed)) or "no kwargs",
                 suggestion=suggest(name, allowed),
             )
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg, key, resources)
     if cls is DigitClassifierReward:
         return cls(_classifier(cfg, key, resources))
     if cls is ExactAnswer:
@@ -394,3 +402,10 @@ def build_plugin(
     if cfg.path is not None:
         raise ConfigError(f"plugin '{cfg.name}' does not load a model", key=f"{key}.path")
     return cls()
+
+
+# Plugins in their own modules (they subclass RewardPlugin above), registered last.
+from unirl.rewards.clip_score import ClipScore  # noqa: E402
+
+PLUGINS["clip_score"] = ClipScore
+PLUGINS["pickscore"] = ClipScore

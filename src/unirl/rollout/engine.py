@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -50,7 +51,10 @@ def context_length(model: UnifiedModel) -> int | None:
 class RolloutEngine:
     """Batched sampler over a `UnifiedModel`: `generate(requests) -> trajectories`.
 
-    `max_positions` overrides the model's context length (`context_length`).
+    `max_positions` overrides the model's context length (`context_length`). The chat
+    format, the image announcement and the special ids come from the model's hooks
+    (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
+    `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
     """
 
     def __init__(
@@ -64,7 +68,13 @@ class RolloutEngine:
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        self.special = SpecialIds.from_tokenizer(self.tokenizer)
+        self.own_format = self.tokenizer is model.tokenizer
+        if self.own_format:
+            self.special = model.special_ids
+            self.parse_header = model.parse_image_header
+        else:
+            self.special = SpecialIds.from_tokenizer(self.tokenizer)
+            self.parse_header = partial(parse_image_header, tokenizer=self.tokenizer)
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
@@ -88,25 +98,32 @@ class RolloutEngine:
             if grid is not None:
                 parts.append(GenerationRequest(*grid))
             prompt_sample = Sample(id=request.id, parts=parts)
-            traj = serialize(
-                prompt_sample,
-                self.tokenizer,
-                encode_image=self.model.codec.encode,
-                add_generation_prompt=True,
-                bits=self.bits,
-            )
+            if self.own_format:
+                traj = self.model.prompt_trajectory(prompt_sample, add_generation_prompt=True)
+            else:
+                traj = serialize(
+                    prompt_sample,
+                    self.tokenizer,
+                    encode_image=self.model.codec.encode,
+                    add_generation_prompt=True,
+                    bits=self.bits,
+                )
         else:
             traj = request.prompt.validate()
             if (traj.owner != Owner.PROMPT).any():
                 raise ValueError(f"request {request.id!r}: a prompt trajectory must be all PROMPT")
             if grid is not None:
-                traj = _append_prompt(traj, image_generation_prefix(*grid, self.tokenizer))
+                if self.own_format:
+                    prefix = self.model.image_generation_prefix(*grid)
+                else:
+                    prefix = image_generation_prefix(*grid, self.tokenizer)
+                traj = _append_prompt(traj, prefix)
             elif int(traj.token_ids[-1]) == self.special.vision_start:
-                grid = parse_image_header(traj.token_ids[:-1].tolist(), self.tokenizer)
+                grid = self.parse_header(traj.token_ids[:-1].tolist())
                 if grid is None:
                     raise ValueError(
-                        f"request {request.id!r}: the prompt ends with <|vision_start|> "
-                        "without a valid 'generate image H W' header"
+                        f"request {request.id!r}: the prompt ends with the image-start token "
+                        "without a valid image header (ChatML: 'generate image H W')"
                     )
         self._check_request(request, traj, grid)
         return traj, grid
@@ -157,7 +174,17 @@ class RolloutEngine:
                 twins.append((k, twin))
                 extra = max(0, len(twin) - len(prompt))
             limit = None if self.max_positions is None else self.max_positions - extra
-            states.append(RowState(prompt, req.params, self.tokenizer, limit, grid, self.special))
+            states.append(
+                RowState(
+                    prompt,
+                    req.params,
+                    self.tokenizer,
+                    limit,
+                    grid,
+                    self.special,
+                    self.parse_header,
+                )
+            )
             prompts.append(prompt)
         gens = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
         # Batch rows: conditional row of each request, then the unconditional twins.
@@ -267,7 +294,9 @@ class _Batch:
         pos = (torch.arange(P)[None] - offset[:, None]).clamp(min=0)
         ids, modality, codes = ids.to(device), modality.to(device), codes.to(device)
         mask, pos = mask.to(device), pos.to(device)
-        out = model.body(model.embed(ids, modality, codes), mask, pos, model.new_cache())
+        with model.rows([p.sample_id for p in prompts]):
+            embeds = model.embed(ids, modality, codes)
+        out = model.body(embeds, mask, pos, model.new_cache())
         bits = int(first.shape[1]) if first.dim() == 2 else None
         return cls(out.cache, mask, lengths.to(device), out.hidden[:, -1], bits)
 

@@ -13,6 +13,7 @@ and a reference decoder (full recomputation) drive the same machine.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -21,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import FinishReason, Modality, Owner
 from unirl.data.tokenizer import SpecialIds
+from unirl.models.base import StreamIds
 from unirl.rollout.params import SamplingParams
 from unirl.rollout.request import RolloutTrajectory, SamplingRecord
 from unirl.rollout.stopping import has_cycle, image_header
@@ -32,7 +34,10 @@ class RowState:
     """Positions of one row: the prompt, then what was sampled or inserted.
 
     `limit` is the most positions the row may hold (the model's context length, minus
-    any extra length of its unconditional twin); None means unbounded.
+    any extra length of its unconditional twin); None means unbounded. `special` gives the
+    ids of the stream (default: the tokenizer's ChatML ids) and `parse_header` reads the
+    image announced by the text before a sampled `vision_start` (default: the ChatML
+    header, `unirl.data.template.parse_image_header`; `UnifiedModel.parse_image_header`).
     """
 
     def __init__(
@@ -42,11 +47,13 @@ class RowState:
         tokenizer: PreTrainedTokenizerBase,
         limit: int | None = None,
         forced_grid: tuple[int, int] | None = None,
-        special: SpecialIds | None = None,
+        special: SpecialIds | StreamIds | None = None,
+        parse_header: Callable[[Sequence[int]], tuple[int, int] | None] | None = None,
     ) -> None:
         self.params = params
         self.tokenizer = tokenizer
         self.special = special if special is not None else SpecialIds.from_tokenizer(tokenizer)
+        self.parse_header = parse_header
         self.stops = frozenset({self.special.eos, *params.stop_token_ids})
         self.prompt = prompt
         self.prompt_length = len(prompt)
@@ -91,7 +98,7 @@ class RowState:
         if token in self.stops:
             return self._finish("eos")
         if token == self.special.vision_start:
-            grid = image_header(self.text_run, self.tokenizer, self.params)
+            grid = image_header(self.text_run, self.tokenizer, self.params, self.parse_header)
             if grid is not None:
                 self._start_image(grid)
                 return self._check_limits()

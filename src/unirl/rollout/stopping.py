@@ -8,7 +8,7 @@ header, when so configured), "cycle" (the detector below), "length_exact" / "cap
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -34,12 +34,16 @@ def has_cycle(tokens: Sequence[int], max_period: int = 4, repeats: int = 3) -> b
 
 
 def image_header(
-    token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase, params: SamplingParams
+    token_ids: Sequence[int],
+    tokenizer: PreTrainedTokenizerBase,
+    params: SamplingParams,
+    parse: Callable[[Sequence[int]], tuple[int, int] | None] | None = None,
 ) -> tuple[int, int] | None:
-    """(H, W) of the `<image_gen> generate image H W` header ending `token_ids`, or None
-    when it is malformed (`unirl.data.template.parse_image_header`) or a side lies
-    outside [params.min_grid_side, params.max_grid_side]."""
-    grid = parse_image_header(token_ids, tokenizer)
+    """(H, W) of the `<image_gen> generate image H W` header ending `token_ids` (or of the
+    announcement `parse` reads, e.g. a model's own format), or None when it is malformed
+    (`unirl.data.template.parse_image_header`) or a side lies outside
+    [params.min_grid_side, params.max_grid_side]."""
+    grid = parse_image_header(token_ids, tokenizer) if parse is None else parse(token_ids)
     if grid is None or not params.grid_allowed(*grid):
         return None
     return grid

@@ -59,7 +59,8 @@ def body_hidden(
     targets always stay the clean codes.
     """
     codes = batch.visual_codes if visual_inputs is None else visual_inputs
-    embeds = model.embed(batch.token_ids, batch.modality, codes)
+    with model.rows(batch.sample_ids):
+        embeds = model.embed(batch.token_ids, batch.modality, codes)
     return model.body(embeds, batch.attention_mask, batch.position_ids).hidden
 
 

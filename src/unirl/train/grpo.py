@@ -60,13 +60,8 @@ from unirl.train.build import set_adapters_enabled
 from unirl.train.distributed import DistInfo, barrier
 from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
 from unirl.train.forward import scored_indices
-from unirl.train.grpo_source import (
-    LOSS_STAT_KEYS,
-    GRPOSource,
-    PromptSampler,
-    SourceSettings,
-    StepStats,
-)
+from unirl.train.grpo_metrics import LOSS_STAT_KEYS, StepStats
+from unirl.train.grpo_source import GRPOSource, PromptSampler, Rollout, SourceSettings
 
 
 class Reference:
@@ -154,6 +149,35 @@ class GRPOObjective:
             kl = torch.where(visual, kl_penalty_factors(factors, ref.logp_factors, kind), kl)
         return kl
 
+    def _old_logp(
+        self,
+        micro: TrajectoryBatch,
+        rollout: Rollout,
+        logp: torch.Tensor,
+        factors: torch.Tensor | None,
+        update: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ratio's denominator ℓ° (and per factor): the sampler's log-probs, or this
+        replay on the first update of a rollout batch (recorded for its later updates),
+        or the replay recorded then."""
+        if self.algo.old_logp_source == "rollout":
+            return micro.rollout_logp, micro.rollout_logp_factors
+        if self.source.first_of_round(update):
+            if self.source.s.updates_per_batch > 1:
+                for b, sid in enumerate(micro.sample_ids):
+                    n = int(micro.lengths[b])
+                    f = None if factors is None else factors[b, :n].detach().cpu().clone()
+                    rollout.old_logp[sid] = (logp[b, :n].detach().cpu().clone(), f)
+            return logp.detach(), None if factors is None else factors.detach()
+        old = torch.zeros_like(logp)
+        old_f = None if factors is None else torch.zeros_like(factors)
+        for b, sid in enumerate(micro.sample_ids):
+            lp, f = rollout.old_logp[sid]
+            old[b, : lp.numel()] = lp.to(old)
+            if old_f is not None:
+                old_f[b, : lp.numel()] = f.to(old_f)
+        return old, old_f
+
     def loss(
         self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int, update: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -173,17 +197,15 @@ class GRPOObjective:
                 )
         fn = self._columns(micro, ref_chunks)
         out = replay_map(model, micro, records, fn, chunk_size=a.chunk_size)
-        logp, entropy = out[..., 0], out[..., 1]
+        logp, entropy = out[..., 0], out[..., 1].detach()
         jsd = out[..., 2] if ref_chunks is not None else None
         factors = out[..., 3 if jsd is not None else 2 :] if micro.is_bits else None
-        from_rollout = a.old_logp_source == "rollout"
-        old = micro.rollout_logp if from_rollout else logp.detach()
+        old, old_f = self._old_logp(micro, rollout, logp, factors, update)
         clip = (a.clip_low, a.clip_high, a.dual_clip)
         surr = clipped_surrogate(logp, old, adv, *clip)
         per_pos, ratio = surr.loss, surr.ratio
         clipped, dual = surr.clipped.double(), surr.dual_clipped.double()
         if factors is not None:
-            old_f = micro.rollout_logp_factors if from_rollout else factors.detach()
             sf = clipped_surrogate_factors(factors, old_f, adv, *clip)
             per_pos = torch.where(visual, sf.loss, per_pos)
             ratio = torch.where(visual, sf.ratio.mean(-1), ratio)
@@ -199,7 +221,7 @@ class GRPOObjective:
             kl_loss = float(kl_term.detach())
             kl_sum = float(divergence.detach()[mask].sum())
         n = int(mask.sum())
-        k3 = float(k3_mismatch(micro.rollout_logp, logp.detach(), mask)) * n
+        k3 = float(k3_mismatch(micro.rollout_logp.double(), logp.detach().double(), mask)) * n
         self.source.stats.add(
             update,
             {
@@ -266,6 +288,7 @@ def source_settings(cfg: UnirlConfig, model: UnifiedModel) -> SourceSettings:
         text_params=params,
         image_params=params,
         image_grid=grid,
+        updates_per_batch=algo.updates_per_batch,
     )
 
 
@@ -277,20 +300,13 @@ def build_grpo_job(
     Call before the trainer resumes: the reference is the model as given (the initial
     policy, e.g. the SFT checkpoint of `model.path`)."""
     algo = cfg.algorithm
-    if algo.updates_per_batch != 1:
-        raise ConfigError(
-            "the GRPO loop takes one optimizer step per rollout batch; "
-            f"updates_per_batch={algo.updates_per_batch} is not supported",
-            key="algorithm.updates_per_batch",
-        )
     resources = {"digit_classifier": _classifier(run_dir, info)} if _needs_classifier(cfg) else {}
     rewards = build_reward_service(
         cfg.reward, decode_images=model.codec.decode, resources=resources
     )
     sampler = PromptSampler(prompt_pools(cfg), cfg.data.task_weights, cfg.data.seed)
     stats = StepStats(LOSS_STAT_KEYS)
-    source = GRPOSource(
-        model, sampler, rewards, algo, source_settings(cfg, model), info, stats
-    )
+    settings = source_settings(cfg, model)
+    source = GRPOSource(model, sampler, rewards, algo, settings, info, stats, run_dir)
     reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
     return source, GRPOObjective(source, algo, reference)

@@ -1,6 +1,8 @@
 """The GRPO batch source: prompts -> G rollouts each -> rewards -> advantages.
 
-Update u (0-based) of a run, all deterministic in (config, u) and the parameters at u:
+Update u (0-based) of a run, all deterministic in (config, u) and the parameters at u
+(with `algorithm.updates_per_batch` K > 1, read u as the round index u // K, rolled out
+at its first update; see `GRPOSource`):
 
 1. Prompts: P = trainer.global_batch_size / G prompts from the *train* split of the
    `data.tasks`. Each task gets a fixed share of the P prompts (largest-remainder
@@ -20,8 +22,8 @@ Update u (0-based) of a run, all deterministic in (config, u) and the parameters
 Under torchrun the rollout requests are split round-robin across ranks and the
 trajectories all-gathered (`all_gather_object`), so every rank holds the same global
 batch, scores it (deterministic plugins) and computes the same advantages; the trainer
-then trains each rank on its shard. The source caches the latest update's rollout, which
-the objective reads by sample id (advantages, sampling records).
+then trains each rank on its shard. The source caches the latest rollout batch, which the
+objective reads by sample id (advantages, sampling records, old log-probs).
 
 Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during the rollout of update n
 (1-based, as `after_update:<n>`), after its first decode batch.
@@ -29,11 +31,12 @@ Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during the rollout of 
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,9 +46,8 @@ from unirl.algorithms.grpo import group_advantages
 from unirl.config.algorithms import GRPOConfig
 from unirl.core.sample import Sample
 from unirl.core.seeding import seed_for
-from unirl.core.types import Owner
 from unirl.models.base import UnifiedModel
-from unirl.rewards import RewardError, RewardResult, RewardService, parse_response
+from unirl.rewards import RewardError, RewardService, parse_response
 from unirl.rollout import (
     RolloutEngine,
     RolloutRequest,
@@ -54,8 +56,12 @@ from unirl.rollout import (
     SamplingRecord,
     sampling_records,
 )
-from unirl.train.distributed import DistInfo, all_reduce_sum
+from unirl.train.checkpoint import PREFIX, checkpoint_dir
+from unirl.train.distributed import DistInfo
+from unirl.train.grpo_metrics import StepStats, finalize_loss_stats, rollout_stats, task_accuracy
 from unirl.train.trainer import _inject_fault
+
+ROUNDS = "rollouts"
 
 
 def apportion(n: int, weights: Sequence[float]) -> list[int]:
@@ -108,41 +114,24 @@ class PromptSampler:
 
 @dataclass
 class Rollout:
-    """One update's rollout: trajectories in group order, and per sample id the
-    advantage and the sampling record; `metrics` are the rollout/reward/advantage ones."""
+    """The rollout batch of one round of `updates_per_batch` updates: trajectories in
+    group order; per sample id the advantage, the sampling record and (replay anchoring
+    with several updates per batch) the old log-probs replayed before the round's first
+    step, trimmed to the row's length; `metrics` are the rollout/reward/advantage ones."""
 
     update: int
     trajectories: list[RolloutTrajectory]
     advantages: dict[str, float]
     records: dict[str, SamplingRecord]
     metrics: dict[str, float]
-    finished_at: float = field(default_factory=time.perf_counter)
-
-
-class StepStats:
-    """Per-update metric sums written by the objective, reduced over ranks on read."""
-
-    def __init__(self, keys: Sequence[str]) -> None:
-        self.keys = sorted(keys)
-        self._sums: dict[int, dict[str, float]] = {}
-
-    def add(self, update: int, values: dict[str, float]) -> None:
-        sums = self._sums.setdefault(update, dict.fromkeys(self.keys, 0.0))
-        for key, value in values.items():
-            sums[key] += float(value)
-
-    def reduce(self, update: int, info: DistInfo) -> dict[str, float]:
-        """The sums of `update` over every rank (a collective: call on all ranks)."""
-        sums = self._sums.pop(update, dict.fromkeys(self.keys, 0.0))
-        flat = torch.tensor([sums[k] for k in self.keys], dtype=torch.float64)
-        flat = all_reduce_sum(flat, info)
-        return dict(zip(self.keys, flat.tolist()))
+    old_logp: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class SourceSettings:
     """What the source needs of the config: G, prompts per update, rollout batch size,
-    the run seed, and the sampling parameters of text and of forced-image (t2i) rows."""
+    the run seed, optimizer steps per rollout batch, and the sampling parameters of text
+    and of forced-image (t2i) rows."""
 
     group_size: int
     n_prompts: int
@@ -151,10 +140,18 @@ class SourceSettings:
     text_params: SamplingParams
     image_params: SamplingParams
     image_grid: tuple[int, int]
+    updates_per_batch: int = 1
 
 
 class GRPOSource:
-    """`BatchSource` of GRPO (module docstring). `stats` collects the objective's sums."""
+    """`BatchSource` of GRPO (module docstring). `stats` collects the objective's sums.
+
+    With `updates_per_batch` K > 1, round r = u // K is rolled out once, at its first
+    update rK (prompts and seeds use r), and its later updates reuse it. The round (with
+    the old log-probs the objective records at rK) is saved to
+    `<run_dir>/rollouts/round-NNNNNN-rankR.pt` after update rK, so a run resumed in the
+    middle of a round trains on exactly the same batch and ratio anchor.
+    """
 
     def __init__(
         self,
@@ -165,6 +162,7 @@ class GRPOSource:
         settings: SourceSettings,
         info: DistInfo,
         stats: StepStats,
+        run_dir: Path,
     ) -> None:
         self.model = model
         self.engine = RolloutEngine(model, model.tokenizer)
@@ -174,40 +172,60 @@ class GRPOSource:
         self.s = settings
         self.info = info
         self.stats = stats
+        self.run_dir = Path(run_dir)
         self._rollout: Rollout | None = None
+        self._train_start = time.perf_counter()
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[RolloutTrajectory]:
-        return self.rollout(update).trajectories
+        trajs = self.rollout(update).trajectories
+        self._train_start = time.perf_counter()
+        return trajs
 
     def batch_metrics(self, update: int) -> dict[str, float]:
         """Rollout, reward and advantage metrics of `update` with the objective's
         (all-reduced) loss statistics and the train-phase time and throughput."""
         rollout = self.rollout(update)
-        train_s = time.perf_counter() - rollout.finished_at
+        train_s = time.perf_counter() - self._train_start
+        first = self.first_of_round(update)
+        if first and self.s.updates_per_batch > 1:
+            self._save(rollout)
+        metrics = dict(rollout.metrics)
+        if not first:
+            metrics.update({"time/rollout_s": 0.0, "time/reward_s": 0.0})
+            metrics["rollout/tokens_per_s"] = 0.0
         tokens = sum(len(t) for t in rollout.trajectories)
+        sums = self.stats.reduce(update, self.info)
         return {
-            **rollout.metrics,
-            **finalize_loss_stats(self.stats.reduce(update, self.info), self.algo),
+            **metrics,
+            **finalize_loss_stats(sums, self.algo, first),
+            "rollout/reused": float(not first),
             "time/train_s": train_s,
             "train/tokens_per_s": tokens / max(train_s, 1e-9),
         }
 
     # -- rollouts ------------------------------------------------------------------
+    def first_of_round(self, update: int) -> bool:
+        """Whether `update` rolls out (the first update of its round)."""
+        return update % self.s.updates_per_batch == 0
+
     def rollout(self, update: int) -> Rollout:
-        """The (cached) rollout of `update`."""
-        if self._rollout is None or self._rollout.update != update:
+        """The (cached) rollout batch `update` trains on."""
+        start = update - update % self.s.updates_per_batch
+        if self._rollout is None or self._rollout.update != start:
             self._rollout = None
-            self._rollout = self._make(update)
+            self._rollout = self._make(start) if update == start else self._load(start, update)
         return self._rollout
 
     def requests(self, update: int) -> tuple[list[Sample], list[RolloutRequest]]:
-        """The G members of every prompt of `update`, in group order, and their requests."""
+        """The G members of every prompt of the round starting at `update`, in group
+        order, and their requests (prompts and seeds from the round index)."""
+        r = update // self.s.updates_per_batch
         samples, requests = [], []
-        for i, prompt in enumerate(self.prompt_sampler.prompts(update, self.s.n_prompts)):
+        for i, prompt in enumerate(self.prompt_sampler.prompts(r, self.s.n_prompts)):
             for m in range(self.s.group_size):
                 member = prompt.fork(m)
-                seed = seed_for(self.s.run_seed, update, i, m)
+                seed = seed_for(self.s.run_seed, r, i, m)
                 samples.append(member)
                 if member.task == "t2i":
                     req = RolloutRequest(
@@ -269,69 +287,35 @@ class GRPOSource:
         records = dict(zip(ids, sampling_records(trajs)))
         return Rollout(update, trajs, dict(zip(ids, adv.tolist())), records, metrics)
 
+    # -- rounds on disk (updates_per_batch > 1) -----------------------------------------
+    def _round_path(self, start: int) -> Path:
+        return self.run_dir / ROUNDS / f"round-{start:06d}-rank{self.info.rank}.pt"
 
-def task_accuracy(result: RewardResult) -> dict[str, float]:
-    """`task/<task>/accuracy`: share of the task's rows that every plugin scoring them
-    passes (score >= 0.5: a verifier's 1, or p(target) >= 0.5 for the classifier) and
-    that truncation shaping did not overwrite."""
-    n = len(result.tasks)
-    ok = ~result.overwritten.clone()
-    for key, scores in result.per_plugin.items():
-        ok &= ~result.applied[key] | (scores >= 0.5)
-    out = {}
-    for task in sorted({t for t in result.tasks if t is not None}):
-        rows = torch.tensor([result.tasks[i] == task for i in range(n)])
-        out[f"task/{task}/accuracy"] = float(ok[rows].double().mean())
-    return out
+    def _save(self, rollout: Rollout) -> None:
+        """Write the round atomically, and drop rounds older than every checkpoint's."""
+        path = self._round_path(rollout.update)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(vars(rollout), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        ckpts = [
+            int(p.name.removeprefix(PREFIX))
+            for p in checkpoint_dir(self.run_dir).glob(f"{PREFIX}*")
+        ]
+        K = self.s.updates_per_batch
+        oldest = min(ckpts, default=0)
+        for old in path.parent.glob(f"round-*-rank{self.info.rank}.pt"):
+            if int(old.name.split("-")[1]) < oldest - oldest % K:
+                old.unlink()
 
-
-def rollout_stats(trajs: Sequence[RolloutTrajectory], seconds: float) -> dict[str, float]:
-    """Response lengths (sampled positions per row), finish-reason shares and rollout
-    throughput (sampled positions per second)."""
-    lengths = torch.tensor([int((t.owner == Owner.POLICY).sum()) for t in trajs], dtype=torch.float64)
-    reasons = Counter(t.finish_reason for t in trajs)
-    out = {
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/response_len_max": float(lengths.max()),
-        "rollout/n_rows": float(len(trajs)),
-        "rollout/tokens_per_s": float(lengths.sum()) / max(seconds, 1e-9),
-    }
-    for reason in ("eos", "cap", "context", "cycle", "length_exact", "invalid"):
-        out[f"rollout/finish_{reason}_frac"] = reasons.get(reason, 0) / len(trajs)
-    return out
-
-
-LOSS_STAT_KEYS = (
-    "n_positions",
-    "n_text",
-    "n_visual",
-    "pg_loss",
-    "kl_loss",
-    "kl_sum",
-    "entropy_text_sum",
-    "entropy_visual_sum",
-    "ratio_sum",
-    "clipped",
-    "dual_clipped",
-    "k3_sum",
-)
-
-
-def finalize_loss_stats(sums: dict[str, float], algo: GRPOConfig) -> dict[str, float]:
-    """Means of the objective's reduced sums (`policy/*`). Under old_logp_source replay
-    with one update per batch the ratio is 1 and the clip fraction 0 by construction:
-    `policy/ratio_is_one_by_construction` says so."""
-    n = max(sums["n_positions"], 1.0)
-    by_construction = algo.old_logp_source == "replay" and algo.updates_per_batch == 1
-    return {
-        "policy/pg_loss": sums["pg_loss"],
-        "policy/kl_loss": sums["kl_loss"],
-        "policy/kl_ref_mean": sums["kl_sum"] / n,
-        "policy/entropy_text": sums["entropy_text_sum"] / max(sums["n_text"], 1.0),
-        "policy/entropy_visual": sums["entropy_visual_sum"] / max(sums["n_visual"], 1.0),
-        "policy/ratio_mean": sums["ratio_sum"] / n,
-        "policy/clip_frac": sums["clipped"] / n,
-        "policy/dual_clip_frac": sums["dual_clipped"] / n,
-        "policy/ratio_is_one_by_construction": float(by_construction),
-        "policy/k3_rollout_vs_replay": sums["k3_sum"] / n,
-    }
+    def _load(self, start: int, update: int) -> Rollout:
+        path = self._round_path(start)
+        if not path.is_file():
+            raise RuntimeError(
+                f"update {update + 1} trains on the rollout batch of update {start + 1} "
+                f"(updates_per_batch={self.s.updates_per_batch}), but {path} is missing"
+            )
+        return Rollout(**torch.load(path, weights_only=False))

@@ -27,8 +27,6 @@ from unirl.config import UnirlConfig, config_hash, resume_conflicts, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import UnifiedModel
 from unirl.train.build import (
     adapter_state,
@@ -110,8 +108,7 @@ def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_ta
             for task, n in task_sizes(cfg, n_per_task).items()
             for s in make_task_samples(task, split, n, seed=cfg.data.seed)
         ]
-    encode = model.codec.encode
-    return [serialize(s, model.tokenizer, encode_image=encode) for s in samples]
+    return [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
 
 
 def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> UnifiedModel:
@@ -157,7 +154,7 @@ def run_train(cfg: UnirlConfig) -> Path:
             trainer_settings(cfg),
             run_dir,
             info,
-            SpecialIds.from_tokenizer(model.tokenizer).pad,
+            model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
             evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
             eval_every=cfg.trainer.eval_every,

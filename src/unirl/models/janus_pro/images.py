@@ -1,0 +1,137 @@
+"""Janus-Pro images: input checks and normalisation, the understanding-image store, and
+the VQ-16 tokenizer as a unirl codec.
+
+Pixels are float [H, W] (grey, repeated to RGB) or [H, W, 3] in [0, 1] of exactly the
+processor's size (384 x 384 for Janus-Pro; nothing is resized). Both the SigLIP tower and
+the VQ encoder read them normalised with the processor's mean and std,
+x' = (x - mean) / std; VQ decoding inverts that, x = clip(x' * std + mean, 0, 1), as
+`JanusImageProcessor.postprocess` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers import JanusForConditionalGeneration
+
+
+class PixelSpec:
+    """Size and normalisation of Janus-Pro's image inputs (from its image processor)."""
+
+    def __init__(self, size: int, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.size = int(size)
+        self.mean = torch.tensor([float(m) for m in mean]).view(3, 1, 1)
+        self.std = torch.tensor([float(s) for s in std]).view(3, 1, 1)
+
+    def check(self, pixels: np.ndarray, where: str) -> np.ndarray:
+        """float32 [S, S, 3] in [0, 1]; ValueError naming `where` for any other image."""
+        px = np.asarray(pixels)
+        s = self.size
+        if px.ndim == 2:
+            px = np.repeat(px[:, :, None], 3, axis=2)
+        if px.ndim != 3 or px.shape[2] != 3:
+            raise ValueError(
+                f"{where}: expected an image [H, W] or [H, W, 3], got shape {tuple(px.shape)}"
+            )
+        if px.shape[:2] != (s, s):
+            raise ValueError(
+                f"{where}: image is {px.shape[0]}x{px.shape[1]} pixels; Janus-Pro reads "
+                f"{s}x{s} (resize it first)"
+            )
+        if not np.issubdtype(px.dtype, np.floating) or not np.isfinite(px).all():
+            raise ValueError(f"{where}: pixels must be finite floats in [0, 1]")
+        if px.min() < 0.0 or px.max() > 1.0:
+            raise ValueError(f"{where}: pixels must lie in [0, 1]")
+        return px.astype(np.float32, copy=False)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, S, S, 3] (or [N, S, S]) in [0, 1] -> normalised [N, 3, S, S]."""
+        if pixels.dim() == 3:
+            pixels = pixels.unsqueeze(-1).expand(*pixels.shape, 3)
+        x = pixels.permute(0, 3, 1, 2).float()
+        return (x - self.mean.to(x.device)) / self.std.to(x.device)
+
+    def denormalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised [N, 3, S, S] -> pixels [N, S, S, 3] in [0, 1]."""
+        x = x.float() * self.std.to(x.device) + self.mean.to(x.device)
+        return x.clamp(0.0, 1.0).permute(0, 2, 3, 1)
+
+
+class ImageInputs:
+    """Understanding-image pixels of the trajectories a model has serialised, by sample id.
+
+    `JanusProModel.prompt_trajectory` registers a sample's input images here; the model's
+    `embed`, inside `model.rows(sample_ids)`, looks each row's up. Entries hold references
+    to the checked arrays (a group's members share them), one entry per id; registering
+    an id again replaces its images.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, tuple[np.ndarray, ...]] = {}
+
+    def register(self, sample_id: str, pixels: Sequence[np.ndarray]) -> None:
+        if pixels:
+            self._by_id[sample_id] = tuple(pixels)
+        else:
+            self._by_id.pop(sample_id, None)
+
+    def get(self, sample_id: str) -> tuple[np.ndarray, ...]:
+        return self._by_id.get(sample_id, ())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+class JanusVQCodec:
+    """The VQ-16 image tokenizer of a Janus-Pro model as a unirl codec (kind "vq").
+
+    `encode(pixels [N, S, S(, 3)] in [0, 1]) -> codes long [N, g, g]`;
+    `decode(codes [N, g, g] | [N, g*g]) -> pixels float [N, S, S, 3] in [0, 1]`
+    (ValueError for codes that are not a full grid of valid indices). Both run without
+    gradients on the model's device.
+    """
+
+    kind = "vq"
+
+    def __init__(self, hf: JanusForConditionalGeneration, spec: PixelSpec) -> None:
+        self._hf = hf
+        self.spec = spec
+        vq = hf.config.vq_config
+        self.codebook_size = int(vq.num_embeddings)
+        side = int(vq.num_patches)
+        self.grid = (side, side)
+        self.image_size = (spec.size, spec.size)
+
+    @property
+    def _vq(self):
+        return self._hf.model.vqmodel
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        px = torch.as_tensor(np.asarray(pixels, dtype=np.float32))
+        if px.dim() not in (3, 4) or tuple(px.shape[1:3]) != self.image_size:
+            raise ValueError(
+                f"encode: expected pixels [N, {self.spec.size}, {self.spec.size}(, 3)], "
+                f"got {tuple(px.shape)}"
+            )
+        param = next(self._vq.parameters())
+        x = self.spec.normalize(px.to(param.device)).to(param.dtype)
+        tokens = self._vq.encode(x).image_tokens
+        return tokens.reshape(px.shape[0], *self.grid).long()
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        n_tokens = self.grid[0] * self.grid[1]
+        if codes.dim() < 2 or codes[0].numel() != n_tokens:
+            raise ValueError(
+                f"decode: Janus-Pro decodes {self.grid[0]}x{self.grid[1]} grids, got codes "
+                f"of shape {tuple(codes.shape)}"
+            )
+        flat = codes.reshape(codes.shape[0], n_tokens).long()
+        if (flat < 0).any() or (flat >= self.codebook_size).any():
+            raise ValueError(f"decode: codes must lie in [0, {self.codebook_size})")
+        param = next(self._vq.parameters())
+        decoded = self._vq.decode(flat.to(param.device))
+        return self.spec.denormalize(decoded).cpu()

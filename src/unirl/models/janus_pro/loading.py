@@ -1,0 +1,129 @@
+"""Loading a local Janus-Pro checkpoint in the transformers layout, with checks first.
+
+A checkpoint directory holds `config.json` (model_type "janus"), the weights
+(`model.safetensors` or a sharded `model.safetensors.index.json`), the tokenizer
+(`tokenizer.json` or `tokenizer_config.json`) and the image processor
+(`preprocessor_config.json` or `processor_config.json`). Before any weight is read,
+`check_checkpoint` refuses, with one sentence naming the file: a missing file, a config
+of another model type or one that asks for remote code (`auto_map`: the checkpoint's own
+Python would replace the registered classes), and an inconsistent image geometry.
+`load_parts` then checks the tokenizer against the config (`JanusTokens`, the image
+token id, the vocabulary size). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    JanusConfig,
+    JanusForConditionalGeneration,
+)
+
+from unirl.models.janus_pro.template import IMAGE, JanusTokens
+
+ARCHITECTURE = "JanusForConditionalGeneration"
+ALTERNATIVES: dict[str, tuple[str, ...]] = {
+    "config": ("config.json",),
+    "weights": ("model.safetensors", "model.safetensors.index.json"),
+    "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
+    "image processor": ("preprocessor_config.json", "processor_config.json"),
+}
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_checkpoint(path: Path) -> dict:
+    """The checkpoint's config.json as a dict, after the checks of the module docstring."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: Janus-Pro checkpoint directory not found")
+    for what, names in ALTERNATIVES.items():
+        if not any((path / n).is_file() for n in names):
+            raise FileNotFoundError(
+                f"{path}: incomplete Janus-Pro checkpoint: no {what} file "
+                f"(expected {' or '.join(names)})"
+            )
+    for name in ("config.json", "tokenizer_config.json", "processor_config.json"):
+        file = path / name
+        if file.is_file() and "auto_map" in _json(file):
+            raise ValueError(
+                f"{file}: asks for remote code (auto_map); unirl loads Janus-Pro only with "
+                "transformers' own classes and never runs a checkpoint's code"
+            )
+    config = _json(path / "config.json")
+    if config.get("model_type") != "janus":
+        raise ValueError(
+            f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not 'janus' "
+            "(the original deepseek-ai layout needs converting to the transformers layout)"
+        )
+    archs = config.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in archs:
+        raise ValueError(f"{path / 'config.json'}: architectures {archs} lack {ARCHITECTURE}")
+    return config
+
+
+def check_geometry(config: JanusConfig, image_size: int, where: Path) -> None:
+    """The understanding and generation paths must agree on one square image grid."""
+    vision, vq = config.vision_config, config.vq_config
+    side = int(vision.image_size) // int(vision.patch_size)
+    downsample = 2 ** (len(vq.channel_multiplier) - 1)
+    problems = []
+    if int(vision.num_image_tokens) != side * side:
+        problems.append(f"vision num_image_tokens {vision.num_image_tokens} != {side}^2")
+    if int(vq.num_patches) != side:
+        problems.append(f"vq num_patches {vq.num_patches} != {side}")
+    if int(vision.image_size) // downsample != side:
+        problems.append(f"the VQ downsample {downsample} maps {vision.image_size}px off the grid")
+    if image_size != int(vision.image_size):
+        problems.append(f"processor size {image_size} != vision image_size {vision.image_size}")
+    if problems:
+        raise ValueError(f"{where}: inconsistent Janus-Pro image geometry: {'; '.join(problems)}")
+
+
+def check_tokenizer(tokenizer, config: JanusConfig, where: Path) -> JanusTokens:
+    """The tokenizer's special ids, checked against the model config."""
+    try:
+        tokens = JanusTokens.from_tokenizer(tokenizer)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if tokens.image != int(config.image_token_id):
+        raise ValueError(
+            f"{where}: tokenizer's {IMAGE} is id {tokens.image} but config image_token_id is "
+            f"{config.image_token_id} (mismatched tokenizer)"
+        )
+    vocab = int(config.text_config.vocab_size)
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"{where}: tokenizer has {len(tokenizer)} tokens but the model's text vocabulary "
+            f"has {vocab} rows (mismatched tokenizer)"
+        )
+    return tokens
+
+
+def load_parts(path: str | Path, dtype: torch.dtype = torch.float32):
+    """(transformers model in eval mode, tokenizer, image processor) of a checkpoint, every
+    check done before the weights are read."""
+    path = Path(path)
+    check_checkpoint(path)
+    config = JanusConfig.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    check_tokenizer(tokenizer, config, path)
+    processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=False)
+    height, width = processor.size["height"], processor.size["width"]
+    if height != width:
+        raise ValueError(f"{path}: the image processor's size {height}x{width} is not square")
+    check_geometry(config, int(height), path)
+    model = JanusForConditionalGeneration.from_pretrained(str(path), config=config, dtype=dtype)
+    return model.eval(), tokenizer, processor
