@@ -37,7 +37,7 @@ def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, col
     h, w = images[0].shape[:2]
     rows = (len(images) + cols - 1) // cols
     ncols = min(cols, len(images))
-    pad = 2
+    pad = max(2, scale // 2)
     canvas = np.ones((rows * (h * scale + pad) + pad, ncols * (w * scale + pad) + pad))
     for k, img in enumerate(images):
         r, c = divmod(k, cols)
