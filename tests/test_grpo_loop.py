@@ -5,6 +5,7 @@ bitwise resume after SIGKILL during the rollout and during a checkpoint write.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -23,7 +24,7 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.config import UnirlConfig, load_config, validate_config
+from unirl.config import RolloutConfig, UnirlConfig, load_config, validate_config
 from unirl.core.sample import validate_groups
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
@@ -32,12 +33,24 @@ from unirl.data.tokenizer import SpecialIds
 from unirl.replay import replay_logprobs
 from unirl.rewards import PLUGINS, RewardError, RewardPlugin
 from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rollout import SamplingParams
+from unirl.rollout.config import sampling_params
 from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job, scored_mask
 from unirl.train.metrics import read_metrics
 from unirl.train.run import trainer_settings
 from unirl.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add overhead (and thrash on a shared machine);
+    one thread also matches the subprocesses (OMP_NUM_THREADS=1) bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +109,31 @@ def fit(trainer: Trainer) -> list[dict]:
     return [metrics for _, metrics in trainer.fit()]
 
 
+def test_rollout_config_maps_one_to_one_onto_sampling_params():
+    cfg = RolloutConfig(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        guidance=2.0,
+        guidance_logprob="conditional",
+        bit_temperature=0.5,
+        max_new_tokens=12,
+        length_semantics="exact",
+        cycle_max_period=0,
+        cycle_repeats=4,
+        min_grid_side=2,
+        max_grid_side=8,
+        on_invalid_header="text",
+    )
+    params = sampling_params(cfg)
+    engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    shared = set(RolloutConfig.model_fields) & engine_fields
+    assert set(RolloutConfig.model_fields) - shared == {"batch_size"}
+    assert engine_fields - shared == {"greedy", "stop_token_ids"}
+    assert all(getattr(params, name) == getattr(cfg, name) for name in shared)
+    assert sampling_params(cfg, max_new_tokens=3, length_semantics="cap").max_new_tokens == 3
+
+
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
 def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, kind):
     trainer = make_trainer(grpo_config(tmp_path / kind, assets, kind))
@@ -104,7 +142,7 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     ids = [t.sample_id for t in trajs]
     assert validate_groups(ids) == (2, 4) and ids[:2] == ["prompt-0/0", "prompt-0/1"]
     assert {t.finish_reason for t in trajs} == {"length_exact"}
-    (metrics,) = fit(make_trainer(grpo_config(tmp_path / f"{kind}-1", assets, kind)))[:1]
+    metrics = fit(trainer)[0]
     assert metrics["reward/overwritten_frac"] == 0.0
     assert metrics["reward/total_mean"] > 0 and metrics["reward/total_std"] > 0
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
@@ -114,7 +152,6 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     for key in ("adv/advantage_std", "adv/between_share", "adv/frac_zero_std_groups"):
         assert key in metrics
     assert "task/t2i/accuracy" in metrics and metrics["time/rollout_s"] > 0
-    fit(trainer)
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -330,12 +367,7 @@ def test_sigkill_during_rollout_and_checkpoint_write_resumes_bitwise(tmp_path, a
         )
         return write_config(tmp_path / f"{name}.yaml", cfg)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): bitwise comparable
-    try:
-        fit(make_trainer(load_config(config("ref"))))
-    finally:
-        torch.set_num_threads(threads)
+    fit(make_trainer(load_config(config("ref"))))  # one thread, as the subprocesses
     path = config("killed")
     for fault in ("rollout:3", "checkpoint_write:4"):
         killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})

@@ -360,12 +360,6 @@ def test_recipes_lora_targets_language_model_and_gradients_skip_frozen_parts(ckp
 
 # ---- one GRPO update through the loop (LoRA) -------------------------------------------
 
-GRPO_PARSE_GAP = (
-    "unirl.train.grpo_source parses responses with the ChatML "
-    "`parse_response(traj, model.tokenizer)`; a Janus-Pro row needs the model hook "
-    "`model.parse_response(traj)` (else every response is unparsed and scores 0)"
-)
-
 
 def _grpo_trainer(
     root: Path, task: str, plugins: list[dict], rollout: dict, truncated: str = "zero"
@@ -418,7 +412,6 @@ def _one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:
     return metrics
 
 
-@pytest.mark.xfail(strict=True, reason=GRPO_PARSE_GAP)
 def test_one_grpo_update_i2t_mc_lora(tmp_path):
     # one-token answers end "cap": keep their rewards (this test is about the update)
     trainer = _grpo_trainer(
@@ -447,7 +440,6 @@ def test_one_grpo_update_i2t_mc_lora(tmp_path):
     assert metrics["reward/mc_exact/invalid_frac"] < 0.5
 
 
-@pytest.mark.xfail(strict=True, reason=GRPO_PARSE_GAP)
 def test_one_grpo_update_t2i_clip_lora_exact_count_is_never_shaped(tmp_path):
     clip = write_tiny_clip(tmp_path / "clip")
     trainer = _grpo_trainer(

@@ -115,7 +115,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="demo directory (default runs/demo)")
     parser.add_argument("--sft-updates", type=_positive_int, default=300, help="SFT updates")
-    parser.add_argument("--grpo-updates", type=_positive_int, default=100, help="GRPO updates")
+    parser.add_argument("--grpo-updates", type=_positive_int, default=150, help="GRPO updates")
 
 
 def run_demo(args: argparse.Namespace) -> int:

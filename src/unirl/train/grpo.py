@@ -14,11 +14,14 @@ position t of row i with advantage A_i (NUMERICS "Clipped surrogate" .. "KL"):
 aggregated (`algorithm.aggregation`) with the global count of the whole batch.
 
 `old_logp_source`: "rollout" takes ℓ° from the sampler's log-probs; "replay" takes it
-from the replay at training geometry before the update — with one update per batch that
-*is* this forward (ℓ° = ℓ.detach()), so ρ ≡ 1 and the clip fraction is 0 by
-construction (logged as `policy/ratio_is_one_by_construction: 1`): the objective is then
-REINFORCE with a group baseline. Either way the rollout-vs-replay gap K3 (`k3_mismatch`)
-is logged every update.
+from the replay at training geometry before the update. On the first update of a rollout
+batch that *is* this forward (ℓ° = ℓ.detach()), so ρ ≡ 1 and the clip fraction is 0 by
+construction (logged as `policy/ratio_is_one_by_construction: 1`): with one update per
+batch the objective is REINFORCE with a group baseline. With `updates_per_batch` K > 1
+(replay only) the first update records ℓ° per sample and the next K − 1 updates of the
+same batch use it, so their ratios and clipping are real. Either way the
+rollout-vs-replay gap K3 (`k3_mismatch`, sampler vs current replay) is logged every
+update.
 
 The reference is a frozen copy of the initial policy (the weights at job build, before
 any resume), or — with LoRA — the same model with its adapters disabled (no second

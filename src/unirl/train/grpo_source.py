@@ -47,7 +47,7 @@ from unirl.config.algorithms import GRPOConfig
 from unirl.core.sample import Sample
 from unirl.core.seeding import seed_for
 from unirl.models.base import UnifiedModel
-from unirl.rewards import RewardError, RewardService, parse_response
+from unirl.rewards import RewardError, RewardService
 from unirl.rollout import (
     RolloutEngine,
     RolloutRequest,
@@ -254,7 +254,7 @@ class GRPOSource:
         samples, requests = self.requests(update)
         trajs = self._generate(update, requests)
         t1 = time.perf_counter()
-        parsed = [parse_response(t, self.model.tokenizer) for t in trajs]
+        parsed = [self.model.parse_response(t) for t in trajs]
         try:
             result = self.rewards.score(samples, trajs, parsed)
         except RewardError as err:
