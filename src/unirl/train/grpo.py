@@ -245,12 +245,13 @@ class GRPOObjective:
         return loss, {}
 
 
-def prompt_pools(cfg: UnirlConfig) -> dict[str, list[Sample]]:
-    """Training prompts per task: `data.path` rows of each task, or the built-in digits
-    tasks on the train split (`data.train_size` per task, 0 = one per train image)."""
+def prompt_pools(cfg: UnirlConfig, image_size: tuple[int, int] = (8, 8)) -> dict[str, list[Sample]]:
+    """Training prompts per task: `data.path` rows of each task (images must have the
+    model's `image_size`), or the built-in digits tasks on the train split
+    (`data.train_size` per task, 0 = one per train image)."""
     tasks = list(cfg.data.tasks)
     if cfg.data.path:
-        rows = load_dataset(cfg.data.path)
+        rows = load_dataset(cfg.data.path, image_size=image_size)
         return {t: [s for s in rows if s.task == t] for t in tasks}
     n = cfg.data.train_size or len(load_split("train"))
     return {t: make_task_samples(t, "train", n, seed=cfg.data.seed) for t in tasks}
@@ -307,7 +308,8 @@ def build_grpo_job(
     rewards = build_reward_service(
         cfg.reward, decode_images=model.codec.decode, resources=resources
     )
-    sampler = PromptSampler(prompt_pools(cfg), cfg.data.task_weights, cfg.data.seed)
+    image_size = tuple(getattr(model.codec, "image_size", (8, 8)))
+    sampler = PromptSampler(prompt_pools(cfg, image_size), cfg.data.task_weights, cfg.data.seed)
     stats = StepStats(LOSS_STAT_KEYS)
     settings = source_settings(cfg, model)
     source = GRPOSource(model, sampler, rewards, algo, settings, info, stats, run_dir)

@@ -101,7 +101,7 @@ def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
 def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
     """Serialised SFT rows: `data.path` (JSONL/parquet) or the built-in digits tasks."""
     if cfg.data.path:
-        samples = load_dataset(cfg.data.path)
+        samples = load_dataset(cfg.data.path, image_size=tuple(model.codec.image_size))
     else:
         samples = [
             s
