@@ -39,7 +39,8 @@ def _ensure_builtin() -> None:
     _LOADERS.setdefault("janus_pro", _load_janus_pro)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object file; ValueError naming the path when unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -55,10 +56,10 @@ def model_kind(path: str | Path) -> str:
     path = Path(path)
     cfg_file = path / MODEL_CONFIG
     if cfg_file.is_file():
-        return _read_json(cfg_file).get("kind")
+        return read_json(cfg_file).get("kind")
     hf_file = path / TRANSFORMERS_CONFIG
     if hf_file.is_file():
-        model_type = _read_json(hf_file).get("model_type")
+        model_type = read_json(hf_file).get("model_type")
         if model_type in TRANSFORMERS_KINDS:
             return TRANSFORMERS_KINDS[model_type]
         raise ValueError(

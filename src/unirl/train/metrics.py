@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS = "metrics.jsonl"
+MAX_PLOTS = 12
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -106,7 +107,8 @@ class Progress:
 
 
 def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = None) -> Path | None:
-    """Plot every numeric metric (or `keys`) against the update number into `out_png`."""
+    """Plot `keys` (default: loss, reward/* and val/* first, at most MAX_PLOTS metrics)
+    against the update number into `out_png`."""
     records = read_metrics(metrics_path)
     if not records:
         return None
@@ -118,7 +120,11 @@ def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = Non
     numeric = sorted(
         k for k in records[-1] if k != "update" and isinstance(records[-1][k], (int, float))
     )
-    keys = [k for k in (keys or numeric) if k in numeric]
+    if keys is None:
+        # the headline curves first; a GRPO run logs ~70 metrics, too many to draw quickly
+        first = [k for k in numeric if k == "loss" or k.startswith(("reward/", "val/"))]
+        keys = (first + [k for k in numeric if k not in first])[:MAX_PLOTS]
+    keys = [k for k in keys if k in numeric]
     if not keys:
         return None
     cols = min(3, len(keys))

@@ -13,7 +13,6 @@ token id, the vocabulary size). Nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers import (
 )
 
 from unirl.models.janus_pro.template import IMAGE, JanusTokens
+from unirl.models.registry import read_json
 
 ARCHITECTURE = "JanusForConditionalGeneration"
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
@@ -33,16 +33,6 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {
     "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
     "image processor": ("preprocessor_config.json", "processor_config.json"),
 }
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable JSON file ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
 
 
 def check_checkpoint(path: Path) -> dict:
@@ -57,12 +47,12 @@ def check_checkpoint(path: Path) -> dict:
             )
     for name in ("config.json", "tokenizer_config.json", "processor_config.json"):
         file = path / name
-        if file.is_file() and "auto_map" in _json(file):
+        if file.is_file() and "auto_map" in read_json(file):
             raise ValueError(
                 f"{file}: asks for remote code (auto_map); unirl loads Janus-Pro only with "
                 "transformers' own classes and never runs a checkpoint's code"
             )
-    config = _json(path / "config.json")
+    config = read_json(path / "config.json")
     if config.get("model_type") != "janus":
         raise ValueError(
             f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not 'janus' "
