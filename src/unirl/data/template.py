@@ -150,7 +150,8 @@ def _image_codes(part: ImagePart, encode_image: EncodeImage | None, where: str) 
     )
 
 
-def _turns(parts: Sequence[Part]) -> list[tuple[str, list[tuple[int, Part]]]]:
+def turns_of(parts: Sequence[Part]) -> list[tuple[str, list[tuple[int, Part]]]]:
+    """Runs of consecutive parts with the same role: [(role, [(index, part), ...]), ...]."""
     turns: list[tuple[str, list[tuple[int, Part]]]] = []
     for k, part in enumerate(parts):
         if not turns or turns[-1][0] != part.role:
@@ -189,7 +190,7 @@ def serialize(
     for k, part in enumerate(parts[:-1]):
         if isinstance(part, GenerationRequest):
             raise ValueError(f"sample {sample.id!r} parts[{k}]: a GenerationRequest must be last")
-    turns = _turns(parts)
+    turns = turns_of(parts)
     stream = _Stream()
     open_turn = False
     for n, (role, members) in enumerate(turns):

@@ -54,6 +54,25 @@ class StreamIds:
     image_pad: int
 
 
+def run_decoder(
+    decoder: nn.Module,
+    embeds: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any = None,
+) -> BodyOutput:
+    """Run a transformers decoder (LlamaModel-like) on input embeddings; the cache is
+    used and returned only when one is passed."""
+    out = decoder(
+        inputs_embeds=embeds,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    return BodyOutput(hidden=out.last_hidden_state, cache=out.cache)
+
+
 @dataclass
 class BodyOutput:
     """Hidden states [B, T, d] of the decoder body and its (updated) KV cache."""

@@ -39,7 +39,7 @@ from transformers import JanusForConditionalGeneration
 from unirl.core.sample import Part, Sample
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, StreamIds, UnifiedModel
+from unirl.models.base import BodyOutput, StreamIds, UnifiedModel, run_decoder
 from unirl.models.janus_pro.images import ImageInputs, JanusVQCodec, PixelSpec
 from unirl.models.janus_pro.loading import load_parts
 from unirl.models.janus_pro.template import IMAGE, JanusTemplate
@@ -213,14 +213,7 @@ class JanusProModel(UnifiedModel):
         position_ids: torch.Tensor,
         cache: Any = None,
     ) -> BodyOutput:
-        out = self.model.language_model(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask.long(),
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-        )
-        return BodyOutput(hidden=out.last_hidden_state, cache=out.cache)
+        return run_decoder(self.model.language_model, embeds, attention_mask, position_ids, cache)
 
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

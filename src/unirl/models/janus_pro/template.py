@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from unirl.core.sample import GenerationRequest, ImagePart, Part, Sample, TextPart
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality, Owner
+from unirl.data.template import turns_of
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -162,7 +163,7 @@ class JanusTemplate:
                 )
         stream, pixels = _Stream(self), []
         open_turn = False
-        for role, members in _turns(parts):
+        for role, members in turns_of(parts):
             if role == "assistant":
                 open_turn = self._assistant(stream, members, sample.id, encode_image)
             else:
@@ -309,12 +310,3 @@ class JanusTemplate:
             return []
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return [TextPart(text[1:] if text.startswith(" ") else text, "assistant")]
-
-
-def _turns(parts: Sequence[Part]) -> list[tuple[str, list[tuple[int, Part]]]]:
-    turns: list[tuple[str, list[tuple[int, Part]]]] = []
-    for k, part in enumerate(parts):
-        if not turns or turns[-1][0] != part.role:
-            turns.append((part.role, []))
-        turns[-1][1].append((k, part))
-    return turns

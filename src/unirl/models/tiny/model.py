@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from unirl.codecs import ImageCodec, load_codec
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, UnifiedModel, VisualHead
+from unirl.models.base import BodyOutput, UnifiedModel, VisualHead, run_decoder
 from unirl.models.registry import MODEL_CONFIG
 
 WEIGHTS = "model.safetensors"
@@ -113,14 +113,7 @@ class TinyUnifiedModel(UnifiedModel):
         position_ids: torch.Tensor,
         cache: Any = None,
     ) -> BodyOutput:
-        out = self.decoder(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask.long(),
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-        )
-        return BodyOutput(hidden=out.last_hidden_state, cache=out.cache)
+        return run_decoder(self.decoder, embeds, attention_mask, position_ids, cache)
 
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.text_head(hidden)
