@@ -106,6 +106,16 @@ def test_i2t_mc():
     assert set(letters) == set(LETTERS)  # the true option is shuffled
 
 
+def test_i2t_open():
+    samples = make_task_samples("i2t_open", "train", 30, seed=2)
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and image.role == "user"
+        assert question.text == "Which digit is shown? Answer with the digit only."
+        assert answer.role == "assistant" and answer.text == s.answer == str(s.meta["digit"])
+    assert len({s.answer for s in samples}) > 5
+
+
 def test_permute_quadrants_against_explicit_blocks():
     image = np.zeros((8, 8), dtype=np.float32)
     for q, (r, c) in enumerate([(0, 0), (0, 4), (4, 0), (4, 4)]):

@@ -30,6 +30,7 @@ from unirl.rewards import (
     RewardError,
     RewardPlugin,
     RewardService,
+    TextExact,
     build_responses,
     build_reward_service,
     parse_response,
@@ -104,6 +105,23 @@ def test_mc_exact_strict_letters() -> None:
     t2i = make_task_samples("t2i", "val", 1)[0]
     with pytest.raises(ValueError, match="not a letter"):
         run_plugin(MultipleChoiceExact(), [t2i], [text("A")])
+
+
+def test_text_exact_open_answer() -> None:
+    s = make_task_samples("i2t_open", "val", 1)[0]
+    wrong = str((int(s.answer) + 1) % 10)
+    cases = [
+        (text(s.answer), 1.0, False),
+        (text(f" {s.answer} "), 1.0, False),
+        (text(wrong), 0.0, False),
+        (text(s.answer + wrong), 0.0, False),
+        (text("  "), 0.0, True),
+        ([image(np.zeros((8, 8), np.float32))] + text(s.answer), 0.0, True),
+        (None, 0.0, True),
+    ]
+    scores, invalid = run_plugin(TextExact(), [s] * len(cases), [c[0] for c in cases])
+    assert scores == [c[1] for c in cases]
+    assert invalid == [c[2] for c in cases]
 
 
 def test_jigsaw_verifies_the_permutation() -> None:

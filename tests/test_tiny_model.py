@@ -6,11 +6,13 @@ import torch
 
 from unirl.codecs import build_codec
 from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.models import load_model
+from unirl.models.base import image_positions
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.train.forward import forward_interleaved, scored_indices
 
@@ -142,3 +144,36 @@ def test_incomplete_model_directory_is_named(tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(FileNotFoundError, match="missing unirl_model.json"):
         load_model(tmp_path / "m")
+
+
+def test_image_positions_count_within_each_image():
+    T, V = int(Modality.TEXT), int(Modality.VISUAL)
+    modality = torch.tensor([[T, V, V, V, T, T, V, V, T], [V, V, T, V, V, V, V, T, T]])
+    expected = torch.tensor([[0, 0, 1, 2, 0, 0, 0, 1, 0], [0, 1, 0, 0, 1, 2, 3, 0, 0]])
+    assert torch.equal(image_positions(modality), expected)
+
+
+@pytest.mark.parametrize("kind", ["vq", "bsq"])
+def test_visual_embedding_depends_on_the_image_position(kind, tokenizer, codecs):
+    model = _model(kind, tokenizer, codecs, init=0.1)
+    batch = _mixed_batch(tokenizer, codecs[kind])
+    with torch.no_grad():
+        model.visual_position.normal_()
+        full = model.embed(batch.token_ids, batch.modality, batch.visual_codes)
+        where = image_positions(batch.modality)
+        one_by_one = torch.cat(
+            [
+                model.embed(
+                    batch.token_ids[:, t : t + 1],
+                    batch.modality[:, t : t + 1],
+                    batch.visual_codes[:, t : t + 1],
+                    where[:, t : t + 1],
+                )
+                for t in range(batch.token_ids.shape[1])
+            ],
+            dim=1,
+        )
+        shifted = model.embed(batch.token_ids, batch.modality, batch.visual_codes, (where + 1) % 16)
+    assert torch.allclose(full, one_by_one, atol=1e-6)
+    visual = batch.modality == 1
+    assert visual.any() and (shifted[visual] - full[visual]).abs().amax(-1).min() > 1e-3

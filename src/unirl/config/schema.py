@@ -15,7 +15,7 @@ from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, SFTConfig
 from unirl.config.base import StrictModel, incompatible
 from unirl.config.trainer import TrainerConfig
 
-Task = Literal["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
+Task = Literal["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open"]
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
 DIGITS_IMAGE_SIZE = 8  # == unirl.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)
 

@@ -36,7 +36,7 @@ import numpy as np
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.data.digits_images import SPLITS, DigitImages, Split, load_split
 
-TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
+TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open")
 LETTERS = "ABCD"
 QUADRANT = 4
 
@@ -48,6 +48,7 @@ JIGSAW_PROMPT = (
     "for positions 0 1 2 3, which quadrant of the shown image to put there. Which option "
     "restores the digit? {options}. Answer with the letter only."
 )
+I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
 MATH_PROMPT = "What is {a} {op} {b}? Draw the answer, then state it."
 MATH_RESPONSE = "The answer is drawn below."
 
@@ -122,6 +123,15 @@ def _i2t_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[li
     return parts, letter, {"options": options}
 
 
+def _i2t_open(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_OPEN_PROMPT, "user"),
+        TextPart(str(digit), "assistant"),
+    ]
+    return parts, str(digit), {}
+
+
 def _jigsaw_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
     scrambles = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(image, p), image)]
     permutation = scrambles[int(rng.integers(len(scrambles)))]
@@ -163,6 +173,7 @@ _BUILDERS = {
     "i2t_mc": _i2t_mc,
     "jigsaw_mc": _jigsaw_mc,
     "draw_then_answer": _draw_then_answer,
+    "i2t_open": _i2t_open,
 }
 
 
@@ -217,5 +228,6 @@ def vocabulary_texts() -> list[str]:
     for d in range(10):
         texts += [MATH_PROMPT.format(a=a, op=op, b=b) for a, op, b in math_problems(d)]
     texts.append(MATH_RESPONSE)
+    texts.append(I2T_OPEN_PROMPT)
     texts += list(LETTERS) + [str(d) for d in range(10)]
     return texts

@@ -81,6 +81,16 @@ class BodyOutput:
     cache: Any = None
 
 
+def image_positions(modality: torch.Tensor) -> torch.Tensor:
+    """[B, T] raster index of each visual position within its run of consecutive visual
+    positions (one image); 0 at text positions."""
+    visual = modality == Modality.VISUAL
+    count = torch.cumsum(visual.long(), dim=-1)
+    before = torch.where(visual, torch.zeros_like(count), count)
+    start = torch.cummax(before, dim=-1).values
+    return torch.where(visual, count - start - 1, torch.zeros_like(count))
+
+
 class UnifiedModel(nn.Module, ABC):
     """One decoder over text and visual positions, with a text and a visual head."""
 
@@ -91,10 +101,18 @@ class UnifiedModel(nn.Module, ABC):
 
     @abstractmethod
     def embed(
-        self, token_ids: torch.Tensor, modality: torch.Tensor, visual_codes: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        modality: torch.Tensor,
+        visual_codes: torch.Tensor,
+        image_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Input embeddings [B, T, d]: text embedding at text positions, visual embedding of
-        the code (VQ index or BSQ bit vector) at visual positions."""
+        the code (VQ index or BSQ bit vector) at visual positions.
+
+        `image_position` [B, T]: raster index of each visual position within its image;
+        None means `image_positions(modality)`, right whenever every image of the input
+        starts inside it (teacher forcing, prefill). Incremental decoding passes it."""
 
     @abstractmethod
     def body(

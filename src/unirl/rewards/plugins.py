@@ -11,6 +11,8 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
   meta["solution"] (verified on meta, not on the answer field). Invalid: as mc_exact.
 - `digit_classifier` (t2i, draw_then_answer): p(target digit | decoded image) under a
   `DigitClassifier`. Invalid: not exactly one decodable 8x8 image.
+- `text_exact` (i2t_open): 1 if the text-only response, stripped, equals sample.answer.
+  Invalid: an empty response or one with an image.
 - `exact_answer` (draw_then_answer): 1 if the text after the only image, stripped, equals
   sample.answer; kwarg `require_image_class` also needs the classifier's argmax on the
   image to be the target digit. Invalid: not exactly one image followed by text.
@@ -224,6 +226,31 @@ class MultipleChoiceExact(RewardPlugin):
         return [chosen_letter(r) is None for r in responses]
 
 
+class TextExact(RewardPlugin):
+    """Open text answer: 1 if the text-only response, stripped, equals the answer."""
+
+    name = "text_exact"
+
+    def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
+        out = []
+        for sample, response in zip(samples, responses):
+            if sample.answer is None:
+                raise ValueError(f"sample {sample.id!r} has no answer")
+            out.append(float(self._text(response) == sample.answer.strip()))
+        return out
+
+    @staticmethod
+    def _text(response: Response) -> str | None:
+        if not response.parsed or response.n_images:
+            return None
+        return response.text.strip() or None
+
+    def invalid_format(
+        self, samples: Sequence[Sample], responses: Sequence[Response]
+    ) -> list[bool]:
+        return [self._text(r) is None for r in responses]
+
+
 class JigsawVerifier(RewardPlugin):
     """1 if the chosen letter names the option whose permutation is meta["solution"].
 
@@ -332,6 +359,7 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "jigsaw": JigsawVerifier,
     "digit_classifier": DigitClassifierReward,
     "exact_answer": ExactAnswer,
+    "text_exact": TextExact,
 }
 """Plugin name (config `reward.plugins.N.name`) -> class."""
 

@@ -242,21 +242,24 @@ class RolloutEngine:
                 for k, code, lp in zip(ks, codes.tolist(), logp.tolist()):
                     states[k].push_visual(code, lp)
 
-    def _inputs(self, states: list[RowState], rows) -> tuple[list[int], list[int], list]:
-        """Next input (token, modality, code) of each batch row; padding for finished rows."""
-        ids, modality, codes = [], [], []
+    def _inputs(self, states: list[RowState], rows) -> tuple[list[int], list[int], list, list]:
+        """Next input (token, modality, code, index within its image) of each batch row;
+        padding for finished rows."""
+        ids, modality, codes, where = [], [], [], []
         for k, _ in rows:
             s = states[k]
             if s.done:
                 ids.append(self.special.pad)
                 modality.append(Modality.TEXT)
                 codes.append(None)
+                where.append(0)
             else:
                 t, m, c = s.last_input()
                 ids.append(t)
                 modality.append(m)
                 codes.append(c)
-        return ids, modality, codes
+                where.append(s.last_image_position())
+        return ids, modality, codes, where
 
 
 class _Batch:
@@ -308,9 +311,9 @@ class _Batch:
         self.cache.batch_select_indices(idx)
         self.mask, self.pos, self.hidden = self.mask[idx], self.pos[idx], self.hidden[idx]
 
-    def step(self, model: UnifiedModel, inputs: tuple[list, list, list]) -> None:
+    def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per row; updates cache, mask, positions and hidden."""
-        ids, modality, codes = inputs
+        ids, modality, codes, where = inputs
         device = self.mask.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
         mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
@@ -321,7 +324,8 @@ class _Batch:
             codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
         codes_t = codes_t[:, None]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(ids), 1)], dim=1)
-        embeds = model.embed(ids_t, mod_t, codes_t)
+        where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
+        embeds = model.embed(ids_t, mod_t, codes_t, where_t)
         out = model.body(embeds, self.mask, self.pos[:, None], self.cache)
         self.cache, self.hidden = out.cache, out.hidden[:, -1]
         self.pos = self.pos + 1

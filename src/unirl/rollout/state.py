@@ -91,6 +91,13 @@ class RowState:
             raise RuntimeError("no position has been appended yet")
         return self.ids[-1], self.new_modality[-1], self.new_codes[-1]
 
+    def last_image_position(self) -> int:
+        """Raster index, within its image, of the last position if it is visual (else 0)."""
+        if not self.new_modality or self.new_modality[-1] != Modality.VISUAL:
+            return 0
+        h, w = self.grids[-1]
+        return h * w - self.remaining - 1
+
     def push_text(self, token: int, logp: float) -> None:
         """Append a sampled text token and apply the text-mode rules."""
         self._add(token, Modality.TEXT, Owner.POLICY, None, logp, None)

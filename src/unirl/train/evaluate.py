@@ -31,6 +31,7 @@ from unirl.rewards.plugins import (
     ExactAnswer,
     JigsawVerifier,
     MultipleChoiceExact,
+    TextExact,
     build_responses,
     parse_response,
 )
@@ -41,6 +42,7 @@ METRIC = {
     "jigsaw_mc": "accuracy",
     "t2i": "score",
     "draw_then_answer": "exact_match",
+    "i2t_open": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
 
@@ -64,6 +66,8 @@ def _plugin(task: str, classifier: DigitClassifier):
         return JigsawVerifier()
     if task == "t2i":
         return DigitClassifierReward(classifier)
+    if task == "i2t_open":
+        return TextExact()
     return ExactAnswer()
 
 
@@ -75,7 +79,7 @@ def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
             RolloutRequest(s, seed_for(seed, 0, i, 0), params, image_grid=grid)
             for i, s in enumerate(samples)
         ]
-    cap = 8 if task in ("i2t_mc", "jigsaw_mc") else 24 + grid[0] * grid[1]
+    cap = 8 if task in ("i2t_mc", "jigsaw_mc", "i2t_open") else 24 + grid[0] * grid[1]
     params = SamplingParams(greedy=True, max_new_tokens=cap)
     return [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
 

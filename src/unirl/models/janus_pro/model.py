@@ -141,8 +141,13 @@ class JanusProModel(UnifiedModel):
 
     # ---- hooks ---------------------------------------------------------------------
     def embed(
-        self, token_ids: torch.Tensor, modality: torch.Tensor, visual_codes: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        modality: torch.Tensor,
+        visual_codes: torch.Tensor,
+        image_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # Janus's generation embeddings carry no grid position (the decoder's 1D positions do).
         inner = self.model
         embeds = inner.language_model.embed_tokens(token_ids)
         visual = modality == Modality.VISUAL

@@ -2,7 +2,9 @@
 
 Inputs: text positions use the token embedding; visual positions use a visual embedding
 of their code — VQ: an embedding table over the codebook; BSQ: a linear map of the
-±1/√L code vector. Outputs: `text_head` (vocabulary logits) and `visual_head_proj`
+±1/√L code vector — plus a where-aware patch term: a learned embedding of the position's
+raster index in its image and a per-index linear map of the code's features (VQ: the
+codebook patch's pixels; BSQ: the code vector). Outputs: `text_head` (vocabulary logits) and `visual_head_proj`
 (VQ: codebook logits; BSQ: one Bernoulli logit per bit), applied only to the hidden
 states the caller passes (the positions it scores).
 """
@@ -21,7 +23,7 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from unirl.codecs import ImageCodec, load_codec
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, UnifiedModel, VisualHead, run_decoder
+from unirl.models.base import BodyOutput, UnifiedModel, VisualHead, image_positions, run_decoder
 from unirl.models.registry import MODEL_CONFIG
 
 WEIGHTS = "model.safetensors"
@@ -65,6 +67,21 @@ class TinyUnifiedModel(UnifiedModel):
             self.visual_embed: nn.Module = nn.Embedding(self._n_visual, d)
         else:
             self.visual_embed = nn.Linear(self._n_visual, d, bias=False)
+        # Where-aware patch embedding: a learned embedding per raster position of the grid
+        # plus, per position, a linear map of the code's features (VQ: the codebook patch
+        # pixels, centred; BSQ: the code vector). Attention that pools the image then sees
+        # a linear function of its pixels, so recognition is learned in a few hundred
+        # updates instead of being discovered through the code table alone.
+        self._n_grid = int(codec.grid[0] * codec.grid[1])
+        if codec.kind == "vq":
+            feats = codec.codebook.reshape(codec.codebook_size, -1).float() - 0.5
+        else:
+            feats = torch.zeros(0, self._n_visual)
+        self.register_buffer("code_features", feats.clone(), persistent=False)
+        self.visual_position = nn.Parameter(torch.zeros(self._n_grid, d))
+        self.visual_patch = nn.Parameter(
+            torch.randn(self._n_grid, feats.shape[-1], d) * config.initializer_range
+        )
         self.text_head = nn.Linear(d, len(tokenizer), bias=False)
         self.visual_head_proj = nn.Linear(d, self._n_visual, bias=False)
         for module in (self.visual_embed, self.text_head, self.visual_head_proj):
@@ -95,16 +112,29 @@ class TinyUnifiedModel(UnifiedModel):
         return self.config.max_positions
 
     def embed(
-        self, token_ids: torch.Tensor, modality: torch.Tensor, visual_codes: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        modality: torch.Tensor,
+        visual_codes: torch.Tensor,
+        image_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        text = self.decoder.embed_tokens(token_ids)
+        embeds = self.decoder.embed_tokens(token_ids)
         is_visual = modality == Modality.VISUAL
+        if not bool(is_visual.any()):
+            return embeds
+        where = image_positions(modality) if image_position is None else image_position
+        rows, cols = is_visual.nonzero(as_tuple=True)
+        codes = visual_codes[rows, cols]
         if self.visual_head == "vq":
-            visual = self.visual_embed(visual_codes.clamp(min=0))
+            codes = codes.long().clamp(min=0)
+            visual, feats = self.visual_embed(codes), self.code_features[codes]
         else:
-            vectors = (2.0 * visual_codes.to(text.dtype) - 1.0) / self._n_visual**0.5
-            visual = self.visual_embed(vectors)
-        return torch.where(is_visual.unsqueeze(-1), visual.to(text.dtype), text)
+            feats = (2.0 * codes.to(embeds.dtype) - 1.0) / self._n_visual**0.5
+            visual = self.visual_embed(feats)
+        k = where[rows, cols].clamp(0, self._n_grid - 1)
+        patch = torch.einsum("nf,nfd->nd", feats.to(embeds.dtype), self.visual_patch[k])
+        visual = visual + self.visual_position[k] + patch
+        return embeds.index_put((rows, cols), visual.to(embeds.dtype))
 
     def body(
         self,
