@@ -185,6 +185,21 @@ def chosen_letter(response: Response, letters: str = LETTERS) -> str | None:
     return text if len(text) == 1 and text in letters else None
 
 
+def answer_matches(
+    samples: Sequence[Sample],
+    responses: Sequence[Response],
+    answer_text: Callable[[Response], str | None],
+) -> list[float]:
+    """1.0 where `answer_text(response)` equals the sample's stripped answer, else 0.0;
+    ValueError naming a sample without an answer."""
+    out = []
+    for sample, response in zip(samples, responses):
+        if sample.answer is None:
+            raise ValueError(f"sample {sample.id!r} has no answer")
+        out.append(float(answer_text(response) == sample.answer.strip()))
+    return out
+
+
 def target_digit(sample: Sample) -> int:
     """meta["digit"], else int(answer); ValueError naming the sample if neither is 0-9."""
     value = sample.meta.get("digit", sample.answer)
@@ -232,12 +247,7 @@ class TextExact(RewardPlugin):
     name = "text_exact"
 
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
-        out = []
-        for sample, response in zip(samples, responses):
-            if sample.answer is None:
-                raise ValueError(f"sample {sample.id!r} has no answer")
-            out.append(float(self._text(response) == sample.answer.strip()))
-        return out
+        return answer_matches(samples, responses, self._text)
 
     @staticmethod
     def _text(response: Response) -> str | None:
@@ -329,11 +339,7 @@ class ExactAnswer(RewardPlugin):
         return text.strip() if text and text.strip() else None
 
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
-        out = []
-        for sample, response in zip(samples, responses):
-            if sample.answer is None:
-                raise ValueError(f"sample {sample.id!r} has no answer")
-            out.append(float(self.final_text(response) == sample.answer.strip()))
+        out = answer_matches(samples, responses, self.final_text)
         if self.require_image_class:
             for i, (sample, response) in enumerate(zip(samples, responses)):
                 pixels = single_image(response)

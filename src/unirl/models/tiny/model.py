@@ -118,23 +118,21 @@ class TinyUnifiedModel(UnifiedModel):
         visual_codes: torch.Tensor,
         image_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        embeds = self.decoder.embed_tokens(token_ids)
+        # Dense over all positions (text ones are discarded by the final `where`): no
+        # data-dependent indexing, so a decoding step never waits on the host.
+        text = self.decoder.embed_tokens(token_ids)
         is_visual = modality == Modality.VISUAL
-        if not bool(is_visual.any()):
-            return embeds
         where = image_positions(modality) if image_position is None else image_position
-        rows, cols = is_visual.nonzero(as_tuple=True)
-        codes = visual_codes[rows, cols]
         if self.visual_head == "vq":
-            codes = codes.long().clamp(min=0)
+            codes = visual_codes.long().clamp(min=0)
             visual, feats = self.visual_embed(codes), self.code_features[codes]
         else:
-            feats = (2.0 * codes.to(embeds.dtype) - 1.0) / self._n_visual**0.5
+            feats = (2.0 * visual_codes.to(text.dtype) - 1.0) / self._n_visual**0.5
             visual = self.visual_embed(feats)
-        k = where[rows, cols].clamp(0, self._n_grid - 1)
-        patch = torch.einsum("nf,nfd->nd", feats.to(embeds.dtype), self.visual_patch[k])
+        k = where.clamp(0, self._n_grid - 1)
+        patch = torch.einsum("btf,btfd->btd", feats.to(text.dtype), self.visual_patch[k])
         visual = visual + self.visual_position[k] + patch
-        return embeds.index_put((rows, cols), visual.to(embeds.dtype))
+        return torch.where(is_visual.unsqueeze(-1), visual.to(text.dtype), text)
 
     def body(
         self,
