@@ -375,6 +375,21 @@ def test_example_recipes_load_and_inherit():
     assert [p.name for p in deep.reward.plugins] == ["digit_classifier"]
 
 
+def test_shipped_recipes_load():
+    """Every recipe the README and issues point at validates against the strict schema,
+    and each digits GRPO recipe names a reward plugin that scores its tasks."""
+    recipes = sorted((EXAMPLES.parent).rglob("*.yaml"))
+    digits = [p for p in recipes if p.parent.name == "digits"]
+    assert {"sft_vq.yaml", "grpo_i2t.yaml", "grpo_i2t_open.yaml"} <= {p.name for p in digits}
+    for path in recipes:
+        cfg = load_config(path)
+        if path.parent.name == "digits" and cfg.algorithm.name == "grpo":
+            assert cfg.reward.plugins, path.name
+    open_qa = load_config(EXAMPLES.parent / "digits" / "grpo_i2t_open.yaml")
+    assert open_qa.data.tasks == ["i2t_open"]
+    assert [p.name for p in open_qa.reward.plugins] == ["text_exact"]
+
+
 def test_schema_keys_and_digits_size():
     from unirl.config.schema import DIGITS_IMAGE_SIZE
     from unirl.data.digits_images import IMAGE_SIZE
