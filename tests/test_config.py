@@ -376,9 +376,10 @@ def test_example_recipes_load_and_inherit():
 
 
 def test_shipped_recipes_load():
-    """Every recipe the README and issues point at validates against the strict schema,
-    (Janus-Pro ones given a checkpoint path), and each digits GRPO recipe names a reward plugin that scores its tasks."""
-    recipes = sorted((EXAMPLES.parent).rglob("*.yaml"))
+    """Every recipe outside recipes/examples (those are loaded above) validates against the
+    strict schema, Janus-Pro ones given a checkpoint path, and every digits GRPO recipe
+    names at least one reward plugin."""
+    recipes = sorted(p for p in EXAMPLES.parent.rglob("*.yaml") if p.parent != EXAMPLES)
     digits = [p for p in recipes if p.parent.name == "digits"]
     assert {"sft_vq.yaml", "grpo_i2t.yaml", "grpo_i2t_open.yaml"} <= {p.name for p in digits}
     for path in recipes:
@@ -387,9 +388,12 @@ def test_shipped_recipes_load():
         cfg = load_config(path, overrides)
         if path.parent.name == "digits" and cfg.algorithm.name == "grpo":
             assert cfg.reward.plugins, path.name
+    # grpo_i2t_open inherits grpo_i2t and replaces only the task, reward and start point.
+    base = load_config(EXAMPLES.parent / "digits" / "grpo_i2t.yaml")
     open_qa = load_config(EXAMPLES.parent / "digits" / "grpo_i2t_open.yaml")
     assert open_qa.data.tasks == ["i2t_open"]
     assert [p.name for p in open_qa.reward.plugins] == ["text_exact"]
+    assert open_qa.algorithm == base.algorithm and open_qa.trainer == base.trainer
 
 
 def test_schema_keys_and_digits_size():
