@@ -101,7 +101,6 @@ def test_collate_pads_and_unbatch_round_trips(bits):
     assert (b.owner[pad] == Owner.PROMPT).all() and (b.modality[pad] == Modality.TEXT).all()
     assert (b.visual_codes[pad] == (0 if bits else -1)).all()
     assert (b.rollout_logp[pad] == 0).all()
-    assert b.position_ids[1].tolist() == list(range(lengths[1])) + [0] * (T - lengths[1])
     for i, t in enumerate(trajs):
         assert b.policy_mask[i].sum() == (t.owner == Owner.POLICY).sum()
         assert b.visual_mask[i].sum() == (t.modality == Modality.VISUAL).sum()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,7 @@ def test_chat_format_and_unconditional_prompt(model):
     block = BOI + IMAGE * model.n_image_tokens + EOI
     text = f"<|User|>: {block}\nwhat is in this picture ?\n\n<|Assistant|>:"
     assert prompt.token_ids.tolist() == [t.bos, *tok.encode(text, add_special_tokens=False)]
-    assert len(model.images.get("q")) == 1
+    assert len(prompt.images) == 1 and prompt.images[0].shape == (16, 16, 3)
 
     answered = Sample("sft", [*sample.parts, TextPart("B", "assistant")])
     full = model.prompt_trajectory(answered, add_generation_prompt=False)
@@ -423,9 +424,8 @@ def test_one_grpo_update_i2t_mc_lora(tmp_path):
     model = trainer.model
     prompts = [model.prompt_trajectory(s) for s in make_task_samples("i2t_mc", "train", 8)]
     batch = TrajectoryBatch.collate(prompts, model.tokens.pad)
-    with torch.no_grad(), model.rows(batch.sample_ids):
-        embeds = model.embed(batch.token_ids, batch.modality, batch.visual_codes)
-        hidden = model.body(embeds, batch.attention_mask, batch.position_ids).hidden
+    with torch.no_grad():
+        hidden = model.hidden(model.prepare(batch)).hidden
         last = hidden[torch.arange(len(batch)), batch.lengths - 1].mean(0)
         weight = (
             model.lm_head.base_layer.weight
@@ -513,8 +513,8 @@ def test_bad_images_and_unfillable_t2i_requests_fail_clearly(model, tmp_path):
     for grid in ((2, 8), (2, 2)):
         with pytest.raises(ValueError, match="does not fill that grid"):
             engine.generate([RolloutRequest(Sample("g", [TextPart("a dog")]), 0, exact, grid)])
-    ids = model.prompt_trajectory(_i2t("u", "what ?", 5))
-    with pytest.raises(ValueError, match="model.rows"):
-        model.embed(ids.token_ids[None], ids.modality[None], ids.visual_codes[None])
-    with model.rows(["never-registered"]), pytest.raises(ValueError, match="0 registered image"):
-        model.embed(ids.token_ids[None], ids.modality[None], ids.visual_codes[None])
+    prompt = model.prompt_trajectory(_i2t("u", "what ?", 5))
+    imageless = replace(prompt, images=[])
+    batch = TrajectoryBatch.collate([imageless], model.tokens.pad)
+    with pytest.raises(ValueError, match="carries 0 image"):
+        model.embed(model.prepare(batch))

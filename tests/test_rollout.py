@@ -20,6 +20,7 @@ from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.core.types import Modality, Owner
 from unirl.data.template import parse, serialize
 from unirl.data.tokenizer import SpecialIds
+from unirl.models.base import ModelInputs, image_positions
 from unirl.rollout import (
     RolloutEngine,
     RolloutRequest,
@@ -41,9 +42,17 @@ HEADER = [
 def _last_hidden(model, ids, modality, codes):
     """Hidden state at the last position of one sequence, by a full forward (no cache)."""
     T = ids.shape[0]
-    embeds = model.embed(ids[None], modality[None], codes[None])
     mask = torch.ones(1, T, dtype=torch.bool)
-    return model.body(embeds, mask, torch.arange(T)[None]).hidden[:, -1]
+    inputs = ModelInputs(
+        ids[None],
+        modality[None],
+        codes[None],
+        mask,
+        torch.arange(T)[None],
+        image_positions(modality[None]),
+        [[]],
+    )
+    return model.hidden(inputs).hidden[:, -1]
 
 
 @torch.no_grad()

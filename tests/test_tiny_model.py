@@ -1,6 +1,8 @@
 """Tiny unified model: mixed-task forward, heads at scored positions only, KV-cache parity,
 bitwise save/load."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,10 +13,10 @@ from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
+from unirl.forward import forward_interleaved, scored_indices
 from unirl.models import load_model
 from unirl.models.base import image_positions
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train.forward import forward_interleaved, scored_indices
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 
@@ -83,15 +85,16 @@ def test_kv_cached_decoding_matches_full_forward(kind, tokenizer, codecs):
     model = _model(kind, tokenizer, codecs, init=0.1)  # logit std ~0.8: not uniform
     batch = _mixed_batch(tokenizer, codecs[kind])
     with torch.no_grad():
-        embeds = model.embed(batch.token_ids, batch.modality, batch.visual_codes)
-        full = model.body(embeds, batch.attention_mask, batch.position_ids).hidden
+        inputs = model.prepare(batch)
+        embeds = model.embed(inputs)
+        full = model.body(embeds, batch.attention_mask, inputs.position_ids).hidden
         cache = model.new_cache()
         split = 5
         steps = [
             model.body(
                 embeds[:, :split],
                 batch.attention_mask[:, :split],
-                batch.position_ids[:, :split],
+                inputs.position_ids[:, :split],
                 cache,
             )
         ]
@@ -100,7 +103,7 @@ def test_kv_cached_decoding_matches_full_forward(kind, tokenizer, codecs):
                 model.body(
                     embeds[:, t : t + 1],
                     batch.attention_mask[:, : t + 1],
-                    batch.position_ids[:, t : t + 1],
+                    inputs.position_ids[:, t : t + 1],
                     steps[-1].cache,
                 )
             )
@@ -159,21 +162,25 @@ def test_visual_embedding_depends_on_the_image_position(kind, tokenizer, codecs)
     batch = _mixed_batch(tokenizer, codecs[kind])
     with torch.no_grad():
         model.visual_position.normal_()
-        full = model.embed(batch.token_ids, batch.modality, batch.visual_codes)
+        inputs = model.prepare(batch)
+        full = model.embed(inputs)
         where = image_positions(batch.modality)
         one_by_one = torch.cat(
             [
                 model.embed(
-                    batch.token_ids[:, t : t + 1],
-                    batch.modality[:, t : t + 1],
-                    batch.visual_codes[:, t : t + 1],
-                    where[:, t : t + 1],
+                    replace(
+                        inputs,
+                        token_ids=batch.token_ids[:, t : t + 1],
+                        modality=batch.modality[:, t : t + 1],
+                        visual_codes=batch.visual_codes[:, t : t + 1],
+                        image_position=where[:, t : t + 1],
+                    )
                 )
                 for t in range(batch.token_ids.shape[1])
             ],
             dim=1,
         )
-        shifted = model.embed(batch.token_ids, batch.modality, batch.visual_codes, (where + 1) % 16)
+        shifted = model.embed(replace(inputs, image_position=(where + 1) % 16))
     assert torch.allclose(full, one_by_one, atol=1e-6)
     visual = batch.modality == 1
     assert visual.any() and (shifted[visual] - full[visual]).abs().amax(-1).min() > 1e-3

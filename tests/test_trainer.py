@@ -26,10 +26,10 @@ from trainer_helpers import (
 from unirl.config import validate_config
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.tokenizer import SpecialIds
+from unirl.forward import forward_interleaved
 from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.checkpoint import latest_checkpoint
 from unirl.train.distributed import DistInfo
-from unirl.train.forward import forward_interleaved
 from unirl.train.run import sft_trajectories, trainer_settings
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import Trainer, TrainingError

@@ -1,15 +1,15 @@
 """Replay: teacher-forced scoring of sampled trajectories at training geometry (DESIGN §3).
 
-One forward of the batch through the body (`unirl.train.forward.body_hidden`); heads
+One forward of the batch through the body (`unirl.forward.body_hidden`); heads
 are applied only at the policy positions (`scored_indices`: position t is scored from
 the hidden state at t - 1), in chunks of at most `chunk_size` positions, so no
 [positions x vocabulary] tensor larger than one chunk exists. Each row's distribution is
 the one it was sampled from (`SamplingRecord.params`: temperature, top-k, top-p,
 guidance weight and `guidance_logprob`, bit temperature; `unirl.rollout.policy`). Rows
 whose visual log-prob is the guided one (w != 1, "guided") get their unconditional twin
-(`unirl.rollout.guidance.unconditional_twin`) appended to the same forward. The forward
-runs inside `model.rows(sample_ids)`, so adapters with side inputs (Janus-Pro's
-understanding images) find each row's.
+(`unirl.rollout.guidance.unconditional_twin`) appended to the same forward. The batch is
+self-describing (`Trajectory.images` carries understanding-image inputs), so any model
+built from the same checkpoint replays it with no other state.
 
 Under autograd each chunk's heads and log-probs run inside `torch.utils.checkpoint`, so
 backward recomputes them chunk by chunk and memory stays flat in the vocabulary.
@@ -26,12 +26,12 @@ from torch.utils.checkpoint import checkpoint
 from unirl.core.distributions import TextCategorical
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
+from unirl.forward import body_hidden, scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.rollout.guidance import unconditional_twin
 from unirl.rollout.params import SamplingParams, check_same_policy
 from unirl.rollout.policy import VisualDistribution, text_distribution, visual_distribution
 from unirl.rollout.request import SamplingRecord, prompt_length_of
-from unirl.train.forward import body_hidden, scored_indices
 
 DEFAULT_CHUNK = 128
 
@@ -117,8 +117,7 @@ class _Plan:
         self.twin_row = torch.full((B,), -1, dtype=torch.long, device=batch.token_ids.device)
         self.twin_shift = torch.zeros(B, dtype=torch.long, device=batch.token_ids.device)
         if not guided:
-            with self.model.rows(batch.sample_ids):
-                self.hidden = body_hidden(self.model, batch)
+            self.hidden = body_hidden(self.model, batch)
             return
         trajs = [replace(t, rollout_logp=None, rollout_logp_factors=None) for t in batch.unbatch()]
         twins = []
@@ -129,8 +128,7 @@ class _Plan:
             self.twin_row[i] = B + j
             self.twin_shift[i] = len(twin) - len(trajs[i])
         combined = TrajectoryBatch.collate(trajs + twins, batch.pad_id, validate=False)
-        with self.model.rows(combined.sample_ids):
-            self.hidden = body_hidden(self.model, combined)
+        self.hidden = body_hidden(self.model, combined)
 
     def chunks(self, chunk_size: int) -> Iterator[tuple[_Group, torch.Tensor, torch.Tensor]]:
         """(group, rows, cols) of every chunk, in the deterministic order."""

@@ -6,15 +6,28 @@ computed from the model's hidden state at t-1. `visual_codes` is VQ long [T] (-1
 not visual) or BSQ float32 [T, L] with values {0, 1} (0 where not visual). Visual
 positions hold the placeholder token id (`<|image_pad|>`).
 
+`images` are the trajectory's *understanding-image inputs*, in order of appearance: what
+the model reads that its token stream only points at (Janus-Pro: the pixels of each
+``<begin_of_image>`` + placeholder block, float [S, S, 3] in [0, 1]). They travel with the
+trajectory — in a batch, across processes, on disk — so any model built from the same
+checkpoint (a frozen reference, a teacher, a resumed run, a worker) can replay it with no
+state hidden in the model. Models that encode input images into visual positions (the
+tiny model) carry none.
+
 A batch is right-padded: row i's real positions are 0..lengths[i]-1. Padding values:
 token_ids = pad_id, modality = TEXT, owner = PROMPT, visual_codes = -1 (VQ) / 0 (BSQ),
 rollout log-probs = 0. `collate` then `unbatch` returns equal trajectories.
+`to_state` / `from_state` turn a trajectory into plain tensors, strings and numbers (what
+`torch.load(..., weights_only=True)` accepts) and back; `save_trajectories` /
+`load_trajectories` write and read a list of them atomically.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +76,7 @@ class Trajectory:
     rollout_logp_factors: torch.Tensor | None = None
     finish_reason: FinishReason | None = None
     length_semantics: LengthSemantics | None = None
+    images: list[torch.Tensor] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -73,8 +87,28 @@ class Trajectory:
         return self.visual_codes.dim() == 2
 
     def to(self, device: torch.device | str) -> Trajectory:
-        """A copy with every tensor on `device`."""
-        return replace(self, **_moved(self, device))
+        """A copy with every tensor (images included) on `device`."""
+        return replace(self, **_moved(self, device), images=[x.to(device) for x in self.images])
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain tensors, strings and numbers (module docstring); `from_state` inverts it."""
+        state: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            state[f.name] = [list(g) for g in v] if f.name == "image_grids" else v
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Trajectory:
+        """The trajectory `to_state` gave (validated); ValueError naming a bad field."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(state) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_state: unknown fields {unknown}")
+        kw = dict(state)
+        kw["image_grids"] = [tuple(int(v) for v in g) for g in state.get("image_grids", [])]
+        kw["images"] = list(state.get("images", []))
+        return cls(**kw).validate()
 
     def validate(self) -> Trajectory:
         """Check shapes, dtypes and the conventions; ValueError naming the field. Returns self.
@@ -145,6 +179,10 @@ class Trajectory:
             _fail("length_semantics", f"expected 'cap' or 'exact', got {self.length_semantics!r}")
         if not isinstance(self.sample_id, str):
             _fail("sample_id", f"expected a str, got {type(self.sample_id).__name__}")
+        if not isinstance(self.images, list) or not all(
+            isinstance(x, torch.Tensor) and x.is_floating_point() for x in self.images
+        ):
+            _fail("images", "expected a list of float tensors (understanding-image inputs)")
         return self
 
     def _validate_codes(self, visual: torch.Tensor, T: int) -> None:
@@ -186,6 +224,7 @@ class TrajectoryBatch:
     finish_reasons: list[FinishReason | None]
     length_semantics: list[LengthSemantics | None]
     pad_id: int = 0
+    images: list[list[torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def collate(
@@ -242,6 +281,7 @@ class TrajectoryBatch:
             finish_reasons=[t.finish_reason for t in trajs],
             length_semantics=[t.length_semantics for t in trajs],
             pad_id=pad_id,
+            images=[list(t.images) for t in trajs],
         )
 
     def __len__(self) -> int:
@@ -272,20 +312,23 @@ class TrajectoryBatch:
         """bool [B, T]: modality == VISUAL on real positions."""
         return (self.modality == Modality.VISUAL) & self.attention_mask
 
-    @property
-    def position_ids(self) -> torch.Tensor:
-        """long [B, T]: 0..len-1 on real positions, 0 on padding."""
-        T = self.max_length
-        ar = torch.arange(T, device=self.token_ids.device).expand(len(self), T)
-        return ar * self.attention_mask
-
     def n_scored(self) -> int:
         """Number of scored (policy) positions in the batch."""
         return int(self.policy_mask.sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TrajectoryBatch:
-        """A copy with every tensor on `device`."""
-        return replace(self, **_moved(self, device, non_blocking))
+        """A copy with every tensor (images included) on `device`."""
+        images = [[x.to(device, non_blocking=non_blocking) for x in row] for row in self.images]
+        return replace(self, **_moved(self, device, non_blocking), images=images)
+
+    def __repr__(self) -> str:
+        codes = "BSQ" if self.is_bits else "VQ"
+        n_images = sum(len(r) for r in self.images)
+        return (
+            f"TrajectoryBatch(B={len(self)}, T={self.max_length}, codes={codes}, "
+            f"scored={self.n_scored()}, visual={int(self.visual_mask.sum())}, "
+            f"input_images={n_images}, ids={self.sample_ids[:4]}{'...' if len(self) > 4 else ''})"
+        )
 
     def __getitem__(self, index: slice | Sequence[int] | torch.Tensor) -> TrajectoryBatch:
         """Rows selected by a slice, a list of ints, or a long (or bool [B]) tensor.
@@ -363,6 +406,7 @@ class TrajectoryBatch:
                     else self.rollout_logp_factors[i, :n].clone(),
                     finish_reason=self.finish_reasons[i],
                     length_semantics=self.length_semantics[i],
+                    images=list(self.images[i]),
                 )
             )
         return out
@@ -394,10 +438,46 @@ class TrajectoryBatch:
                 "rollout_logp_factors",
                 f"expected the BSQ codes' shape, got {_describe(self.rollout_logp_factors)}",
             )
-        for name in ("image_grids", "sample_ids", "finish_reasons", "length_semantics"):
+        for name in ("image_grids", "sample_ids", "finish_reasons", "length_semantics", "images"):
             if len(getattr(self, name)) != B:
                 _fail(name, f"expected {B} entries, got {len(getattr(self, name))}")
         return self
+
+
+def save_trajectories(path: str | Path, trajs: Sequence[Trajectory]) -> None:
+    """Write `trajs` (their `to_state`, with the class name of each) to `path` atomically:
+    a temporary file, fsynced, then renamed."""
+    path = Path(path)
+    payload = [{"kind": type(t).__name__, "state": t.to_state()} for t in trajs]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_trajectories(path: str | Path, kinds: Sequence[type[Trajectory]] = ()) -> list[Trajectory]:
+    """The trajectories `save_trajectories` wrote (loaded with ``weights_only=True``: no
+    code runs). `kinds` are the Trajectory subclasses the file may hold besides
+    `Trajectory` (e.g. `unirl.rollout.RolloutTrajectory`); ValueError naming the path for
+    an unreadable file or an unknown kind."""
+    path = Path(path)
+    classes = {c.__name__: c for c in (Trajectory, *kinds)}
+    try:
+        payload = torch.load(path, weights_only=True)
+    except Exception as err:  # any unreadable file gets the same one line
+        raise ValueError(f"{path}: not a readable trajectory file ({err})") from None
+    out = []
+    for k, item in enumerate(payload):
+        cls = classes.get(item.get("kind")) if isinstance(item, dict) else None
+        if cls is None:
+            raise ValueError(f"{path}: entry {k} has an unknown kind; known: {sorted(classes)}")
+        try:
+            out.append(cls.from_state(item["state"]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: entry {k}: {err}") from None
+    return out
 
 
 def _describe(t: Any) -> str:

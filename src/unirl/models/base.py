@@ -1,33 +1,40 @@
 """The `UnifiedModel` contract (DESIGN.md §1).
 
-A unified model reads and writes one stream of positions. It exposes four hooks and
-nothing more; algorithms, rollout and replay are written against these alone:
+A unified model reads and writes one stream of positions. The adapter turns a batch into
+**model inputs** and runs them, nothing else; algorithms, rollout and replay are written
+against these hooks alone:
 
-- ``embed(token_ids, modality, visual_codes) -> inputs_embeds [B, T, d]``
-- ``body(embeds, attention_mask, position_ids, cache) -> BodyOutput(hidden, cache)``
+- ``prepare(batch) -> ModelInputs``: token ids, modality, codes, the understanding-image
+  inputs the trajectories carry, and position ids in the model's own shape (``[B, T]``
+  for RoPE; an M-RoPE model returns ``[3, B, T]``). ``prepare_prompts(prompts)`` does the
+  same for left-padded rollout prompts, and ``decode_positions(inputs)`` gives the object
+  the decode loop asks for each next step's positions (nothing outside the adapter
+  assumes ``pos + 1``).
+- ``hidden(inputs, cache) -> BodyOutput(hidden, cache)``: ``embed(inputs)`` then
+  ``body(embeds, attention_mask, position_ids, cache)``.
 - ``text_logits(hidden [N, d]) -> [N, V]`` and ``visual_logits(hidden [N, d]) -> [N, K | L]``,
   applied by callers only at the positions they score (never to a full sequence).
 
 plus the image codec (``encode`` / ``decode``), the tokenizer and the chat template.
-For classifier-free guidance an adapter also builds the unconditional prompt of a
-conditional one (``unconditional_prompt``; the default blanks the user turns' content).
+The model holds no state about rows: everything a forward needs travels in the batch
+(`Trajectory.images`), so a reference copy, a teacher, a resumed run or another process
+scores a trajectory exactly as the sampler did. For classifier-free guidance an adapter
+also builds the unconditional prompt of a conditional one (``unconditional_prompt``; the
+default blanks the user turns' content).
 
 The chat format is a model hook too, so rollout and rewards never assume ChatML:
 ``prompt_trajectory`` serialises a `Sample`, ``image_generation_prefix`` /
 ``parse_image_header`` write and read what announces a generated image,
 ``parse_response`` reads a rollout row's response back, and ``special_ids`` names the
 ids the rollout state machine needs. The defaults are the embedded ChatML template
-(`unirl.data.template`); Janus-Pro overrides them. ``rows(sample_ids)`` declares which
-trajectories the rows of the next ``embed`` calls hold, for adapters whose trajectories
-carry side inputs (Janus-Pro's understanding-image pixels); the default ignores it.
+(`unirl.data.template`); Janus-Pro overrides them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +42,7 @@ import torch
 from torch import nn
 
 from unirl.core.sample import Part, Sample
-from unirl.core.trajectory import Trajectory
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality, Owner
 
 VisualHead = Literal["vq", "bsq"]
@@ -81,6 +88,74 @@ class BodyOutput:
     cache: Any = None
 
 
+@dataclass
+class ModelInputs:
+    """Everything one forward of a model needs (DESIGN §1), batch-first.
+
+    `token_ids`, `modality` long [B, T]; `visual_codes` VQ long [B, T] / BSQ float [B, T, L]
+    (the *input* codes: BitFlip may perturb them); `attention_mask` bool [B, T_past + T]
+    (cached positions included when decoding); `position_ids` in the model's own shape
+    (RoPE: long [B, T]; M-RoPE: [3, B, T]); `image_position` long [B, T]: raster index of
+    each visual position within its image (0 elsewhere); `images[b]`: row b's
+    understanding-image inputs in order (`Trajectory.images`; empty for decoding steps).
+    """
+
+    token_ids: torch.Tensor
+    modality: torch.Tensor
+    visual_codes: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    image_position: torch.Tensor
+    images: list[list[torch.Tensor]] = field(default_factory=list)
+
+
+class DecodePositions:
+    """The decode loop's source of next positions (RoPE: each row's next index).
+
+    `next(modality, image_position)` returns the position ids of the next fed position of
+    every batch row ([B, 1], the model's shape) and advances; `select(rows)` keeps rows
+    (the engine compacts finished ones). Models with other position schemes (M-RoPE)
+    return their own object from `UnifiedModel.decode_positions`.
+    """
+
+    def __init__(self, next_position: torch.Tensor) -> None:
+        self.next_position = next_position
+
+    def next(self, modality: torch.Tensor, image_position: torch.Tensor) -> torch.Tensor:
+        pos = self.next_position[:, None]
+        self.next_position = self.next_position + 1
+        return pos
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.next_position = self.next_position[rows]
+
+
+def rope_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """long [B, T]: 0, 1, ... over each row's real positions (left or right padding), 0 on
+    padding."""
+    mask = attention_mask.long()
+    return ((torch.cumsum(mask, dim=-1) - 1) * mask).clamp(min=0)
+
+
+def left_pad(prompts: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(token_ids, modality, visual_codes, attention_mask) of `prompts` left-padded to
+    the longest (padding: `pad_id`, TEXT, no code)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    P = int(lengths.max())
+    first = prompts[0].visual_codes
+    code_pad = 0.0 if first.dim() == 2 else -1
+    B = len(prompts)
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    modality = torch.full((B, P), int(Modality.TEXT), dtype=torch.long)
+    codes = torch.full((B, P, *first.shape[1:]), code_pad, dtype=first.dtype)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p) :] = p.token_ids
+        modality[r, P - len(p) :] = p.modality
+        codes[r, P - len(p) :] = p.visual_codes
+    mask = torch.arange(P)[None] >= (P - lengths)[:, None]
+    return ids, modality, codes, mask
+
+
 def image_positions(modality: torch.Tensor) -> torch.Tensor:
     """[B, T] raster index of each visual position within its run of consecutive visual
     positions (one image); 0 at text positions."""
@@ -100,19 +175,10 @@ class UnifiedModel(nn.Module, ABC):
     codec: Any
 
     @abstractmethod
-    def embed(
-        self,
-        token_ids: torch.Tensor,
-        modality: torch.Tensor,
-        visual_codes: torch.Tensor,
-        image_position: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def embed(self, inputs: ModelInputs) -> torch.Tensor:
         """Input embeddings [B, T, d]: text embedding at text positions, visual embedding of
-        the code (VQ index or BSQ bit vector) at visual positions.
-
-        `image_position` [B, T]: raster index of each visual position within its image;
-        None means `image_positions(modality)`, right whenever every image of the input
-        starts inside it (teacher forcing, prefill). Incremental decoding passes it."""
+        the code (VQ index or BSQ bit vector, at `inputs.image_position` within its image)
+        at visual positions, and whatever the model reads of `inputs.images`."""
 
     @abstractmethod
     def body(
@@ -151,6 +217,54 @@ class UnifiedModel(nn.Module, ABC):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    # ---- model inputs ------------------------------------------------------------------
+    def position_ids(self, attention_mask: torch.Tensor, modality: torch.Tensor) -> torch.Tensor:
+        """Position ids of a padded batch in this model's shape (RoPE: `rope_positions`)."""
+        return rope_positions(attention_mask)
+
+    def prepare(
+        self, batch: TrajectoryBatch, visual_inputs: torch.Tensor | None = None
+    ) -> ModelInputs:
+        """The inputs of a teacher-forced forward of a right-padded batch on the model's
+        device. `visual_inputs` replaces `batch.visual_codes` as input codes (BitFlip)."""
+        device = self.device
+        batch = batch.to(device)
+        codes = batch.visual_codes if visual_inputs is None else visual_inputs.to(device)
+        return ModelInputs(
+            token_ids=batch.token_ids,
+            modality=batch.modality,
+            visual_codes=codes,
+            attention_mask=batch.attention_mask,
+            position_ids=self.position_ids(batch.attention_mask, batch.modality),
+            image_position=image_positions(batch.modality),
+            images=batch.images,
+        )
+
+    def prepare_prompts(self, prompts: Sequence[Trajectory], pad_id: int) -> ModelInputs:
+        """The inputs of a rollout prefill: `prompts` left-padded (`left_pad`), so every
+        row's last prompt position is the batch's last column."""
+        ids, modality, codes, mask = left_pad(prompts, pad_id)
+        device = self.device
+        ids, modality, codes, mask = (x.to(device) for x in (ids, modality, codes, mask))
+        return ModelInputs(
+            token_ids=ids,
+            modality=modality,
+            visual_codes=codes,
+            attention_mask=mask,
+            position_ids=self.position_ids(mask, modality),
+            image_position=image_positions(modality),
+            images=[[x.to(device) for x in p.images] for p in prompts],
+        )
+
+    def decode_positions(self, prefill: ModelInputs) -> DecodePositions:
+        """Where decoding continues after `prefill` (RoPE: one past each row's last)."""
+        return DecodePositions(prefill.attention_mask.long().sum(-1))
+
+    def hidden(self, inputs: ModelInputs, cache: Any = None) -> BodyOutput:
+        """Decoder hidden states [B, T, d] of `inputs` (and the updated cache when given)."""
+        embeds = self.embed(inputs)
+        return self.body(embeds, inputs.attention_mask, inputs.position_ids, cache)
 
     def new_cache(self) -> Any:
         """An empty KV cache for incremental decoding."""
@@ -202,11 +316,6 @@ class UnifiedModel(nn.Module, ABC):
 
         return parse_response(traj, self.tokenizer)
 
-    def rows(self, sample_ids: Sequence[str]) -> AbstractContextManager[None]:
-        """Context in which the rows of `embed`'s inputs hold the trajectories `sample_ids`
-        (batch order). Models without side inputs ignore it (the default)."""
-        return nullcontext()
-
     def unconditional_prompt(self, traj: Trajectory) -> Trajectory:
         """The unconditional twin of a prompt for classifier-free guidance (same length).
 
@@ -215,7 +324,8 @@ class UnifiedModel(nn.Module, ABC):
         text modality, no visual code, and the images there are dropped from
         ``image_grids``. The chat scaffold, other turns, the open assistant header and an
         image-generation prefix are kept, so the guided rows share positions with the
-        conditional ones. Adapters with another convention (Janus) override this.
+        conditional ones. Understanding-image inputs (user-turn content) are dropped.
+        Adapters with another convention (Janus) override this.
         """
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -254,4 +364,5 @@ class UnifiedModel(nn.Module, ABC):
             image_grids=keep_grids,
             rollout_logp=None,
             rollout_logp_factors=None,
+            images=[],
         )

@@ -30,7 +30,7 @@ from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
-from unirl.models.base import UnifiedModel
+from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.policy import text_distribution, visual_distribution
 from unirl.rollout.request import RolloutRequest, RolloutTrajectory
@@ -263,45 +263,30 @@ class RolloutEngine:
 
 
 class _Batch:
-    """Device-side state of the decode loop: KV cache, attention mask, next positions and
-    the last hidden state of every batch row."""
+    """Device-side state of the decode loop: KV cache, attention mask, the model's
+    next-position source and the last hidden state of every batch row."""
 
     def __init__(
         self,
         cache: Any,
         mask: torch.Tensor,
-        pos: torch.Tensor,
+        positions: DecodePositions,
         hidden: torch.Tensor,
         bits: int | None,
     ) -> None:
-        self.cache, self.mask, self.pos, self.hidden = cache, mask, pos, hidden
+        self.cache, self.mask, self.positions, self.hidden = cache, mask, positions, hidden
         self.bits = bits
 
     @classmethod
     def prefill(cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int) -> _Batch:
-        """Left-pad `prompts` and run them through the body in one forward."""
-        device = model.device
-        lengths = torch.tensor([len(p) for p in prompts])
-        P = int(lengths.max())
+        """Left-pad `prompts` (`UnifiedModel.prepare_prompts`) and run them through the
+        body in one forward."""
+        inputs = model.prepare_prompts(prompts, pad_id)
+        out = model.hidden(inputs, model.new_cache())
         first = prompts[0].visual_codes
-        code_pad = 0.0 if first.dim() == 2 else -1
-        ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-        modality = torch.full((len(prompts), P), int(Modality.TEXT), dtype=torch.long)
-        codes = torch.full((len(prompts), P, *first.shape[1:]), code_pad, dtype=first.dtype)
-        for r, p in enumerate(prompts):
-            ids[r, P - len(p) :] = p.token_ids
-            modality[r, P - len(p) :] = p.modality
-            codes[r, P - len(p) :] = p.visual_codes
-        offset = P - lengths
-        mask = torch.arange(P)[None] >= offset[:, None]
-        pos = (torch.arange(P)[None] - offset[:, None]).clamp(min=0)
-        ids, modality, codes = ids.to(device), modality.to(device), codes.to(device)
-        mask, pos = mask.to(device), pos.to(device)
-        with model.rows([p.sample_id for p in prompts]):
-            embeds = model.embed(ids, modality, codes)
-        out = model.body(embeds, mask, pos, model.new_cache())
         bits = int(first.shape[1]) if first.dim() == 2 else None
-        return cls(out.cache, mask, lengths.to(device), out.hidden[:, -1], bits)
+        positions = model.decode_positions(inputs)
+        return cls(out.cache, inputs.attention_mask, positions, out.hidden[:, -1], bits)
 
     def select(self, rows: list[int]) -> None:
         """Keep only batch `rows` (in this order), in the cache too."""
@@ -309,7 +294,8 @@ class _Batch:
         if not hasattr(self.cache, "batch_select_indices"):
             raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
         self.cache.batch_select_indices(idx)
-        self.mask, self.pos, self.hidden = self.mask[idx], self.pos[idx], self.hidden[idx]
+        self.positions.select(idx)
+        self.mask, self.hidden = self.mask[idx], self.hidden[idx]
 
     def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per row; updates cache, mask, positions and hidden."""
@@ -325,10 +311,17 @@ class _Batch:
         codes_t = codes_t[:, None]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(ids), 1)], dim=1)
         where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
-        embeds = model.embed(ids_t, mod_t, codes_t, where_t)
-        out = model.body(embeds, self.mask, self.pos[:, None], self.cache)
+        step = ModelInputs(
+            token_ids=ids_t,
+            modality=mod_t,
+            visual_codes=codes_t,
+            attention_mask=self.mask,
+            position_ids=self.positions.next(mod_t, where_t),
+            image_position=where_t,
+            images=[[] for _ in ids],
+        )
+        out = model.hidden(step, self.cache)
         self.cache, self.hidden = out.cache, out.hidden[:, -1]
-        self.pos = self.pos + 1
 
 
 def _append_prompt(traj: Trajectory, ids: list[int]) -> Trajectory:
@@ -343,4 +336,5 @@ def _append_prompt(traj: Trajectory, ids: list[int]) -> Trajectory:
         visual_codes=torch.cat([codes, pad if pad is not None else torch.full((n,), -1)]),
         image_grids=list(traj.image_grids),
         sample_id=traj.sample_id,
+        images=list(traj.images),
     ).validate()

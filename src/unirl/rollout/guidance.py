@@ -41,7 +41,8 @@ def unconditional_twin(model: UnifiedModel, traj: Trajectory, prompt_length: int
     """unconditional_prompt(traj[:prompt_length]) followed by traj[prompt_length:].
 
     The twin's response positions are the trajectory's, shifted by the difference of the
-    two prompt lengths (0 for the default adapter). Rollout log-probs are dropped.
+    two prompt lengths (0 for the default adapter). Rollout log-probs are dropped; the
+    twin carries the understanding images its unconditional prompt keeps.
     """
     n = prompt_length
     head = Trajectory(
@@ -51,6 +52,7 @@ def unconditional_twin(model: UnifiedModel, traj: Trajectory, prompt_length: int
         visual_codes=traj.visual_codes[:n],
         image_grids=list(traj.image_grids[: _image_count(traj.modality[:n])]),
         sample_id=traj.sample_id,
+        images=list(traj.images),
     )
     uncond = unconditional_prompt(model, head)
     n_prompt_images = len(head.image_grids)
@@ -63,4 +65,5 @@ def unconditional_twin(model: UnifiedModel, traj: Trajectory, prompt_length: int
         sample_id=traj.sample_id,
         finish_reason=traj.finish_reason,
         length_semantics=traj.length_semantics,
+        images=list(uncond.images),
     )

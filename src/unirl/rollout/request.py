@@ -81,6 +81,29 @@ class RolloutTrajectory(Trajectory):
 
     sampling: SamplingRecord | None = None
 
+    def to_state(self) -> dict:
+        """`Trajectory.to_state` with the record as plain values."""
+        state = super().to_state()
+        rec = self.sampling
+        state["sampling"] = (
+            None
+            if rec is None
+            else {
+                "params": rec.params.to_dict(),
+                "prompt_length": rec.prompt_length,
+                "seed": rec.seed,
+            }
+        )
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> RolloutTrajectory:
+        rec = state.get("sampling")
+        if rec is not None:
+            params = SamplingParams(**rec["params"])
+            rec = SamplingRecord(params, rec["prompt_length"], rec["seed"])
+        return super().from_state({**state, "sampling": rec})
+
 
 def prompt_length_of(traj: Trajectory, record: SamplingRecord | None = None) -> int:
     """The record's prompt length, else the index of the first non-PROMPT position."""

@@ -216,5 +216,6 @@ class RowState:
             finish_reason=self.finish_reason,
             length_semantics=self.params.length_semantics,
             sampling=SamplingRecord(self.params, self.prompt_length, seed),
+            images=list(self.prompt.images),
         )
         return traj.validate()

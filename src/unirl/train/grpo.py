@@ -55,6 +55,7 @@ from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
+from unirl.forward import scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.replay import DistributionChunk, replay_distributions, replay_logprobs, replay_map
 from unirl.rewards import build_reward_service
@@ -62,7 +63,6 @@ from unirl.rollout.config import sampling_params
 from unirl.train.build import set_adapters_enabled
 from unirl.train.distributed import DistInfo, barrier
 from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
-from unirl.train.forward import scored_indices
 from unirl.train.grpo_metrics import LOSS_STAT_KEYS, StepStats
 from unirl.train.grpo_source import GRPOSource, PromptSampler, Rollout, SourceSettings
 

@@ -16,8 +16,8 @@ from unirl.algorithms.sft import bitflip, bitflip_rates, sft_loss, sft_terms
 from unirl.config.algorithms import SFTConfig
 from unirl.core.seeding import generator_for
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
+from unirl.forward import forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
-from unirl.train.forward import forward_interleaved, scored_indices
 
 
 class DatasetSource:

@@ -1,5 +1,5 @@
-"""Janus-Pro images: input checks and normalisation, the understanding-image store, and
-the VQ-16 tokenizer as a unirl codec.
+"""Janus-Pro images: input checks and normalisation, and the VQ-16 tokenizer as a unirl
+codec.
 
 Pixels are float [H, W] (grey, repeated to RGB) or [H, W, 3] in [0, 1] of exactly the
 processor's size (384 x 384 for Janus-Pro; nothing is resized). Both the SigLIP tower and
@@ -57,31 +57,6 @@ class PixelSpec:
         """Normalised [N, 3, S, S] -> pixels [N, S, S, 3] in [0, 1]."""
         x = x.float() * self.std.to(x.device) + self.mean.to(x.device)
         return x.clamp(0.0, 1.0).permute(0, 2, 3, 1)
-
-
-class ImageInputs:
-    """Understanding-image pixels of the trajectories a model has serialised, by sample id.
-
-    `JanusProModel.prompt_trajectory` registers a sample's input images here; the model's
-    `embed`, inside `model.rows(sample_ids)`, looks each row's up. Entries hold references
-    to the checked arrays (a group's members share them), one entry per id; registering
-    an id again replaces its images.
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, tuple[np.ndarray, ...]] = {}
-
-    def register(self, sample_id: str, pixels: Sequence[np.ndarray]) -> None:
-        if pixels:
-            self._by_id[sample_id] = tuple(pixels)
-        else:
-            self._by_id.pop(sample_id, None)
-
-    def get(self, sample_id: str) -> tuple[np.ndarray, ...]:
-        return self._by_id.get(sample_id, ())
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
 
 class JanusVQCodec:

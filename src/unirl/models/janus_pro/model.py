@@ -10,12 +10,10 @@ state dict saves as a transformers checkpoint.
   `prepare_embeddings_for_image_generation`); the ``<image_placeholder>`` positions of
   an input-image block (``<begin_of_image>`` + N placeholders, TEXT) get the aligned
   SigLIP features of the row's image (= `JanusModel.get_image_features(...).pooler_output`,
-  the frozen tower run without gradients). Pixels travel beside the token stream: a
-  sample's input images are registered by `prompt_trajectory` under its sample id
-  (`ImageInputs`), and ``embed`` maps rows to ids inside ``with model.rows(sample_ids)``
-  (rollout prefill and replay enter it). The k-th block of a row gets its k-th image; a
-  multi-position input with image blocks outside `rows` is an error, single-position
-  decode steps never hold blocks.
+  the frozen tower run without gradients). The pixels travel with the trajectory
+  (`Trajectory.images`, set by `prompt_trajectory`) into `ModelInputs.images`: the k-th
+  block of a row gets its k-th image, and a row whose block count differs from its image
+  count is an error. The model keeps no per-row state.
 - ``body``: the Llama decoder (`model.language_model`) with a KV cache.
 - ``text_logits`` = `lm_head`, ``visual_logits`` = `model.generation_head` (16,384 VQ
   codes), applied only to the hidden states passed in.
@@ -27,8 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +36,8 @@ from transformers import JanusForConditionalGeneration
 from unirl.core.sample import Part, Sample
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, StreamIds, UnifiedModel, run_decoder
-from unirl.models.janus_pro.images import ImageInputs, JanusVQCodec, PixelSpec
+from unirl.models.base import BodyOutput, ModelInputs, StreamIds, UnifiedModel, run_decoder
+from unirl.models.janus_pro.images import JanusVQCodec, PixelSpec
 from unirl.models.janus_pro.loading import load_parts
 from unirl.models.janus_pro.template import IMAGE, JanusTemplate
 from unirl.models.registry import MODEL_CONFIG
@@ -63,8 +60,6 @@ class JanusProModel(UnifiedModel):
         self.codec = JanusVQCodec(hf, self.pixels)
         self.template = JanusTemplate(tokenizer, self.codec.grid, self.pixels.check)
         self.tokens = self.template.tokens
-        self.images = ImageInputs()
-        self._rows: list[str] | None = None
         for frozen in (self.model.vision_model, self.model.vqmodel):
             frozen.requires_grad_(False)
             frozen.eval()
@@ -106,11 +101,9 @@ class JanusProModel(UnifiedModel):
         )
 
     def prompt_trajectory(self, sample: Sample, add_generation_prompt: bool = True) -> Trajectory:
-        """The sample in the Janus-Pro format (`template`); its input images are
-        registered under `sample.id` for `embed`."""
-        traj, pixels = self.template.serialize(sample, add_generation_prompt, self.codec.encode)
-        self.images.register(sample.id, pixels)
-        return traj
+        """The sample in the Janus-Pro format (`template`); its input images travel with
+        it (`Trajectory.images`)."""
+        return self.template.serialize(sample, add_generation_prompt, self.codec.encode)
 
     def image_generation_prefix(self, height: int, width: int) -> list[int]:
         """``<begin_of_image>``: Janus announces an image by that token alone."""
@@ -131,60 +124,44 @@ class JanusProModel(UnifiedModel):
         """Janus's CFG prompt: every prompt token but BOS and ``<begin_of_image>`` -> pad."""
         return self.template.unconditional(traj)
 
-    @contextmanager
-    def rows(self, sample_ids: Sequence[str]) -> Iterator[None]:
-        previous, self._rows = self._rows, list(sample_ids)
-        try:
-            yield
-        finally:
-            self._rows = previous
-
     # ---- hooks ---------------------------------------------------------------------
-    def embed(
-        self,
-        token_ids: torch.Tensor,
-        modality: torch.Tensor,
-        visual_codes: torch.Tensor,
-        image_position: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def embed(self, inputs: ModelInputs) -> torch.Tensor:
         # Janus's generation embeddings carry no grid position (the decoder's 1D positions do).
         inner = self.model
-        embeds = inner.language_model.embed_tokens(token_ids)
-        visual = modality == Modality.VISUAL
+        embeds = inner.language_model.embed_tokens(inputs.token_ids)
+        visual = inputs.modality == Modality.VISUAL
         if visual.any():
             rows, cols = visual.nonzero(as_tuple=True)
-            codes = visual_codes[rows, cols]
+            codes = inputs.visual_codes[rows, cols]
             gen = inner.generation_aligner(inner.generation_embeddings(codes))
             embeds = embeds.index_put((rows, cols), gen.to(embeds.dtype))
-        return self._merge_images(embeds, token_ids, modality)
+        return self._merge_images(embeds, inputs)
 
-    def _merge_images(
-        self, embeds: torch.Tensor, token_ids: torch.Tensor, modality: torch.Tensor
-    ) -> torch.Tensor:
+    def _merge_images(self, embeds: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Write the SigLIP features of each row's images over its image blocks."""
+        token_ids, modality = inputs.token_ids, inputs.modality
         t, n, T = self.tokens, self.n_image_tokens, token_ids.shape[1]
         placeholder = (token_ids == t.image) & (modality == Modality.TEXT)
         starts = torch.zeros_like(placeholder)
         starts[:, 1:] = placeholder[:, 1:] & (token_ids[:, :-1] == t.boi)
         if not starts.any():
             return embeds
-        if self._rows is None or len(self._rows) != len(token_ids):
+        if len(inputs.images) != len(token_ids):
             raise ValueError(
-                "Janus-Pro input images: embed a batch holding image blocks inside "
-                "`with model.rows(sample_ids)`, one id per row"
+                f"Janus-Pro input images: {len(inputs.images)} image lists for "
+                f"{len(token_ids)} rows (ModelInputs.images holds one list per row)"
             )
         rows, first = starts.nonzero(as_tuple=True)  # row-major: a row's blocks in order
         cols = first[:, None] + torch.arange(n, device=first.device)[None]
         if (cols[:, -1] >= T).any() or not placeholder[rows[:, None], cols.clamp(max=T - 1)].all():
             raise ValueError(f"an input image block holds fewer than {n} {IMAGE} tokens")
-        images: list[np.ndarray] = []
+        images: list[torch.Tensor] = []
         for r in sorted(set(rows.tolist())):
-            found, blocks = self.images.get(self._rows[r]), int((rows == r).sum())
+            found, blocks = inputs.images[r], int((rows == r).sum())
             if len(found) != blocks:
                 raise ValueError(
-                    f"row {r} ({self._rows[r]!r}) has {blocks} input image block(s) but "
-                    f"{len(found)} registered image(s); serialise its sample with "
-                    "prompt_trajectory first"
+                    f"row {r} has {blocks} input image block(s) but carries {len(found)} "
+                    "image(s) (Trajectory.images); serialise its sample with prompt_trajectory"
                 )
             images += found
         features = self.image_features(images).to(embeds.dtype).reshape(-1, embeds.shape[-1])
@@ -192,20 +169,21 @@ class JanusProModel(UnifiedModel):
             (rows[:, None].expand_as(cols).reshape(-1), cols.reshape(-1)), features
         )
 
-    def image_features(self, images: Sequence[np.ndarray]) -> torch.Tensor:
-        """Aligned SigLIP features [n, N, d] of checked pixel arrays [S, S, 3]; equal images
-        (a group's members share theirs) go through the tower once."""
+    def image_features(self, images: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
+        """Aligned SigLIP features [n, N, d] of checked pixels [S, S, 3] in [0, 1]; equal
+        images (a group's members share theirs) go through the tower once."""
         slot: dict[bytes, int] = {}
         keys, distinct = [], []
-        for px in images:
-            key = hashlib.blake2b(np.ascontiguousarray(px).tobytes(), digest_size=16).digest()
+        for image in images:
+            px = torch.as_tensor(image).detach().float().cpu().contiguous()
+            key = hashlib.blake2b(px.numpy().tobytes(), digest_size=16).digest()
             if key not in slot:
                 slot[key] = len(distinct)
                 distinct.append(px)
             keys.append(slot[key])
         tower = self.model.vision_model
         param = next(tower.parameters())
-        x = self.pixels.normalize(torch.from_numpy(np.stack(distinct)).to(param.device))
+        x = self.pixels.normalize(torch.stack(distinct).to(param.device))
         with torch.no_grad():
             hidden = tower(x.to(param.dtype)).last_hidden_state
         aligned = self.model.aligner(hidden)

@@ -145,8 +145,9 @@ class JanusTemplate:
         sample: Sample,
         add_generation_prompt: bool = False,
         encode_image: EncodeImage | None = None,
-    ) -> tuple[Trajectory, list[np.ndarray]]:
-        """(trajectory, pixels of its input images in order). `add_generation_prompt`:
+    ) -> Trajectory:
+        """The sample's trajectory; its `images` are the checked pixels of its input images
+        in order, float [S, S, 3] in [0, 1] (they travel with it). `add_generation_prompt`:
         only the prompt (parts before the first assistant part, plus that part if it is a
         `GenerationRequest`) and the open header ``<|Assistant|>:`` (+ ``<begin_of_image>``
         for a generation request). `encode_image` gives the codes of assistant images
@@ -179,6 +180,7 @@ class JanusTemplate:
             visual_codes=torch.tensor(stream.codes, dtype=torch.long),
             image_grids=stream.grids,
             sample_id=sample.id,
+            images=[torch.from_numpy(px) for px in pixels],
         ).validate()
         n_placeholders = int(((traj.token_ids == self.tokens.image) & (traj.modality == 0)).sum())
         if n_placeholders != len(pixels) * self.n_image_tokens:
@@ -186,7 +188,7 @@ class JanusTemplate:
                 f"sample {sample.id!r}: the tokenizer does not encode {IMAGE} as one token "
                 f"({n_placeholders} placeholders for {len(pixels)} image(s)); mismatched tokenizer?"
             )
-        return traj, pixels
+        return traj
 
     def _content(self, members, sample_id: str, pixels: list, role: str) -> str:
         pieces: list[tuple[bool, str]] = []
@@ -250,7 +252,7 @@ class JanusTemplate:
     def unconditional(self, traj: Trajectory) -> Trajectory:
         """The CFG twin of a prompt, as Janus builds it: every PROMPT position except BOS
         and ``<begin_of_image>`` becomes the pad token (text, no code); images there are
-        dropped from `image_grids`. Same length as `traj`."""
+        dropped from `image_grids`, input images from `images`. Same length as `traj`."""
         keep = (traj.token_ids == self.tokens.bos) | (traj.token_ids == self.tokens.boi)
         blank = (traj.owner == Owner.PROMPT) & ~keep
         visual = (traj.modality == Modality.VISUAL).tolist()
@@ -271,6 +273,7 @@ class JanusTemplate:
             image_grids=grids,
             rollout_logp=None,
             rollout_logp_factors=None,
+            images=[],
         )
 
     # ---- reading responses ----------------------------------------------------------

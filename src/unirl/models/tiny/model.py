@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from unirl.codecs import ImageCodec, load_codec
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, UnifiedModel, VisualHead, image_positions, run_decoder
+from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
 from unirl.models.registry import MODEL_CONFIG
 
 WEIGHTS = "model.safetensors"
@@ -111,25 +111,18 @@ class TinyUnifiedModel(UnifiedModel):
     def max_positions(self) -> int:
         return self.config.max_positions
 
-    def embed(
-        self,
-        token_ids: torch.Tensor,
-        modality: torch.Tensor,
-        visual_codes: torch.Tensor,
-        image_position: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def embed(self, inputs: ModelInputs) -> torch.Tensor:
         # Dense over all positions (text ones are discarded by the final `where`): no
         # data-dependent indexing, so a decoding step never waits on the host.
-        text = self.decoder.embed_tokens(token_ids)
-        is_visual = modality == Modality.VISUAL
-        where = image_positions(modality) if image_position is None else image_position
+        text = self.decoder.embed_tokens(inputs.token_ids)
+        is_visual = inputs.modality == Modality.VISUAL
         if self.visual_head == "vq":
-            codes = visual_codes.long().clamp(min=0)
+            codes = inputs.visual_codes.long().clamp(min=0)
             visual, feats = self.visual_embed(codes), self.code_features[codes]
         else:
-            feats = (2.0 * visual_codes.to(text.dtype) - 1.0) / self._n_visual**0.5
+            feats = (2.0 * inputs.visual_codes.to(text.dtype) - 1.0) / self._n_visual**0.5
             visual = self.visual_embed(feats)
-        k = where.clamp(0, self._n_grid - 1)
+        k = inputs.image_position.clamp(0, self._n_grid - 1)
         patch = torch.einsum("btf,btfd->btd", feats.to(text.dtype), self.visual_patch[k])
         visual = visual + self.visual_position[k] + patch
         return torch.where(is_visual.unsqueeze(-1), visual.to(text.dtype), text)

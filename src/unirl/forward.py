@@ -53,15 +53,13 @@ def scored_indices(batch: TrajectoryBatch) -> tuple[ScoredIndex, ScoredIndex]:
 def body_hidden(
     model: UnifiedModel, batch: TrajectoryBatch, visual_inputs: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Decoder hidden states [B, T, d] of a right-padded batch (no cache).
+    """Decoder hidden states [B, T, d] of a right-padded batch (no cache): the model's
+    own inputs (`UnifiedModel.prepare`), understanding images included.
 
     `visual_inputs` replaces `batch.visual_codes` as the *input* codes (e.g. BitFlip noise);
     targets always stay the clean codes.
     """
-    codes = batch.visual_codes if visual_inputs is None else visual_inputs
-    with model.rows(batch.sample_ids):
-        embeds = model.embed(batch.token_ids, batch.modality, codes)
-    return model.body(embeds, batch.attention_mask, batch.position_ids).hidden
+    return model.hidden(model.prepare(batch, visual_inputs)).hidden
 
 
 def forward_interleaved(
