@@ -36,10 +36,10 @@ from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Owner
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer, build_vocab
+from unirl.forward import body_hidden
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
-from unirl.train.forward import body_hidden
 
 VOCAB = 102_400
 SEQ = 512

@@ -23,8 +23,8 @@ from unirl.data.digits import TASKS, make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
+from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train.forward import forward_interleaved
 
 
 def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
