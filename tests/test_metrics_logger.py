@@ -158,7 +158,9 @@ def test_wandb_offline_run_holds_the_logged_metrics_config_and_samples(tmp_path,
 
     records = wandb_records(run_dir)
     kinds = [r.WhichOneof("record_type") for r in records]
-    (run,) = [r.run for r, k in zip(records, kinds) if k == "run"]
+    runs = [r.run for r, k in zip(records, kinds) if k == "run"]
+    assert len(runs) == 1, kinds
+    run = runs[0]
     assert run.display_name == "knob-run" and run.project == "unirl"
     assert run.run_id == (run_dir / "wandb_run_id").read_text().strip()
     updates = [r.config.update for r, k in zip(records, kinds) if k == "config"]
