@@ -7,11 +7,11 @@ LINT_PATHS := src tests $(wildcard bench)
 
 .PHONY: venv test lint format demo clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,wandb]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -97,6 +97,18 @@ BAD_CONFIGS = [
         ["c.yaml: algorithm.old_logp_source: 'rollout' requires updates_per_batch=1 (got 2)"],
     ),
     (
+        "opd_not_implemented",
+        {"c.yaml": "algorithm: {name: opd, teacher_path: /teacher}\n"},
+        ["c.yaml"],
+        ["c.yaml: algorithm.name: opd (on-policy distillation) is not implemented yet"],
+    ),
+    (
+        "information_gain_not_implemented",
+        {"c.yaml": "algorithm: {name: sft, information_gain: {weight: 1}}\n"},
+        ["c.yaml"],
+        ["c.yaml: algorithm.information_gain.weight: not implemented yet"],
+    ),
+    (
         "negative_batch_size",
         {"c.yaml": "trainer: {global_batch_size: -8}\n"},
         ["c.yaml"],

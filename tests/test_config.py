@@ -235,7 +235,11 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
         ({"rollout": {"guidance": 3.0}, "data": {"tasks": ["i2t_mc"]}}, "rollout.guidance"),
         ({"rollout": {"min_grid_side": 5, "max_grid_side": 4}}, "rollout.min_grid_side"),
         ({"trainer": {"lora": {"target_modules": "(q_proj"}}}, "trainer.lora.target_modules"),
-        ({"algorithm": {"name": "opd"}}, "algorithm.teacher_path"),
+        ({"algorithm": {"name": "opd", "teacher_path": "/t"}}, "algorithm.name"),
+        (
+            {"algorithm": {"name": "sft", "information_gain": {"weight": 1.0}}},
+            "algorithm.information_gain.weight",
+        ),
         (
             {"algorithm": {"name": "sft", "bitflip": {"probability": 0.1}}},
             "algorithm.bitflip.probability",

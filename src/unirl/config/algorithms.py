@@ -26,10 +26,28 @@ class BitflipConfig(StrictModel):
     )
 
 
-class InformationGainConfig(StrictModel):
-    """Information Gain term: reward answers that need the image (full vs blind view)."""
+NOT_IMPLEMENTED = "not implemented yet"
 
-    weight: float = Field(0.0, ge=0.0, description="Weight of the information-gain loss (0 = off).")
+
+class InformationGainConfig(StrictModel):
+    """Information Gain term: reward answers that need the image (full vs blind view).
+
+    Not implemented yet: any weight other than 0 is refused at config time.
+    """
+
+    weight: float = Field(
+        0.0, ge=0.0, description="Weight of the information-gain loss (0 = off; only 0 for now)."
+    )
+
+    @model_validator(mode="after")
+    def _not_implemented(self) -> InformationGainConfig:
+        if self.weight != 0:
+            raise incompatible(
+                "weight",
+                f"{NOT_IMPLEMENTED}: the information-gain loss does not exist; "
+                f"got weight={self.weight}, leave it at 0",
+            )
+        return self
 
 
 class SFTConfig(StrictModel):
@@ -130,7 +148,10 @@ class GRPOConfig(StrictModel):
 
 
 class OPDConfig(StrictModel):
-    """On-policy distillation: generalised JSD to a teacher at the student's sampled positions."""
+    """On-policy distillation: generalised JSD to a teacher at the student's sampled positions.
+
+    Not implemented yet: the section is refused at config time, whatever its fields.
+    """
 
     name: Literal["opd"] = Field("opd", description="Algorithm selector.")
     teacher_path: str | None = Field(
@@ -155,11 +176,12 @@ class OPDConfig(StrictModel):
         1024, gt=0, description="Positions per chunk when computing full distributions."
     )
 
-    @model_validator(mode="after")
-    def _teacher_required(self) -> OPDConfig:
-        if not self.teacher_path:
-            raise incompatible("teacher_path", "opd requires a local teacher checkpoint directory")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _not_implemented(cls, data: object) -> object:
+        raise incompatible(
+            "name", f"opd (on-policy distillation) is {NOT_IMPLEMENTED}; use sft or grpo"
+        )
 
 
 AlgorithmConfig = Annotated[Union[SFTConfig, GRPOConfig, OPDConfig], Field(discriminator="name")]

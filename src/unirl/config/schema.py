@@ -7,6 +7,7 @@ raise `incompatible(...)` naming the dotted key at fault.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -227,13 +228,36 @@ class CheckpointConfig(StrictModel):
 
 
 class LoggingConfig(StrictModel):
-    """Metric sinks."""
+    """Metric sinks (`unirl.train.metrics.MetricsLogger`)."""
 
     jsonl: bool = Field(True, description="Write <output_dir>/metrics.jsonl.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
-    wandb: bool = Field(False, description="Also log to Weights & Biases (needs wandb).")
+    wandb: bool = Field(
+        False,
+        description="Also log to Weights & Biases (pip install 'unirl[wandb]'; project from "
+        "WANDB_PROJECT, default unirl; WANDB_MODE=offline works without an account).",
+    )
     progress_bar: bool = Field(True, description="Show a rich progress bar on a TTY.")
-    every: int = Field(1, gt=0, description="Log metrics every N updates.")
+    every: int = Field(
+        1,
+        gt=0,
+        description="Log metrics every N updates (the last update and updates that ran an "
+        "evaluation are always logged).",
+    )
+    samples_every: int = Field(
+        50,
+        ge=0,
+        description="Log a few rollout samples (prompt, response, reward, image) to "
+        "TensorBoard / W&B every N updates (0 = off).",
+    )
+
+    @model_validator(mode="after")
+    def _wandb_installed(self) -> LoggingConfig:
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise incompatible(
+                "wandb", "the wandb package is not installed (pip install 'unirl[wandb]')"
+            )
+        return self
 
 
 class UnirlConfig(StrictModel):

@@ -19,6 +19,7 @@ from unirl.config.schema import UnirlConfig
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
 from unirl.models import UnifiedModel, load_model
+from unirl.models.registry import model_kind
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 
 
@@ -27,6 +28,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def new_codec(cfg: UnirlConfig) -> ImageCodec:
+    """The unfitted codec `model.codec` describes for `model.visual_head`: VQ with
+    `codebook_size` entries, or BSQ with `bits` per patch grouped `group` x `group`; both
+    on `patch_size` pixel patches."""
+    c = cfg.model.codec
+    if cfg.model.visual_head == "vq":
+        return build_codec("vq", codebook_size=c.codebook_size, patch=c.patch_size)
+    return build_codec("bsq", latent_dim=c.bits, patch=c.patch_size, group=c.group)
 
 
 def build_or_load_codec(cfg: UnirlConfig, seed: int, codec_dir: Path | None) -> ImageCodec:
@@ -43,20 +54,34 @@ def build_or_load_codec(cfg: UnirlConfig, seed: int, codec_dir: Path | None) -> 
                 f"model.visual_head={cfg.model.visual_head}"
             )
         return codec
-    if cfg.model.visual_head == "vq":
-        codec = build_codec("vq", codebook_size=c.codebook_size, patch=c.patch_size)
-    else:
-        codec = build_codec("bsq", latent_dim=c.bits, patch=c.patch_size, group=c.group)
+    codec = new_codec(cfg)
     codec.fit(load_split("train").images, seed=seed)
     if codec_dir is not None:
         codec.save_pretrained(codec_dir)
     return codec
 
 
+def check_model_kind(cfg: UnirlConfig) -> None:
+    """ValueError unless the checkpoint at `model.path` (when set) holds a model of
+    `model.kind`; reads only the directory's config file, so it is cheap to call before
+    anything is built or written."""
+    if not cfg.model.path:
+        return
+    held = model_kind(cfg.model.path)
+    if held != cfg.model.kind:
+        raise ValueError(
+            f"model.kind={cfg.model.kind} but model.path={cfg.model.path} holds a "
+            f"{held} checkpoint; set model.kind={held} or point model.path at a "
+            f"{cfg.model.kind} checkpoint"
+        )
+
+
 def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel:
-    """The model a run starts from (before LoRA): `model.path` or a fresh tiny model
-    (initialised from the run seed; its codec as in `build_or_load_codec`)."""
+    """The model a run starts from (before LoRA): `model.path` (whose kind must be
+    `model.kind`) or a fresh tiny model (initialised from the run seed; its codec as in
+    `build_or_load_codec`)."""
     if cfg.model.path:
+        check_model_kind(cfg)
         model = load_model(cfg.model.path)
         if model.visual_head != cfg.model.visual_head:
             raise ValueError(

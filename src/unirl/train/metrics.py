@@ -1,8 +1,10 @@
-"""Run metrics: one JSONL line per update (flushed), TensorBoard scalars, a progress bar,
-and a PNG plot of the curves at the end of a run.
+"""Run metrics: JSONL lines (flushed), TensorBoard scalars, Weights & Biases, rollout
+samples, a progress bar, and a PNG plot of the curves at the end of a run.
 
 On resume the JSONL file is rewritten to keep only updates at or before the checkpoint,
-so a resumed run has no duplicate and no missing update.
+so a resumed run has no duplicate and no missing update (W&B keeps its step monotonic:
+the re-run updates after the checkpoint, bitwise equal on an exact resume, are dropped by
+it).
 """
 
 from __future__ import annotations
@@ -10,12 +12,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from unirl.config.schema import LoggingConfig
+
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+WANDB_ID = "wandb_run_id"
+WANDB_PROJECT = "unirl"
 MAX_PLOTS = 12
+SAMPLE_KEYS = ("prompt", "response", "reward", "image")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -32,40 +43,159 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: Path, last_update: int) -> None:
-    """Keep only records with update <= last_update; atomic rewrite."""
+    """Keep only records with update <= last_update; atomic rewrite (no file: nothing)."""
+    if not path.is_file():
+        return
     kept = [r for r in read_metrics(path) if r.get("update", -1) <= last_update]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     os.replace(tmp, path)
 
 
-class MetricsLogger:
-    """JSONL (+ optional TensorBoard) sink for per-update scalar metrics. Rank 0 only."""
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
+    }
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
-        self.path = Path(run_dir) / METRICS
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+def sample_image(image: Any) -> np.ndarray | None:
+    """A sample's image as uint8 [H, W] or [H, W, 3] (round(255 x)); ValueError unless it
+    is None or a float array of that shape with values in [0, 1]."""
+    if image is None:
+        return None
+    arr = np.asarray(image)
+    if arr.dtype.kind != "f" or not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] == 3)):
+        raise ValueError(
+            f"sample image: expected a float array [H, W] or [H, W, 3], got {arr.dtype} "
+            f"{list(arr.shape)}"
+        )
+    if not np.all((arr >= 0.0) & (arr <= 1.0)):
+        raise ValueError("sample image: values must lie in [0, 1]")
+    return np.round(arr * 255.0).astype(np.uint8)
+
+
+def _sample_text(sample: dict[str, Any]) -> str:
+    reward = sample["reward"]
+    shown = "none" if reward is None else f"{reward:.4f}"
+    return (
+        f"**prompt**\n\n    {sample['prompt']}\n\n**response**\n\n    {sample['response']}"
+        f"\n\n**reward** {shown}"
+    )
+
+
+class MetricsLogger:
+    """Rank-0 sink of per-update scalar metrics and of rollout samples (`logging:`).
+
+    Sinks: `<run_dir>/metrics.jsonl` (`jsonl`), `<run_dir>/tensorboard/` (`tensorboard`),
+    and Weights & Biases (`wandb`: a run in `<run_dir>/wandb`, named `run.name`, with the
+    resolved `config`; its id is kept in `<run_dir>/wandb_run_id` so a resumed run goes on
+    in the same W&B run).
+
+    Cadence: `log(update, metrics, force)` writes update u when u % `every` == 0 or when
+    `force` is set; the trainer forces the run's last update and every update that ran an
+    evaluation, so the final state and every `val/*` figure are always recorded. A written
+    record holds that update's values (no window averages). `log_samples` writes when
+    `samples_due(update)`: `samples_every` > 0 and update % `samples_every` == 0.
+    """
+
+    def __init__(
+        self, run_dir: Path, logging: LoggingConfig, config: dict[str, Any] | None = None
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = logging
+        self.path = self.run_dir / METRICS
+        self._file = open(self.path, "a") if logging.jsonl else None  # noqa: SIM115
         self._tb = None
-        if tensorboard:
+        if logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD))
+        self._wandb = self._start_wandb(config) if logging.wandb else None
 
-    def log(self, update: int, metrics: dict[str, Any]) -> None:
-        record = {"update": update, **metrics}
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+    def _start_wandb(self, config: dict[str, Any] | None) -> Any:
+        import wandb
+
+        id_file = self.run_dir / WANDB_ID
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = secrets.token_hex(6)
+            id_file.write_text(run_id + "\n")
+        name = (config or {}).get("run", {}).get("name")
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT),
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=config,
+        )
+
+    def due(self, update: int) -> bool:
+        """Whether `log` writes update `update` unforced."""
+        return update % self.cfg.every == 0
+
+    def samples_due(self, update: int) -> bool:
+        """Whether `log_samples` writes at update `update`."""
+        return self.cfg.samples_every > 0 and update % self.cfg.samples_every == 0
+
+    def log(self, update: int, metrics: dict[str, Any], force: bool = False) -> bool:
+        """Write update `update`'s metrics to every sink if due (or forced); return
+        whether it was written."""
+        if not (force or self.due(update)):
+            return False
+        if self._file is not None:
+            self._file.write(json.dumps({"update": update, **metrics}, sort_keys=True) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        scalars = _scalars(metrics)
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, update)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, update)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=update)
+        return True
+
+    def log_samples(self, update: int, samples: list[dict[str, Any]]) -> bool:
+        """Write rollout samples (dicts with keys `SAMPLE_KEYS`: prompt, response: str;
+        reward: float | None; image: float array [H, W] / [H, W, 3] in [0, 1] | None) if
+        `samples_due(update)`: TensorBoard text `samples/<i>` and image `samples/<i>`,
+        W&B a table `samples` (update, prompt, response, reward, image). Returns whether
+        they were written."""
+        if not self.samples_due(update) or not samples:
+            return False
+        for i, sample in enumerate(samples):
+            missing = [k for k in SAMPLE_KEYS if k not in sample]
+            if missing:
+                raise ValueError(f"sample {i}: missing keys {missing}")
+        images = [sample_image(s["image"]) for s in samples]
+        if self._tb is not None:
+            for i, (sample, image) in enumerate(zip(samples, images)):
+                self._tb.add_text(f"samples/{i}", _sample_text(sample), update)
+                if image is not None:
+                    fmt = "HW" if image.ndim == 2 else "HWC"
+                    self._tb.add_image(f"samples/{i}", image, update, dataformats=fmt)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["update", *SAMPLE_KEYS])
+            for sample, image in zip(samples, images):
+                picture = None if image is None else wandb.Image(image)
+                table.add_data(
+                    update, sample["prompt"], sample["response"], sample["reward"], picture
+                )
+            self._wandb.log({"samples": table}, step=update)
+        return True
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 class Progress:

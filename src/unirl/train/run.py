@@ -32,6 +32,7 @@ from unirl.train.build import (
     adapter_state,
     apply_lora,
     build_model,
+    check_model_kind,
     merged_state_dict,
     resolve_device,
 )
@@ -141,6 +142,7 @@ def run_train(cfg: UnirlConfig) -> Path:
         raise NotImplementedError(
             f"unirl train: algorithm {cfg.algorithm.name} is not available yet"
         )
+    check_model_kind(cfg)
     device = resolve_device(cfg.run.device)
     info = init_distributed(str(device))
     try:

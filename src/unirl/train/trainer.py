@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from unirl.config.schema import LoggingConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.models.base import UnifiedModel
 from unirl.train import checkpoint as ckpt
@@ -307,7 +308,11 @@ class Trainer:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
             self.save()
-        logger = MetricsLogger(self.run_dir, self.s.tensorboard) if self.dist.is_main else None
+        logger = None
+        if self.dist.is_main:
+            dump = self.s.config_dump
+            log_cfg = LoggingConfig.model_validate(dump.get("logging", {}))
+            logger = MetricsLogger(self.run_dir, log_cfg, dump)
         progress = Progress(
             self.s.total_updates, self.update, self.s.progress and self.dist.is_main
         )
@@ -320,7 +325,10 @@ class Trainer:
                     if self.update % self.eval_every == 0 or self.update == self.s.total_updates:
                         metrics.update(self.evaluator(self.update))
                 if logger is not None:
-                    logger.log(self.update, metrics)
+                    last = self.update == self.s.total_updates
+                    evaluated = self.evaluator is not None and self.eval_every > 0
+                    evaluated = evaluated and self.update % self.eval_every == 0
+                    logger.log(self.update, metrics, force=last or evaluated)
                 _inject_fault("after_update", self.update)
                 if self._due():
                     self.save()

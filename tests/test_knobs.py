@@ -1,0 +1,699 @@
+"""Every config knob acts (issue 13): a walk over the whole schema, every leaf field of
+`UnirlConfig` and of each algorithm variant, checked against a registry.
+
+Each field either has a probe, a small real case in which two values of the field give a
+different behaviour or output (the runtime object built from the config, a 1-3 update
+tiny run, or a refusal at config time for a feature that does not exist yet), or is on
+`EXEMPT` with the reason it cannot have one. A new field with neither fails
+`test_every_schema_field_has_a_probe_or_an_exemption`.
+
+Probes share one tiny setup (a width-16 one-layer model on pre-fitted codecs) and build
+runtime objects rather than train wherever that proves the point.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, get_args, get_origin
+
+import pytest
+import torch
+from pydantic import BaseModel
+from trainer_helpers import fit_small_codec
+
+from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
+from unirl.config.introspect import is_model, strip_optional, union_branches
+from unirl.data.digits_images import load_split
+from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.service import build_reward_service
+from unirl.rollout.config import sampling_params
+from unirl.rollout.engine import context_length
+from unirl.train.build import (
+    build_model,
+    check_model_kind,
+    new_codec,
+    resolve_device,
+)
+from unirl.train.distributed import DistInfo
+from unirl.train.evaluate import CLASSIFIER_DIR
+from unirl.train.metrics import MetricsLogger
+from unirl.train.run import (
+    JOBS,
+    _prepare_model,
+    _val_evaluator,
+    finish_run,
+    prepare_run_dir,
+    run_train,
+    trainer_settings,
+)
+from unirl.train.trainer import Trainer
+
+EXEMPT: dict[str, str] = {
+    "logging.progress_bar": "draws only on an interactive terminal (never under pytest/CI); "
+    "it changes no file or metric",
+    "rollout.batch_size": "rows decoded together: speed and memory only; a row's tokens do "
+    "not depend on its batch (per-row seeds, tests/test_rollout.py)",
+    "algorithm[grpo].chunk_size": "scored positions per head chunk: memory only; replay is "
+    "chunk-invariant by contract (tests/test_replay.py)",
+}
+
+
+def schema_leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted keys of every leaf field under `model`; a tagged union contributes each
+    branch's fields as `key[tag].field`, a list of sections as `key[].field`."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        inner, _ = strip_optional(info.annotation)
+        branches = union_branches((info.annotation, info))
+        if branches is not None:
+            for tag, branch in branches[1].items():
+                out += schema_leaves(branch, f"{key}[{tag}].")
+        elif is_model(inner):
+            out += schema_leaves(inner, f"{key}.")
+        elif get_origin(inner) is list and is_model(get_args(inner)[0]):
+            out += schema_leaves(get_args(inner)[0], f"{key}[].")
+        else:
+            out.append(key)
+    return out
+
+
+PROBES: dict[str, Callable[..., None]] = {}
+
+
+def probe(*keys: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register `fn(kit)` as the probe of `keys`."""
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        for key in keys:
+            assert key not in PROBES, key
+            PROBES[key] = fn
+        return fn
+
+    return register
+
+
+# -- the shared tiny setup -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("knobs")
+    vq_a = fit_small_codec(root / "vq_a", "vq")
+    vq_b = root / "vq_b"
+    codec = new_codec(validate_config({"model": {"codec": {"codebook_size": 16}}}))
+    codec.fit(load_split("train").images[:200], seed=1).save_pretrained(vq_b)
+    bsq = fit_small_codec(root / "bsq", "bsq")
+    train = load_split("train")
+    classifier = root / "clf"
+    DigitClassifier().fit(train.images[:300], train.labels[:300]).save_pretrained(classifier)
+    base = {
+        "run": {"name": "k", "seed": 0, "output_dir": str(root / "run"), "device": "cpu"},
+        "model": {
+            "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+            "codec": {"path": str(vq_a), "codebook_size": 16},
+        },
+        "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 4, "val_size": 0, "test_size": 0},
+        "algorithm": {"name": "sft"},
+        "trainer": {
+            "optimizer": {"lr": 1e-2},
+            "total_updates": 3,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+        },
+        "checkpoint": {"every_updates": 0},
+        "logging": {"tensorboard": False, "progress_bar": False, "samples_every": 0},
+    }
+    saved = root / "saved_model"
+    build_model(validate_config({**base, "run": {**base["run"], "seed": 5}})).save_pretrained(saved)
+    jsonl = root / "rows.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"say {w}"},
+                {"role": "assistant", "content": w},
+            ]
+        }
+        for w in ("one", "two", "three", "four")
+    ]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return SimpleNamespace(
+        root=root, base=base, vq_b=vq_b, bsq=bsq, classifier=classifier, saved=saved, jsonl=jsonl
+    )
+
+
+GRPO = {
+    "data": {"tasks": ["t2i"], "train_size": 8},
+    "rollout": {"max_new_tokens": 16, "length_semantics": "exact"},
+    "algorithm": {
+        "name": "grpo",
+        "group_size": 4,
+        "updates_per_batch": 2,
+        "kl": {"type": "k3", "coef": 0.05},
+    },
+    "trainer": {"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
+}
+
+
+def config(kit: SimpleNamespace, changes: dict[str, Any], base: dict | None = None) -> UnirlConfig:
+    """The kit's base config (deep-merged with `base`) with dotted `changes` applied."""
+    data = copy.deepcopy(kit.base)
+    for section, values in (base or {}).items():
+        data[section] = {**data.get(section, {}), **copy.deepcopy(values)}
+    for key, value in changes.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return validate_config(data)
+
+
+def differs(
+    kit: SimpleNamespace,
+    observe: Callable[[UnirlConfig], Any],
+    key: str,
+    a: Any,
+    b: Any,
+    base: dict | None = None,
+    **fixed: Any,
+) -> None:
+    """`observe` gives different results for `key` = a and `key` = b."""
+    fixed = {k.replace("__", "."): v for k, v in fixed.items()}
+    first = observe(config(kit, {**fixed, key: a}, base))
+    second = observe(config(kit, {**fixed, key: b}, base))
+    assert first != second, f"{key}: {a!r} and {b!r} both give {first!r}"
+
+
+def make_trainer(cfg: UnirlConfig, run_dir: Path | None = None) -> Trainer:
+    """What `unirl train` builds (model, job, trainer) without the run-directory files."""
+    run_dir = Path(run_dir or cfg.run.output_dir)
+    model = _prepare_model(cfg, run_dir, torch.device("cpu"))
+    source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, DistInfo())
+    return Trainer(
+        model,
+        source,
+        objective,
+        trainer_settings(cfg),
+        run_dir,
+        DistInfo(),
+        model.special_ids.pad,
+        evaluator=_val_evaluator(cfg, model, run_dir),
+        eval_every=cfg.trainer.eval_every,
+    )
+
+
+def steps(cfg: UnirlConfig) -> list[tuple[float, ...]]:
+    """(loss, grad_norm, lr, clip_scale) of each update of a run that writes no files."""
+    trainer = make_trainer(cfg)
+    out = []
+    for _ in range(cfg.trainer.total_updates):
+        m = trainer.step()
+        trainer.update += 1
+        out.append((m["loss"], m["grad_norm"], m["lr"], m["clip_scale"]))
+    return out
+
+
+def copy_classifier(kit: SimpleNamespace, run_dir: Path) -> None:
+    """The kit's digits classifier where a run looks for it (no fit on the full split)."""
+    (run_dir / CLASSIFIER_DIR).mkdir(parents=True)
+    for f in kit.classifier.glob("*"):
+        (run_dir / CLASSIFIER_DIR / f.name).write_bytes(f.read_bytes())
+
+
+def fit_run(kit: SimpleNamespace, cfg: UnirlConfig) -> tuple[Path, list[dict]]:
+    """A real `Trainer.fit` into a fresh run directory; the directory and the metrics."""
+    run_dir = Path(cfg.run.output_dir)
+    assert not run_dir.exists()
+    prepare_run_dir(cfg, DistInfo())
+    copy_classifier(kit, run_dir)
+    trainer = make_trainer(cfg, run_dir)
+    return run_dir, [m for _, m in trainer.fit()]
+
+
+_runs = iter(range(10**6))
+
+
+def fresh_dir(kit: SimpleNamespace) -> str:
+    return str(kit.root / f"run{next(_runs)}")
+
+
+# -- run, model, codec -----------------------------------------------------------------
+
+
+@probe("run.name")
+def _run_name(kit):
+    """The default run directory is runs/<name>."""
+    differs(kit, lambda c: c.run.output_dir, "run.name", "a", "b", run__output_dir=None)
+
+
+@probe("run.output_dir")
+def _run_output_dir(kit):
+    out = [Path(fresh_dir(kit)), Path(fresh_dir(kit))]
+    for path in out:
+        prepare_run_dir(config(kit, {"run.output_dir": str(path)}), DistInfo())
+    assert all((p / "config.yaml").is_file() for p in out)
+
+
+@probe("run.device")
+def _run_device(kit):
+    differs(kit, lambda c: resolve_device(c.run.device), "run.device", "cpu", "cuda:1")
+
+
+@probe(
+    "run.seed",
+    "model.tiny.hidden_size",
+    "model.tiny.num_layers",
+    "model.tiny.num_heads",
+    "model.tiny.intermediate_size",
+    "model.visual_head",
+    "model.codec.path",
+    "model.path",
+)
+def _model_weights(kit):
+    """A 1-update SFT run's loss and gradient depend on each model knob."""
+    one = {"trainer__total_updates": 1}
+    for key, a, b in [
+        ("run.seed", 0, 1),
+        ("model.tiny.hidden_size", 16, 24),
+        ("model.tiny.num_layers", 1, 2),
+        ("model.tiny.num_heads", 2, 4),
+        ("model.tiny.intermediate_size", 32, 48),
+        ("model.codec.path", str(kit.base["model"]["codec"]["path"]), str(kit.vq_b)),
+        ("model.path", None, str(kit.saved)),
+    ]:
+        differs(kit, steps, key, a, b, **one)
+    t2i = {"data.tasks": ["t2i"], "trainer.total_updates": 1}
+    bsq = config(kit, {**t2i, "model.visual_head": "bsq", "model.codec.path": str(kit.bsq)})
+    assert steps(config(kit, t2i)) != steps(bsq), "model.visual_head: vq and bsq agree"
+    vq = config(kit, {"model.codec.path": str(kit.bsq)})
+    with pytest.raises(ValueError, match="model.visual_head=vq"):
+        build_model(vq)
+
+
+@probe("model.kind")
+def _model_kind(kit):
+    """model.kind must match the checkpoint, and a mismatch stops `train` before the run
+    directory exists."""
+    tiny = config(kit, {"model.path": str(kit.saved), "model.kind": "tiny"})
+    check_model_kind(tiny)
+    out = Path(fresh_dir(kit))
+    janus = config(
+        kit, {"model.path": str(kit.saved), "model.kind": "janus_pro", "run.output_dir": str(out)}
+    )
+    with pytest.raises(ValueError, match="model.kind=janus_pro but model.path=.* holds a tiny"):
+        run_train(janus)
+    assert not out.exists()
+
+
+@probe("model.tiny.max_position_embeddings")
+def _context(kit):
+    observe = lambda c: context_length(build_model(c))  # noqa: E731
+    differs(kit, observe, "model.tiny.max_position_embeddings", 512, 64)
+
+
+@probe(
+    "model.codec.patch_size", "model.codec.codebook_size", "model.codec.bits", "model.codec.group"
+)
+def _codec(kit):
+    """The codec a run fits when model.codec.path is null."""
+    observe = lambda c: new_codec(c).config()  # noqa: E731
+    differs(kit, observe, "model.codec.patch_size", 2, 4)
+    differs(kit, observe, "model.codec.codebook_size", 16, 8)
+    bsq = {"model__visual_head": "bsq", "model__codec__path": None}
+    differs(kit, observe, "model.codec.bits", 16, 8, **bsq)
+    differs(kit, observe, "model.codec.group", 1, 2, **bsq)
+
+
+# -- data --------------------------------------------------------------------------
+
+
+@probe(
+    "data.tasks",
+    "data.task_weights",
+    "data.path",
+    "data.train_size",
+    "data.seed",
+    "data.shuffle",
+)
+def _data(kit):
+    """Which rows an SFT update trains on: its loss."""
+    one = {"trainer__total_updates": 1}
+    differs(kit, steps, "data.tasks", ["t2i"], ["i2t_mc"], **one)
+    differs(kit, steps, "data.task_weights", None, {"t2i": 3.0, "i2t_mc": 1.0}, **one)
+    differs(kit, steps, "data.path", None, str(kit.jsonl), **one)
+    differs(kit, steps, "data.train_size", 4, 2, **one)
+    differs(kit, steps, "data.seed", 0, 1, **one)
+    differs(kit, steps, "data.shuffle", True, False, **one)
+
+
+@probe("data.val_size", "trainer.eval_every")
+def _validation(kit):
+    def val_keys(c):
+        c = config(kit, {"run.output_dir": fresh_dir(kit), "trainer.total_updates": 2,
+                         "data.val_size": c.data.val_size, "trainer.eval_every": c.trainer.eval_every})  # fmt: skip
+        _, metrics = fit_run(kit, c)
+        return [sorted(k for k in m if k.startswith("val/")) for m in metrics]
+
+    differs(kit, val_keys, "trainer.eval_every", 0, 1, data__val_size=2)
+    differs(kit, val_keys, "data.val_size", 0, 2, trainer__eval_every=1)
+
+
+@probe("data.test_size")
+def _test_size(kit):
+    def evaluated(c):
+        run_dir = Path(fresh_dir(kit))
+        copy_classifier(kit, run_dir)
+        finish_run(c, build_model(c), run_dir)
+        path = run_dir / "eval.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    differs(kit, evaluated, "data.test_size", 0, 2)
+
+
+# -- rollout and rewards ------------------------------------------------------------
+
+
+ROLLOUT_CHANGES = {
+    "temperature": 0.5,
+    "top_k": 3,
+    "top_p": 0.5,
+    "guidance": 2.0,
+    "guidance_logprob": "conditional",
+    "bit_temperature": 0.5,
+    "max_new_tokens": 16,
+    "length_semantics": "exact",
+    "cycle_max_period": 0,
+    "cycle_repeats": 5,
+    "min_grid_side": 2,
+    "max_grid_side": 8,
+    "on_invalid_header": "text",
+}
+
+
+@probe(*(f"rollout.{k}" for k in ROLLOUT_CHANGES))
+def _rollout(kit):
+    """The engine's SamplingParams (each field maps onto one SamplingParams field)."""
+    observe = lambda c: sampling_params(c.rollout)  # noqa: E731
+    default = UnirlConfig().rollout
+    for name, value in ROLLOUT_CHANGES.items():
+        differs(kit, observe, f"rollout.{name}", getattr(default, name), value,
+                data__tasks=["t2i"])  # fmt: skip
+
+
+def service_view(c: UnirlConfig, kit) -> tuple:
+    """What the reward service built from the config holds."""
+    svc = build_reward_service(c.reward, decode_images=lambda codes: codes)
+    specs = tuple(
+        (
+            s.label,
+            type(s.plugin).__name__,
+            s.weight,
+            s.tasks,
+            vars(s.plugin).get("require_image_class"),
+        )
+        for s in svc.plugins
+    )
+    return specs, svc.truncated_reward, svc.on_error
+
+
+@probe(
+    "reward.truncated_reward",
+    "reward.on_error",
+    "reward.plugins[].name",
+    "reward.plugins[].weight",
+    "reward.plugins[].tasks",
+    "reward.plugins[].kwargs",
+    "reward.plugins[].path",
+)
+def _reward(kit):
+    observe = lambda c: service_view(c, kit)  # noqa: E731
+    one = lambda **kw: [{"name": "mc_exact", **kw}]  # noqa: E731
+    differs(kit, observe, "reward.truncated_reward", "zero", "keep", reward__plugins=one())
+    differs(kit, observe, "reward.on_error", "raise", "zero", reward__plugins=one())
+    differs(kit, observe, "reward.plugins", one(), [{"name": "text_exact"}])
+    differs(kit, observe, "reward.plugins", one(), one(weight=0.5))
+    differs(kit, observe, "reward.plugins", one(), one(tasks=["i2t_mc"]))
+    clf = {"name": "exact_answer", "path": str(kit.classifier)}
+    differs(kit, observe, "reward.plugins", [{"name": "exact_answer"}],
+            [{**clf, "kwargs": {"require_image_class": True}}])  # fmt: skip
+    path = config(kit, {"reward.plugins": [{"name": "digit_classifier", "path": str(kit.root)}]})
+    with pytest.raises(Exception, match=str(kit.root)):
+        service_view(path, kit)  # the path is read: a directory without a classifier fails
+
+
+# -- algorithms ------------------------------------------------------------------
+
+
+@probe("algorithm[sft].lambda_visual")
+def _lambda_visual(kit):
+    differs(kit, steps, "algorithm.lambda_visual", 1.0, 0.25, trainer__total_updates=1)
+
+
+@probe("algorithm[sft].bitflip.probability", "algorithm[sft].bitflip.probability_mode")
+def _bitflip(kit):
+    bsq = {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq), "data__tasks": ["t2i"],
+           "trainer__total_updates": 1}  # fmt: skip
+    differs(kit, steps, "algorithm.bitflip.probability", 0.0, 0.3, **bsq)
+    differs(kit, steps, "algorithm.bitflip.probability_mode", "fixed", "uniform",
+            algorithm__bitflip__probability=0.3, **bsq)  # fmt: skip
+
+
+@probe("algorithm[sft].information_gain.weight", *(f"algorithm[opd].{k}" for k in (
+    "name", "teacher_path", "beta", "top_k", "retained_mass_min", "chunk_size")))  # fmt: skip
+def _not_implemented(kit):
+    """Features that do not exist yet are refused at config time, naming the section."""
+    with pytest.raises(ConfigError, match="information_gain.weight: not implemented yet"):
+        config(kit, {"algorithm": {"name": "sft", "information_gain": {"weight": 1.0}}})
+    with pytest.raises(ConfigError, match="algorithm.name: opd .* not implemented yet"):
+        config(kit, {"algorithm": {"name": "opd", "teacher_path": str(kit.saved)}})
+
+
+GRPO_CHANGES = [
+    ("algorithm.group_size", 4, 2, {}),
+    ("algorithm.scope", "group", "global", {}),
+    ("algorithm.normalize_by_std", True, False, {}),
+    ("algorithm.std_ddof", 1, 0, {}),
+    ("algorithm.eps", 1e-6, 10.0, {}),
+    ("algorithm.clip_low", 0.2, 0.001, {}),
+    ("algorithm.clip_high", 0.2, 0.001, {}),
+    ("algorithm.dual_clip", None, 1.001, {}),
+    ("algorithm.aggregation", "token_mean", "seq_mean_token_sum_norm", {"algorithm__horizon": 8}),
+    ("algorithm.horizon", 8, 2, {"algorithm__aggregation": "seq_mean_token_sum_norm"}),
+    ("algorithm.kl.type", "k3", "k1", {}),
+    ("algorithm.kl.coef", 0.05, 1.0, {}),
+    ("algorithm.updates_per_batch", 2, 1, {}),
+    ("algorithm.old_logp_source", "replay", "rollout", {"algorithm__updates_per_batch": 1}),
+]
+
+
+@probe(
+    "algorithm[grpo].name",
+    "algorithm[sft].name",
+    *(f"algorithm[grpo].{k.removeprefix('algorithm.')}" for k, *_ in GRPO_CHANGES),
+)
+def _grpo(kit):
+    """Two GRPO updates on one rollout batch of 4x4 images scored by the digits
+    classifier (a continuous reward; the second update off-policy at lr 1e-2) change their
+    losses and gradients with each knob."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    for key, a, b, fixed in GRPO_CHANGES:
+        differs(kit, steps, key, a, b, grpo, **fixed)
+    sft = {**grpo, "algorithm": {"name": "sft"}}
+    differs(kit, steps, "algorithm", {"name": "sft"}, GRPO["algorithm"], sft)
+
+
+# -- trainer ---------------------------------------------------------------------
+
+
+@probe(
+    "trainer.optimizer.lr",
+    "trainer.optimizer.betas",
+    "trainer.optimizer.weight_decay",
+    "trainer.optimizer.eps",
+    "trainer.scheduler.name",
+    "trainer.scheduler.warmup_steps",
+    "trainer.scheduler.min_lr_ratio",
+    "trainer.global_batch_size",
+    "trainer.grad_clip",
+    "trainer.precision",
+)
+def _optimisation(kit):
+    """Three SFT updates: losses, gradient norms, learning rates and clip scales."""
+    for key, a, b, fixed in [
+        ("trainer.optimizer.lr", 1e-2, 1e-3, {}),
+        ("trainer.optimizer.betas", [0.9, 0.999], [0.5, 0.9], {}),
+        ("trainer.optimizer.weight_decay", 0.0, 0.5, {}),
+        ("trainer.optimizer.eps", 1e-8, 1e-1, {}),
+        ("trainer.scheduler.name", "warmup_constant", "warmup_cosine",
+         {"trainer__scheduler__warmup_steps": 1}),
+        ("trainer.scheduler.warmup_steps", 0, 2, {"trainer__scheduler__name": "warmup_cosine"}),
+        ("trainer.scheduler.min_lr_ratio", 0.0, 0.5, {"trainer__scheduler__name": "warmup_cosine"}),
+        ("trainer.global_batch_size", 4, 2, {}),
+        ("trainer.grad_clip", None, 1e-3, {}),
+        ("trainer.precision", "fp32", "bf16", {}),
+    ]:  # fmt: skip
+        differs(kit, steps, key, a, b, **fixed)
+
+
+@probe("trainer.micro_batch_size", "trainer.micro_token_budget", "trainer.gradient_checkpointing")
+def _geometry(kit):
+    """One update: forward passes of a decoder MLP (one per micro-batch), and the bytes
+    autograd saves for backward (checkpointing keeps only the layers' inputs)."""
+
+    def forwards(c):
+        trainer = make_trainer(c)
+        calls = []
+        hook = trainer.model.decoder.layers[0].mlp.register_forward_hook(lambda *a: calls.append(1))
+        trainer.step()
+        hook.remove()
+        return len(calls)
+
+    def saved_bytes(c):
+        trainer = make_trainer(c)
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer.step()
+        return sum(total)
+
+    one = {"trainer__total_updates": 1}
+    differs(kit, forwards, "trainer.micro_batch_size", 2, 1, **one)
+    differs(kit, forwards, "trainer.micro_token_budget", None, 8, **one)
+    differs(kit, saved_bytes, "trainer.gradient_checkpointing", False, True, **one)
+
+
+@probe(
+    "trainer.lora.enabled",
+    "trainer.lora.r",
+    "trainer.lora.alpha",
+    "trainer.lora.dropout",
+    "trainer.lora.target_modules",
+)
+def _lora(kit):
+    """The adapters a run trains: which modules, their rank, scale and dropout."""
+
+    def adapters(c):
+        model = _prepare_model(c, Path(fresh_dir(kit)), torch.device("cpu"))
+        trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        layers = [
+            (n, m.r, m.scaling, [d.p for d in m.lora_dropout.values() if hasattr(d, "p")])
+            for n, m in model.named_modules()
+            if hasattr(m, "lora_A")
+        ]
+        return trainable, repr(layers)
+
+    on = {"trainer__lora__enabled": True}
+    differs(kit, adapters, "trainer.lora.enabled", False, True)
+    differs(kit, adapters, "trainer.lora.r", 8, 2, **on)
+    differs(kit, adapters, "trainer.lora.alpha", 16.0, 4.0, **on)
+    differs(kit, adapters, "trainer.lora.dropout", 0.0, 0.5, **on)
+    differs(
+        kit, adapters, "trainer.lora.target_modules", r".*\.(q_proj|v_proj)$", r".*\.o_proj$", **on
+    )
+
+
+# -- checkpoints, resume, logging, training length ---------------------------------
+
+
+@probe(
+    "trainer.total_updates",
+    "checkpoint.every_updates",
+    "checkpoint.every_minutes",
+    "checkpoint.keep_last",
+    "logging.jsonl",
+    "logging.tensorboard",
+    "logging.every",
+)
+def _run_files(kit):
+    """What a real `fit` leaves in the run directory."""
+
+    def files(c):
+        c = config(kit, {"run.output_dir": fresh_dir(kit)}, {
+            "trainer": c.trainer.model_dump(), "checkpoint": c.checkpoint.model_dump(),
+            "logging": c.logging.model_dump()})  # fmt: skip
+        run_dir, metrics = fit_run(kit, c)
+        ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("update-*"))
+        jsonl = run_dir / "metrics.jsonl"
+        logged = (
+            [json.loads(line)["update"] for line in jsonl.read_text().splitlines()]
+            if jsonl.is_file()
+            else None
+        )
+        return len(metrics), ckpts, logged, (run_dir / "tensorboard").is_dir()
+
+    differs(kit, files, "trainer.total_updates", 3, 2)
+    differs(kit, files, "checkpoint.every_updates", 0, 1)
+    differs(kit, files, "checkpoint.every_minutes", 0.0, 1e-9)
+    differs(kit, files, "checkpoint.keep_last", 0, 1, checkpoint__every_updates=1)
+    differs(kit, files, "logging.jsonl", True, False)
+    differs(kit, files, "logging.tensorboard", False, True)
+    differs(kit, files, "logging.every", 1, 2)
+
+
+@probe("checkpoint.resume_mode")
+def _resume_mode(kit):
+    saved = config(kit, {"trainer.total_updates": 2})
+    observe = lambda c: resume_conflicts(saved, c)  # noqa: E731
+    differs(kit, observe, "checkpoint.resume_mode", "strict", "allow_schedule_changes")
+
+
+@probe("logging.samples_every", "logging.wandb")
+def _logger(kit):
+    """Rollout samples go out every `samples_every` updates; `wandb` starts a W&B run
+    (offline here) in the run directory."""
+    import os
+
+    sample = {"prompt": "p", "response": "r", "reward": 1.0, "image": None}
+
+    def sinks(c):
+        run_dir = Path(fresh_dir(kit))
+        run_dir.mkdir()
+        logger = MetricsLogger(run_dir, c.logging, c.model_dump(mode="json"))
+        written = [logger.log_samples(u, [sample]) for u in range(1, 5)]
+        logger.close()
+        return written, (run_dir / "wandb").is_dir()
+
+    differs(kit, sinks, "logging.samples_every", 0, 2)
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        env[var] = str(kit.root / var)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        differs(kit, sinks, "logging.wandb", False, True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# -- the coverage check and the probes themselves -----------------------------------
+
+
+def test_every_schema_field_has_a_probe_or_an_exemption():
+    leaves = schema_leaves(UnirlConfig)
+    assert len(leaves) == len(set(leaves))
+    neither = [k for k in leaves if k not in PROBES and k not in EXEMPT]
+    both = [k for k in leaves if k in PROBES and k in EXEMPT]
+    stale = [k for k in [*PROBES, *EXEMPT] if k not in leaves]
+    assert not neither, f"fields with no probe and no exemption: {neither}"
+    assert not both and not stale, (both, stale)
+    assert all(reason.strip() for reason in EXEMPT.values())
+
+
+@pytest.mark.parametrize("fn", sorted(set(PROBES.values()), key=lambda f: f.__name__),
+                         ids=lambda f: f.__name__.strip("_"))  # fmt: skip
+def test_probe(fn, kit):
+    fn(kit)
