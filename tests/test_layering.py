@@ -5,7 +5,9 @@ at module level and inside functions (a function-local import that hides a cycle
 a cycle). `import a.b.c` and `from a.b import c` are edges to the most specific unirl
 module they name (`a.b.c` when it is a module, else `a.b`); the parent packages Python
 also initialises are not edges, so a package `__init__` that re-exports its submodules
-does not make them cyclic.
+does not make them cyclic. Imports under `if TYPE_CHECKING:` count too: they state a
+dependency all the same. Beyond module cycles, the top-level components (`unirl.codecs`,
+`unirl.data`, ...) may not import each other both ways.
 
 Layers, lowest first; a module may import only from its own layer or below:
 
@@ -200,6 +202,27 @@ def test_every_module_has_a_layer():
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def component_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The graph between top-level components (`unirl.<name>`), without `ALLOWED` edges."""
+    out: dict[str, dict[str, int]] = {}
+    for module, targets in graph.items():
+        source = ".".join(module.split(".")[:2])
+        out.setdefault(source, {})
+        for target, line in targets.items():
+            dest = ".".join(target.split(".")[:2])
+            out.setdefault(dest, {})
+            if dest != source and (module, target) not in ALLOWED:
+                out[source].setdefault(dest, line)
+    return out
+
+
+def test_no_cycles_between_components():
+    """Components of one layer (codecs and data, rewards and algorithms, ...) do not import
+    each other both ways either."""
+    cycles = find_cycles(component_graph(import_graph()))
+    assert not cycles, "component cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def test_imports_respect_the_layers():
