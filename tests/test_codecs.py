@@ -13,9 +13,9 @@ from sklearn.cluster import KMeans
 from unirl.codecs import BSQCodec, VQCodec, build_codec, load_codec
 from unirl.codecs.base import to_patches
 from unirl.codecs.bsq import bsq_entropy_terms, group_bits, quantize, sub_codebook, ungroup_bits
-from unirl.codecs.report import codec_report
 from unirl.codecs.vq import kmeans
 from unirl.data.digits_images import load_split
+from unirl.rewards.codec_report import codec_report
 from unirl.rewards.digit_classifier import DigitClassifier
 
 

@@ -25,7 +25,7 @@ from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples, vocabulary_texts
 from unirl.data.loader import DatasetError, load_dataset
 from unirl.data.tokenizer import build_tokenizer as build_digits_tokenizer
-from unirl.models import load_model
+from unirl.models import check_model_config, load_model
 from unirl.models.janus_pro import JanusProModel
 from unirl.models.janus_pro.template import BOI, EOI, IMAGE
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
@@ -332,8 +332,8 @@ def test_replay_at_janus_scale_matches_rollout_and_heads_see_scored_positions_on
 
 def test_recipes_lora_targets_language_model_and_gradients_skip_frozen_parts(ckpt):
     for name in ("grpo_i2t_mc_lora", "grpo_t2i_pickscore_lora"):
-        with pytest.raises(Exception, match="model.path"):
-            load_config(RECIPES / f"{name}.yaml")  # the checkpoint path is required
+        with pytest.raises(Exception, match="model.path"):  # the checkpoint path is required
+            check_model_config(load_config(RECIPES / f"{name}.yaml").model)
         cfg = load_config(RECIPES / f"{name}.yaml", [f"model.path={ckpt}"])
         lora, algo = cfg.trainer.lora, cfg.algorithm
         assert lora.enabled and lora.r == 16 and lora.target_modules == LORA_REGEX

@@ -28,16 +28,13 @@ from trainer_helpers import fit_small_codec
 from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
 from unirl.config.introspect import is_model, strip_optional, union_branches
 from unirl.data.digits_images import load_split
+from unirl.models import check_model_config
+from unirl.models.tiny.build import new_codec
 from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
-from unirl.train.build import (
-    build_model,
-    check_model_kind,
-    new_codec,
-    resolve_device,
-)
+from unirl.train.build import build_model, resolve_device
 from unirl.train.distributed import DistInfo
 from unirl.train.evaluate import CLASSIFIER_DIR
 from unirl.train.metrics import MetricsLogger
@@ -105,7 +102,7 @@ def kit(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("knobs")
     vq_a = fit_small_codec(root / "vq_a", "vq")
     vq_b = root / "vq_b"
-    codec = new_codec(validate_config({"model": {"codec": {"codebook_size": 16}}}))
+    codec = new_codec(validate_config({"model": {"codec": {"codebook_size": 16}}}).model)
     codec.fit(load_split("train").images[:200], seed=1).save_pretrained(vq_b)
     bsq = fit_small_codec(root / "bsq", "bsq")
     train = load_split("train")
@@ -300,12 +297,12 @@ def _model_kind(kit):
     """model.kind must match the checkpoint, and a mismatch stops `train` before the run
     directory exists."""
     tiny = config(kit, {"model.path": str(kit.saved), "model.kind": "tiny"})
-    check_model_kind(tiny)
+    check_model_config(tiny.model)
     out = Path(fresh_dir(kit))
     janus = config(
         kit, {"model.path": str(kit.saved), "model.kind": "janus_pro", "run.output_dir": str(out)}
     )
-    with pytest.raises(ValueError, match="model.kind=janus_pro but model.path=.* holds a tiny"):
+    with pytest.raises(ValueError, match="holds a 'tiny' model but model.kind is 'janus_pro'"):
         run_train(janus)
     assert not out.exists()
 
@@ -321,7 +318,7 @@ def _context(kit):
 )
 def _codec(kit):
     """The codec a run fits when model.codec.path is null."""
-    observe = lambda c: new_codec(c).config()  # noqa: E731
+    observe = lambda c: new_codec(c.model).config()  # noqa: E731
     differs(kit, observe, "model.codec.patch_size", 2, 4)
     differs(kit, observe, "model.codec.codebook_size", 16, 8)
     bsq = {"model__visual_head": "bsq", "model__codec__path": None}

@@ -54,8 +54,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_args_config(args: argparse.Namespace) -> UnirlConfig:
-    """The validated config named by `add_config_arguments` arguments (creates nothing)."""
-    return load_config(args.config, args.overrides)
+    """The validated config named by `add_config_arguments` arguments, its `model` section
+    checked against the kind's registration (creates nothing)."""
+    from unirl.models import check_model_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_model_config(cfg.model)
+    return cfg
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -87,28 +87,28 @@ class CodecConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    """Which unified model to post-train."""
+    """Which unified model to post-train.
 
-    kind: Literal["tiny", "janus_pro", "uniar"] = Field(
-        "tiny", description="tiny (embedded) | janus_pro (VQ) | uniar (Qwen3-VL + BSQ head)."
+    `kind` names a kind a model package registers (`unirl.models.registry`); the kind's
+    registration is checked (known and implemented, its visual heads, whether it needs
+    `path`) by `unirl.models.check_model_config` before a model is built.
+    """
+
+    kind: str = Field(
+        "tiny",
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="A registered model kind: tiny (embedded) | janus_pro (VQ) | ...",
     )
     path: str | None = Field(
-        None, description="Local checkpoint directory (required unless kind = tiny)."
+        None,
+        description="Local checkpoint directory (required unless the kind builds from "
+        "the config, as tiny does).",
     )
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
     codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
-
-    @model_validator(mode="after")
-    def _kind(self) -> ModelConfig:
-        if self.kind != "tiny" and not self.path:
-            raise incompatible("path", f"required: kind '{self.kind}' loads a local checkpoint")
-        head = {"janus_pro": "vq", "uniar": "bsq"}.get(self.kind)
-        if head is not None and self.visual_head != head:
-            raise incompatible("visual_head", f"kind '{self.kind}' has a '{head}' head")
-        return self
 
 
 class DataConfig(StrictModel):

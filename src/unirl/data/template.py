@@ -354,3 +354,20 @@ def parse(trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase) -> list[Pa
     if r.image != len(trajectory.image_grids):
         r.fail(f"found {r.image} images but image_grids lists {len(trajectory.image_grids)}")
     return parts
+
+
+def response_parts(parts: Sequence[Part]) -> list[Part]:
+    """The trailing run of assistant-role parts (the final assistant turn)."""
+    k = len(parts)
+    while k > 0 and parts[k - 1].role == "assistant":
+        k -= 1
+    return list(parts[k:])
+
+
+def parse_response(trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase) -> list[Part] | None:
+    """The response parts of a rollout trajectory, or None when it does not parse (e.g. a
+    row truncated inside an image, or a malformed header)."""
+    try:
+        return response_parts(parse(trajectory, tokenizer))
+    except ValueError:
+        return None

@@ -1,6 +1,23 @@
-"""Models behind the `UnifiedModel` hooks: the embedded tiny default, Janus-Pro, UniAR."""
+"""Models behind the `UnifiedModel` hooks. Each model package (tiny/, janus_pro/, ...)
+registers its kind with `register_model`; `load_model` and `check_model_config` find them."""
 
 from unirl.models.base import BodyOutput, UnifiedModel
-from unirl.models.registry import load_model, register_model
+from unirl.models.registry import (
+    ModelSpec,
+    check_model_config,
+    declare_planned_model,
+    load_model,
+    model_spec,
+    register_model,
+)
 
-__all__ = ["BodyOutput", "UnifiedModel", "load_model", "register_model"]
+__all__ = [
+    "BodyOutput",
+    "ModelSpec",
+    "UnifiedModel",
+    "check_model_config",
+    "declare_planned_model",
+    "load_model",
+    "model_spec",
+    "register_model",
+]

@@ -311,8 +311,8 @@ class UnifiedModel(nn.Module, ABC):
 
     def parse_response(self, traj: Trajectory) -> list[Part] | None:
         """The response parts (final assistant turn) of a rollout trajectory, or None when it
-        does not parse (default: `unirl.rewards.plugins.parse_response`, ChatML)."""
-        from unirl.rewards.plugins import parse_response
+        does not parse (default: `unirl.data.template.parse_response`, ChatML)."""
+        from unirl.data.template import parse_response
 
         return parse_response(traj, self.tokenizer)
 

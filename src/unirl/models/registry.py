@@ -1,42 +1,175 @@
-"""Model kinds by name, and loading a model directory by the kind its config records.
+"""Model kinds: every model package registers its own, and model directories load by kind.
+
+A package under `unirl.models` registers its kind when it is imported, on its model class
+(whose `from_pretrained(path)` loads a directory) or on a loader function::
+
+    register_model("janus_pro", visual_heads=("vq",), transformers_model_types=("janus",))(
+        JanusProModel
+    )
+
+The registry names no model: on the first lookup it imports every subpackage of
+`unirl.models` (`pkgutil.iter_modules`), so adding a model touches only its own folder. A
+kind whose implementation is still to come is declared with `declare_planned_model`; a
+config naming it is refused with "not implemented yet".
 
 A directory written by unirl records its kind in `unirl_model.json`. A transformers
 checkpoint directory without one (e.g. a Janus-Pro download) is recognised by the
-`model_type` of its `config.json` (`TRANSFORMERS_KINDS`).
+`model_type` of its `config.json`, as the kinds registered it.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
-from unirl.models.base import UnifiedModel
+from unirl.config.errors import ConfigError
+from unirl.config.schema import ModelConfig
+from unirl.models.base import UnifiedModel, VisualHead
 
 MODEL_CONFIG = "unirl_model.json"
 TRANSFORMERS_CONFIG = "config.json"
-TRANSFORMERS_KINDS: dict[str, str] = {"janus": "janus_pro"}
-"""transformers `model_type` -> unirl model kind."""
-_LOADERS: dict[str, Callable[[Path], UnifiedModel]] = {}
+
+Loader = Callable[[Path], UnifiedModel]
+Builder = Callable[[ModelConfig, int, Path | None], UnifiedModel]
+"""`build(model_cfg, seed, codec_dir)`: a fresh model from the `model` config section."""
 
 
-def register_model(kind: str, loader: Callable[[Path], UnifiedModel]) -> None:
-    """Register `loader(path) -> UnifiedModel` for model directories of `kind`."""
-    _LOADERS[kind] = loader
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model package registers about its kind.
+
+    load: `load(path)` of a model directory; None for a kind declared but not implemented.
+    visual_heads: the visual action spaces the kind can have (`model.visual_head`).
+    transformers_model_types: `config.json` model_type values that are this kind.
+    build: builds the model from the config alone (no `model.path`); None when the kind
+    always loads a checkpoint.
+    planned: for a declared kind, what it will be (the refusal names it).
+    """
+
+    kind: str
+    load: Loader | None
+    visual_heads: tuple[VisualHead, ...]
+    transformers_model_types: tuple[str, ...] = ()
+    build: Builder | None = None
+    planned: str = ""
+
+    @property
+    def implemented(self) -> bool:
+        return self.load is not None
 
 
-def _load_janus_pro(path: Path) -> UnifiedModel:
-    from unirl.models.janus_pro import JanusProModel
+_SPECS: dict[str, ModelSpec] = {}
+_discovered = False
+T = TypeVar("T")
 
-    return JanusProModel.from_pretrained(path)
+
+def _add(spec: ModelSpec) -> None:
+    old = _SPECS.get(spec.kind)
+    if old is not None and old != spec:
+        raise ValueError(f"model kind {spec.kind!r} is registered twice")
+    for other in _SPECS.values():
+        shared = set(other.transformers_model_types) & set(spec.transformers_model_types)
+        if other.kind != spec.kind and shared:
+            raise ValueError(
+                f"transformers model_type {sorted(shared)} claimed by both "
+                f"{other.kind!r} and {spec.kind!r}"
+            )
+    _SPECS[spec.kind] = spec
 
 
-def _ensure_builtin() -> None:
-    if "tiny" not in _LOADERS:
-        from unirl.models.tiny import TinyUnifiedModel
+def register_model(
+    kind: str,
+    *,
+    visual_heads: tuple[VisualHead, ...],
+    transformers_model_types: tuple[str, ...] = (),
+    build: Builder | None = None,
+) -> Callable[[T], T]:
+    """Decorator registering `kind`: on a `UnifiedModel` subclass (its `kind` must equal
+    `kind`; directories load with its `from_pretrained`) or on a `load(path)` function."""
 
-        register_model("tiny", TinyUnifiedModel.from_pretrained)
-    _LOADERS.setdefault("janus_pro", _load_janus_pro)
+    def register(target: T) -> T:
+        if isinstance(target, type) and issubclass(target, UnifiedModel):
+            if getattr(target, "kind", None) != kind:
+                raise ValueError(f"{target.__name__}.kind is not {kind!r}")
+            load: Any = target.from_pretrained
+        elif callable(target):
+            load = target
+        else:
+            raise TypeError(f"register_model({kind!r}) decorates a model class or a loader")
+        _add(ModelSpec(kind, load, tuple(visual_heads), tuple(transformers_model_types), build))
+        return target
+
+    return register
+
+
+def declare_planned_model(kind: str, *, visual_heads: tuple[VisualHead, ...], planned: str) -> None:
+    """Declare a kind whose implementation is still to come (configs naming it are refused
+    with "not implemented yet")."""
+    _add(ModelSpec(kind, None, tuple(visual_heads), planned=planned))
+
+
+def discover() -> dict[str, ModelSpec]:
+    """Every registered kind, after importing each subpackage of `unirl.models` once."""
+    global _discovered
+    if not _discovered:
+        for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+            if info.ispkg:
+                importlib.import_module(f"{__package__}.{info.name}")
+        _discovered = True
+    return dict(_SPECS)
+
+
+def _names(specs: dict[str, ModelSpec]) -> str:
+    done = sorted(k for k, s in specs.items() if s.implemented)
+    planned = sorted(k for k, s in specs.items() if not s.implemented)
+    return ", ".join(done) + (f" (planned: {', '.join(planned)})" if planned else "")
+
+
+def model_spec(kind: str) -> ModelSpec:
+    """The registration of an implemented `kind`; ConfigError on `model.kind` otherwise."""
+    specs = discover()
+    spec = specs.get(kind)
+    if spec is None:
+        raise ConfigError(f"unknown model kind {kind!r}", key="model.kind", expected=_names(specs))
+    if not spec.implemented:
+        raise ConfigError(
+            f"kind {kind!r} ({spec.planned}) is not implemented yet",
+            key="model.kind",
+            expected=_names(specs),
+        )
+    return spec
+
+
+def check_model_config(model: ModelConfig) -> ModelSpec:
+    """Check the `model` config section against the kind's registration, before anything
+    is built or written: the kind exists and is implemented, the visual head is one it
+    has, a `model.path` is given unless the kind builds from the config, and a model
+    directory already at `model.path` holds this kind. ConfigError naming the key."""
+    spec = model_spec(model.kind)
+    if model.visual_head not in spec.visual_heads:
+        heads = " or ".join(f"'{h}'" for h in spec.visual_heads)
+        raise ConfigError(f"kind '{model.kind}' has a {heads} head", key="model.visual_head")
+    if model.path is None:
+        if spec.build is None:
+            raise ConfigError(
+                f"required: kind '{model.kind}' loads a local checkpoint", key="model.path"
+            )
+    elif Path(model.path).is_dir():
+        try:
+            found = model_kind(model.path)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err), key="model.path") from None
+        if found != model.kind:
+            raise ConfigError(
+                f"{model.path} holds a '{found}' model but model.kind is '{model.kind}'",
+                key="model.kind",
+            )
+    return spec
 
 
 def read_json(path: Path) -> dict:
@@ -56,15 +189,19 @@ def model_kind(path: str | Path) -> str:
     path = Path(path)
     cfg_file = path / MODEL_CONFIG
     if cfg_file.is_file():
-        return read_json(cfg_file).get("kind")
+        kind = read_json(cfg_file).get("kind")
+        if not isinstance(kind, str):
+            raise ValueError(f"{cfg_file}: no string 'kind'")
+        return kind
     hf_file = path / TRANSFORMERS_CONFIG
     if hf_file.is_file():
         model_type = read_json(hf_file).get("model_type")
-        if model_type in TRANSFORMERS_KINDS:
-            return TRANSFORMERS_KINDS[model_type]
+        kinds = {t: s.kind for s in discover().values() for t in s.transformers_model_types}
+        if model_type in kinds:
+            return kinds[model_type]
         raise ValueError(
             f"{hf_file}: model_type {model_type!r} is not a supported checkpoint; "
-            f"known: {sorted(TRANSFORMERS_KINDS)}"
+            f"known: {sorted(kinds)}"
         )
     raise FileNotFoundError(
         f"{path}: not a unirl model directory (missing {MODEL_CONFIG}) nor a transformers "
@@ -77,7 +214,7 @@ def load_model(path: str | Path) -> UnifiedModel:
     checkpoint), dispatching on its kind."""
     path = Path(path)
     kind = model_kind(path)
-    _ensure_builtin()
-    if kind not in _LOADERS:
-        raise ValueError(f"{path}: unknown model kind {kind!r}; known: {sorted(_LOADERS)}")
-    return _LOADERS[kind](path)
+    spec = discover().get(kind)
+    if spec is None or not spec.implemented:
+        raise ValueError(f"{path}: unknown model kind {kind!r}; known: {_names(discover())}")
+    return spec.load(path)

@@ -29,7 +29,7 @@ import torch
 from unirl.config.errors import ConfigError
 from unirl.config.schema import RewardPluginConfig
 from unirl.core.sample import Sample, TextPart
-from unirl.rewards.plugins import Response, RewardPlugin
+from unirl.rewards.base import Response, RewardPlugin
 
 Mode = Literal["pickscore", "clipscore"]
 MODES: tuple[str, ...] = ("pickscore", "clipscore")

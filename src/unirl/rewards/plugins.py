@@ -1,5 +1,6 @@
-"""Reward plugins: the interface (`Response`, `RewardPlugin`), the built-in plugins and
-their registry `PLUGINS` (config name -> class, built by `build_plugin`).
+"""Reward plugins: the built-in plugins and their registry `PLUGINS` (config name ->
+class, built by `build_plugin`), on the interface of `unirl.rewards.base` (`Response`,
+`RewardPlugin`, `build_responses`; re-exported here).
 
 A plugin scores a batch: `score(samples, responses) -> [n] floats`, and flags rows whose
 response has the wrong format with `invalid_format` (they score 0 and are counted):
@@ -30,147 +31,34 @@ tasks with `tasks:` in its config.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from unirl.config.errors import ConfigError, suggest
 from unirl.config.schema import RewardPluginConfig
-from unirl.core.sample import ImagePart, Part, Sample, TextPart
-from unirl.core.trajectory import Trajectory
-from unirl.data.template import parse
+from unirl.core.sample import Sample
+from unirl.data.template import parse_response, response_parts
+from unirl.rewards.base import DecodeImages, Response, RewardPlugin, build_responses
+from unirl.rewards.clip_score import ClipScore
 from unirl.rewards.digit_classifier import DigitClassifier
 
-DecodeImages = Callable[[torch.Tensor], torch.Tensor]
-"""codes VQ long [N, gh, gw] | BSQ float [N, gh, gw, L] -> pixels float [N, H, W] in [0, 1];
-raises ValueError for codes it cannot decode (e.g. a grid the codec does not have)."""
-
-
-@dataclass(frozen=True, eq=False)
-class Response:
-    """What a plugin reads of one rollout row.
-
-    parts: the response parts in order (empty when the row could not be parsed);
-    images: decoded pixels float [H, W] (or [H, W, C]) of each ImagePart of `parts`, in
-    order, None where it could not be decoded; parsed: False when parsing failed.
-    """
-
-    parts: tuple[Part, ...] = ()
-    images: tuple[torch.Tensor | None, ...] = ()
-    parsed: bool = True
-
-    @property
-    def texts(self) -> list[str]:
-        """The text of every TextPart, in order."""
-        return [p.text for p in self.parts if isinstance(p, TextPart)]
-
-    @property
-    def text(self) -> str:
-        """All response text concatenated."""
-        return "".join(self.texts)
-
-    @property
-    def n_images(self) -> int:
-        return sum(isinstance(p, ImagePart) for p in self.parts)
-
-    def text_after_last_image(self) -> str | None:
-        """Concatenated text after the last image, or None without an image."""
-        last = max((k for k, p in enumerate(self.parts) if isinstance(p, ImagePart)), default=-1)
-        if last < 0:
-            return None
-        return "".join(p.text for p in self.parts[last + 1 :] if isinstance(p, TextPart))
-
-
-class RewardPlugin(ABC):
-    """A batched scorer: `score(samples, responses)` -> one float per row.
-
-    `invalid_format` flags rows whose response does not have the expected format (they
-    also score 0). Plugins that read pixels set `needs_images` (the service then needs a
-    `decode_images`). Raising, returning non-finite or too few/many scores are errors.
-    """
-
-    name: ClassVar[str]
-    needs_images: bool = False
-
-    @abstractmethod
-    def score(
-        self, samples: Sequence[Sample], responses: Sequence[Response]
-    ) -> Sequence[float] | torch.Tensor | np.ndarray:
-        """Scores [n] for n rows."""
-
-    def invalid_format(
-        self, samples: Sequence[Sample], responses: Sequence[Response]
-    ) -> list[bool]:
-        """Per-row invalid-format flags [n] (default: none)."""
-        return [False] * len(samples)
-
-
-def response_parts(parts: Sequence[Part]) -> list[Part]:
-    """The trailing run of assistant-role parts (the final assistant turn)."""
-    k = len(parts)
-    while k > 0 and parts[k - 1].role == "assistant":
-        k -= 1
-    return list(parts[k:])
-
-
-def parse_response(trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase) -> list[Part] | None:
-    """The response parts of a rollout trajectory, or None when it does not parse (e.g. a
-    row truncated inside an image, or a malformed header)."""
-    try:
-        return response_parts(parse(trajectory, tokenizer))
-    except ValueError:
-        return None
-
-
-def build_responses(
-    responses: Sequence[Sequence[Part] | None], decode_images: DecodeImages | None
-) -> tuple[list[Response], int]:
-    """`Response`s with decoded images, and the number of images that could not be decoded.
-
-    Pixels come from `ImagePart.pixels` when set, else from `decode_images`, called once
-    per distinct code shape; a ValueError from it marks those images undecodable (None,
-    counted). Without `decode_images`, code-only images are None (not counted).
-    """
-    parts_list = [None if r is None else response_parts(r) for r in responses]
-    pixels: dict[tuple[int, int], torch.Tensor | None] = {}
-    pending: dict[tuple, list[tuple[int, int]]] = {}
-    n_bad = 0
-    for i, parts in enumerate(parts_list):
-        for k, part in enumerate(parts or []):
-            if not isinstance(part, ImagePart):
-                continue
-            if part.pixels is not None:
-                pixels[(i, k)] = torch.from_numpy(np.asarray(part.pixels, dtype=np.float32))
-            elif decode_images is None:
-                pixels[(i, k)] = None
-            else:
-                shape = (tuple(part.codes.shape), part.codes.dtype)
-                pending.setdefault(shape, []).append((i, k))
-    for where in pending.values():
-        codes = torch.stack([parts_list[i][k].codes for i, k in where])
-        try:
-            decoded = decode_images(codes)
-        except ValueError:
-            decoded = None
-            n_bad += len(where)
-        if decoded is not None and len(decoded) != len(where):
-            raise ValueError(f"decode_images returned {len(decoded)} images for {len(where)}")
-        for n, ik in enumerate(where):
-            pixels[ik] = None if decoded is None else decoded[n].detach().float().cpu()
-    out = []
-    for i, parts in enumerate(parts_list):
-        if parts is None:
-            out.append(Response(parsed=False))
-            continue
-        images = tuple(pixels[(i, k)] for k, p in enumerate(parts) if isinstance(p, ImagePart))
-        out.append(Response(tuple(parts), images))
-    return out, n_bad
-
+__all__ = [
+    "PLUGINS",
+    "DecodeImages",
+    "DigitClassifierReward",
+    "ExactAnswer",
+    "JigsawVerifier",
+    "MultipleChoiceExact",
+    "Response",
+    "RewardPlugin",
+    "TextExact",
+    "build_plugin",
+    "build_responses",
+    "parse_response",
+    "response_parts",
+]
 
 LETTERS = "ABCD"
 IMAGE_SHAPE = (8, 8)
@@ -366,6 +254,8 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "digit_classifier": DigitClassifierReward,
     "exact_answer": ExactAnswer,
     "text_exact": TextExact,
+    "clip_score": ClipScore,
+    "pickscore": ClipScore,
 }
 """Plugin name (config `reward.plugins.N.name`) -> class."""
 
@@ -436,10 +326,3 @@ def build_plugin(
     if cfg.path is not None:
         raise ConfigError(f"plugin '{cfg.name}' does not load a model", key=f"{key}.path")
     return cls()
-
-
-# Plugins in their own modules (they subclass RewardPlugin above), registered last.
-from unirl.rewards.clip_score import ClipScore  # noqa: E402
-
-PLUGINS["clip_score"] = ClipScore
-PLUGINS["pickscore"] = ClipScore

@@ -1,9 +1,9 @@
 """Build the pieces of a run from its config: device, tokenizer, codec, model, LoRA.
 
 Nothing here runs before the config is fully validated; a model directory given as
-`model.path` is loaded as is (its tokenizer and codec travel with it), otherwise the tiny
-default is built from scratch with the run seed and its codec fitted on the digits train
-split (or loaded from `model.codec.path`).
+`model.path` is loaded as is (its tokenizer and codec travel with it), otherwise the kind's
+registered builder makes one from the config (the tiny default: from scratch with the run
+seed, its codec fitted on the digits train split or loaded from `model.codec.path`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,8 @@ from pathlib import Path
 
 import torch
 
-from unirl.codecs import ImageCodec, build_codec, load_codec
-from unirl.codecs.base import CONFIG_NAME
 from unirl.config.schema import UnirlConfig
-from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer
-from unirl.models import UnifiedModel, load_model
-from unirl.models.registry import model_kind
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models import UnifiedModel, check_model_config, load_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,82 +24,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def new_codec(cfg: UnirlConfig) -> ImageCodec:
-    """The unfitted codec `model.codec` describes for `model.visual_head`: VQ with
-    `codebook_size` entries, or BSQ with `bits` per patch grouped `group` x `group`; both
-    on `patch_size` pixel patches."""
-    c = cfg.model.codec
-    if cfg.model.visual_head == "vq":
-        return build_codec("vq", codebook_size=c.codebook_size, patch=c.patch_size)
-    return build_codec("bsq", latent_dim=c.bits, patch=c.patch_size, group=c.group)
-
-
-def build_or_load_codec(cfg: UnirlConfig, seed: int, codec_dir: Path | None) -> ImageCodec:
-    """The tiny model's codec: loaded from `model.codec.path` (or from `codec_dir` when an
-    earlier attempt of this run saved it there), else fitted on the digits train split and
-    saved to `codec_dir`."""
-    c = cfg.model.codec
-    path = c.path or (str(codec_dir) if codec_dir and (codec_dir / CONFIG_NAME).is_file() else None)
-    if path:
-        codec = load_codec(path)
-        if codec.kind != cfg.model.visual_head:
-            raise ValueError(
-                f"model.codec.path={path} holds a {codec.kind} codec but "
-                f"model.visual_head={cfg.model.visual_head}"
-            )
-        return codec
-    codec = new_codec(cfg)
-    codec.fit(load_split("train").images, seed=seed)
-    if codec_dir is not None:
-        codec.save_pretrained(codec_dir)
-    return codec
-
-
-def check_model_kind(cfg: UnirlConfig) -> None:
-    """ValueError unless the checkpoint at `model.path` (when set) holds a model of
-    `model.kind`; reads only the directory's config file, so it is cheap to call before
-    anything is built or written."""
-    if not cfg.model.path:
-        return
-    held = model_kind(cfg.model.path)
-    if held != cfg.model.kind:
-        raise ValueError(
-            f"model.kind={cfg.model.kind} but model.path={cfg.model.path} holds a "
-            f"{held} checkpoint; set model.kind={held} or point model.path at a "
-            f"{cfg.model.kind} checkpoint"
-        )
-
-
 def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel:
-    """The model a run starts from (before LoRA): `model.path` (whose kind must be
-    `model.kind`) or a fresh tiny model (initialised from the run seed; its codec as in
-    `build_or_load_codec`)."""
-    if cfg.model.path:
-        check_model_kind(cfg)
-        model = load_model(cfg.model.path)
-        if model.visual_head != cfg.model.visual_head:
-            raise ValueError(
-                f"model.path={cfg.model.path} has a {model.visual_head} head but "
-                f"model.visual_head={cfg.model.visual_head}"
-            )
-        return model
-    if cfg.model.kind != "tiny":
-        raise ValueError(f"model.kind={cfg.model.kind} needs model.path")
-    codec = build_or_load_codec(cfg, cfg.run.seed, codec_dir)
-    t = cfg.model.tiny
-    torch.manual_seed(cfg.run.seed)
-    return TinyUnifiedModel(
-        TinyModelConfig(
-            visual_head=cfg.model.visual_head,
-            hidden_size=t.hidden_size,
-            num_layers=t.num_layers,
-            num_heads=t.num_heads,
-            intermediate_size=t.intermediate_size,
-            max_positions=t.max_position_embeddings,
-        ),
-        build_tokenizer(),
-        codec,
-    )
+    """The model a run starts from (before LoRA): `model.path` loaded as is, or the kind
+    built from the config by its registered builder (the tiny model: initialised from the
+    run seed, its codec fitted or loaded as `unirl.models.tiny.build` says). The `model`
+    section is checked against the kind's registration first (`check_model_config`)."""
+    spec = check_model_config(cfg.model)
+    if cfg.model.path is None:
+        return spec.build(cfg.model, cfg.run.seed, codec_dir)
+    model = load_model(cfg.model.path)
+    if model.visual_head != cfg.model.visual_head:
+        raise ValueError(
+            f"model.path={cfg.model.path} has a {model.visual_head} head but "
+            f"model.visual_head={cfg.model.visual_head}"
+        )
+    return model
 
 
 def apply_lora(model: UnifiedModel, cfg: UnirlConfig) -> list[str]:

@@ -27,12 +27,12 @@ from unirl.config import UnirlConfig, config_hash, resume_conflicts, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
+from unirl.models import check_model_config
 from unirl.models.base import UnifiedModel
 from unirl.train.build import (
     adapter_state,
     apply_lora,
     build_model,
-    check_model_kind,
     merged_state_dict,
     resolve_device,
 )
@@ -142,7 +142,7 @@ def run_train(cfg: UnirlConfig) -> Path:
         raise NotImplementedError(
             f"unirl train: algorithm {cfg.algorithm.name} is not available yet"
         )
-    check_model_kind(cfg)
+    check_model_config(cfg.model)
     device = resolve_device(cfg.run.device)
     info = init_distributed(str(device))
     try:

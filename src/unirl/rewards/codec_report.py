@@ -7,7 +7,7 @@
     acc_ratio          = acc_reconstruction / acc_original
     n                  = number of images
 
-`python -m unirl.codecs.report` fits the classifier, a VQ and a BSQ codec on the train
+`python -m unirl.rewards.codec_report` fits the classifier, a VQ and a BSQ codec on the train
 split and prints the table for the test split with each fit's wall-clock seconds.
 """
 
@@ -51,7 +51,7 @@ def _timed(fit: Any) -> tuple[Any, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m unirl.codecs.report",
+        prog="python -m unirl.rewards.codec_report",
         description="Fit the digits classifier, a VQ and a BSQ codec on the train split "
         "and report reconstruction MSE and classifier accuracy on the test split.",
     )

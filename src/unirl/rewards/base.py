@@ -1,0 +1,128 @@
+"""The reward plugin interface: what a plugin reads of a rollout row (`Response`), the
+plugin contract (`RewardPlugin`), and `build_responses`, which decodes the images of
+parsed responses once for every plugin.
+
+Built-in plugins live in `unirl.rewards.plugins` (and modules such as
+`unirl.rewards.clip_score`), all written against this module alone.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from unirl.core.sample import ImagePart, Part, Sample, TextPart
+from unirl.data.template import response_parts
+
+DecodeImages = Callable[[torch.Tensor], torch.Tensor]
+"""codes VQ long [N, gh, gw] | BSQ float [N, gh, gw, L] -> pixels float [N, H, W] in [0, 1];
+raises ValueError for codes it cannot decode (e.g. a grid the codec does not have)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Response:
+    """What a plugin reads of one rollout row.
+
+    parts: the response parts in order (empty when the row could not be parsed);
+    images: decoded pixels float [H, W] (or [H, W, C]) of each ImagePart of `parts`, in
+    order, None where it could not be decoded; parsed: False when parsing failed.
+    """
+
+    parts: tuple[Part, ...] = ()
+    images: tuple[torch.Tensor | None, ...] = ()
+    parsed: bool = True
+
+    @property
+    def texts(self) -> list[str]:
+        """The text of every TextPart, in order."""
+        return [p.text for p in self.parts if isinstance(p, TextPart)]
+
+    @property
+    def text(self) -> str:
+        """All response text concatenated."""
+        return "".join(self.texts)
+
+    @property
+    def n_images(self) -> int:
+        return sum(isinstance(p, ImagePart) for p in self.parts)
+
+    def text_after_last_image(self) -> str | None:
+        """Concatenated text after the last image, or None without an image."""
+        last = max((k for k, p in enumerate(self.parts) if isinstance(p, ImagePart)), default=-1)
+        if last < 0:
+            return None
+        return "".join(p.text for p in self.parts[last + 1 :] if isinstance(p, TextPart))
+
+
+class RewardPlugin(ABC):
+    """A batched scorer: `score(samples, responses)` -> one float per row.
+
+    `invalid_format` flags rows whose response does not have the expected format (they
+    also score 0). Plugins that read pixels set `needs_images` (the service then needs a
+    `decode_images`). Raising, returning non-finite or too few/many scores are errors.
+    """
+
+    name: ClassVar[str]
+    needs_images: bool = False
+
+    @abstractmethod
+    def score(
+        self, samples: Sequence[Sample], responses: Sequence[Response]
+    ) -> Sequence[float] | torch.Tensor | np.ndarray:
+        """Scores [n] for n rows."""
+
+    def invalid_format(
+        self, samples: Sequence[Sample], responses: Sequence[Response]
+    ) -> list[bool]:
+        """Per-row invalid-format flags [n] (default: none)."""
+        return [False] * len(samples)
+
+
+def build_responses(
+    responses: Sequence[Sequence[Part] | None], decode_images: DecodeImages | None
+) -> tuple[list[Response], int]:
+    """`Response`s with decoded images, and the number of images that could not be decoded.
+
+    Pixels come from `ImagePart.pixels` when set, else from `decode_images`, called once
+    per distinct code shape; a ValueError from it marks those images undecodable (None,
+    counted). Without `decode_images`, code-only images are None (not counted).
+    """
+    parts_list = [None if r is None else response_parts(r) for r in responses]
+    pixels: dict[tuple[int, int], torch.Tensor | None] = {}
+    pending: dict[tuple, list[tuple[int, int]]] = {}
+    n_bad = 0
+    for i, parts in enumerate(parts_list):
+        for k, part in enumerate(parts or []):
+            if not isinstance(part, ImagePart):
+                continue
+            if part.pixels is not None:
+                pixels[(i, k)] = torch.from_numpy(np.asarray(part.pixels, dtype=np.float32))
+            elif decode_images is None:
+                pixels[(i, k)] = None
+            else:
+                shape = (tuple(part.codes.shape), part.codes.dtype)
+                pending.setdefault(shape, []).append((i, k))
+    for where in pending.values():
+        codes = torch.stack([parts_list[i][k].codes for i, k in where])
+        try:
+            decoded = decode_images(codes)
+        except ValueError:
+            decoded = None
+            n_bad += len(where)
+        if decoded is not None and len(decoded) != len(where):
+            raise ValueError(f"decode_images returned {len(decoded)} images for {len(where)}")
+        for n, ik in enumerate(where):
+            pixels[ik] = None if decoded is None else decoded[n].detach().float().cpu()
+    out = []
+    for i, parts in enumerate(parts_list):
+        if parts is None:
+            out.append(Response(parsed=False))
+            continue
+        images = tuple(pixels[(i, k)] for k, p in enumerate(parts) if isinstance(p, ImagePart))
+        out.append(Response(tuple(parts), images))
+    return out, n_bad

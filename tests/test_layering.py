@@ -1,0 +1,267 @@
+"""The import graph of src/unirl: no cycles, and the layering of DESIGN.md §4.
+
+The graph is read from the source with `ast`, so it holds every import a module can run —
+at module level and inside functions (a function-local import that hides a cycle is still
+a cycle). `import a.b.c` and `from a.b import c` are edges to the most specific unirl
+module they name (`a.b.c` when it is a module, else `a.b`); the parent packages Python
+also initialises are not edges, so a package `__init__` that re-exports its submodules
+does not make them cyclic. Imports under `if TYPE_CHECKING:` count too: they state a
+dependency all the same. Beyond module cycles, the top-level components (`unirl.codecs`,
+`unirl.data`, ...) may not import each other both ways.
+
+Layers, lowest first; a module may import only from its own layer or below:
+
+    0 config, core            5 train, eval
+    1 codecs, data            6 cli, demo, generate, report, __main__
+    2 models
+    3 rollout, replay, forward
+    4 rewards, algorithms
+
+`report` (run reports: reward curves and image grids of trained models) and `generate`
+(the `unirl generate` command body) build and drive models and read training metrics, so
+they sit with the command line; `demo` runs whole trainings.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = "unirl"
+
+LAYERS: dict[str, int] = {
+    "config": 0,
+    "core": 0,
+    "codecs": 1,
+    "data": 1,
+    "models": 2,
+    "rollout": 3,
+    "replay": 3,
+    "forward": 3,
+    "rewards": 4,
+    "algorithms": 4,
+    "train": 5,
+    "eval": 5,
+    "cli": 6,
+    "demo": 6,
+    "generate": 6,
+    "report": 6,
+    "__main__": 6,
+}
+"""First component under `unirl` -> layer. `unirl` itself (the version) is layer 0."""
+
+ALLOWED: dict[tuple[str, str], str] = {}
+"""(importer, imported) upward imports tolerated for now, each with its reason."""
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_modules(src: Path = SRC) -> dict[str, Path]:
+    """Every module of the `unirl` package under `src`: dotted name -> file."""
+    return {module_name(p, src): p for p in sorted((src / ROOT).rglob("*.py"))}
+
+
+def _resolve(name: str, modules: Iterable[str]) -> str | None:
+    """The most specific module of `modules` that `name` names (itself or a parent)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(module: str, path: Path, modules: set[str]) -> dict[str, int]:
+    """unirl modules imported anywhere in `path` (module or function level) -> first line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        for name in names:
+            target = _resolve(name, modules)
+            if target is not None and target != module:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def import_graph(src: Path = SRC) -> dict[str, dict[str, int]]:
+    """module -> {imported unirl module: line of the first such import}."""
+    files = source_modules(src)
+    names = set(files)
+    return {m: imports_of(m, p, names) for m, p in files.items()}
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (as a closed path a -> ... -> a) per strongly connected component with
+    more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.add(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        components.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return [_cycle_in(component, graph) for component in components]
+
+
+def _cycle_in(component: set[str], graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest closed path through the smallest module name of `component`."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child == start:
+                    return [*paths[node], start]
+                if child in component and child not in paths:
+                    paths[child] = [*paths[node], child]
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return 0
+    if parts[1] not in LAYERS:
+        raise KeyError(f"{module}: no layer for unirl.{parts[1]}; add it to LAYERS")
+    return LAYERS[parts[1]]
+
+
+def layer_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    """`file:line: importer (layer a) imports target (layer b > a)` for every upward import
+    not in `ALLOWED`."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        for target, line in sorted(targets.items()):
+            if layer_of(target) > layer_of(module) and (module, target) not in ALLOWED:
+                out.append(
+                    f"{module.replace('.', '/')}.py:{line}: {module} (layer {layer_of(module)}) "
+                    f"imports {target} (layer {layer_of(target)})"
+                )
+    return out
+
+
+def test_every_module_has_a_layer():
+    for module in source_modules():
+        layer_of(module)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def component_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The graph between top-level components (`unirl.<name>`), without `ALLOWED` edges."""
+    out: dict[str, dict[str, int]] = {}
+    for module, targets in graph.items():
+        source = ".".join(module.split(".")[:2])
+        out.setdefault(source, {})
+        for target, line in targets.items():
+            dest = ".".join(target.split(".")[:2])
+            out.setdefault(dest, {})
+            if dest != source and (module, target) not in ALLOWED:
+                out[source].setdefault(dest, line)
+    return out
+
+
+def test_no_cycles_between_components():
+    """Components of one layer (codecs and data, rewards and algorithms, ...) do not import
+    each other both ways either."""
+    cycles = find_cycles(component_graph(import_graph()))
+    assert not cycles, "component cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_respect_the_layers():
+    violations = layer_violations(import_graph())
+    assert not violations, "upward imports:\n" + "\n".join(violations)
+
+
+def test_allowances_are_still_needed():
+    graph = import_graph()
+    stale = [pair for pair in ALLOWED if pair[1] not in graph.get(pair[0], {})]
+    assert not stale, f"delete these ALLOWED entries, the imports are gone: {stale}"
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / ROOT / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_checks_catch_a_cycle_and_an_upward_import(tmp_path):
+    """The graph sees function-level and relative imports; a cycle is named as a path."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "",
+            "core/a.py": "def f():\n    from unirl.models.b import g\n",
+            "models/__init__.py": "",
+            "models/b.py": "from ..core import a\n",
+            "models/c.py": "import unirl.models.b\n",
+        },
+    )
+    graph = import_graph(tmp_path)
+    assert graph["unirl.models.b"] == {"unirl.core.a": 1}
+    assert graph["unirl.models.c"] == {"unirl.models.b": 1}
+    assert find_cycles(graph) == [["unirl.core.a", "unirl.models.b", "unirl.core.a"]]
+    assert layer_violations(graph) == [
+        "unirl/core/a.py:2: unirl.core.a (layer 0) imports unirl.models.b (layer 2)"
+    ]
+
+
+def test_graph_reads_the_real_tree():
+    graph = import_graph()
+    assert "unirl.config" in graph["unirl.cli"]
+    assert "unirl.core.sample" in graph["unirl.data.template"]

@@ -1,0 +1,97 @@
+"""Model kinds come from the model packages' own registrations; the `model` config section
+is checked against them before anything is built (one line naming the key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from unirl import cli
+from unirl.config import ConfigError, validate_config
+from unirl.models import registry
+from unirl.models.janus_pro import JanusProModel
+from unirl.models.tiny import TinyUnifiedModel
+
+
+def check(model: dict) -> registry.ModelSpec:
+    return registry.check_model_config(validate_config({"model": model}).model)
+
+
+def test_builtin_packages_register_their_kinds():
+    specs = registry.discover()
+    assert specs["tiny"].load == TinyUnifiedModel.from_pretrained
+    assert specs["tiny"].visual_heads == ("vq", "bsq") and specs["tiny"].build is not None
+    assert specs["janus_pro"].load == JanusProModel.from_pretrained
+    assert specs["janus_pro"].visual_heads == ("vq",) and specs["janus_pro"].build is None
+    assert specs["janus_pro"].transformers_model_types == ("janus",)
+    assert not specs["uniar"].implemented and specs["uniar"].visual_heads == ("bsq",)
+
+
+@pytest.mark.parametrize(
+    ("model", "key", "fragment"),
+    [
+        (
+            {"kind": "uniar", "path": "/ckpt", "visual_head": "bsq"},
+            "model.kind",
+            "not implemented yet",
+        ),
+        ({"kind": "nope"}, "model.kind", "unknown model kind 'nope'"),
+        (
+            {"kind": "janus_pro"},
+            "model.path",
+            "required: kind 'janus_pro' loads a local checkpoint",
+        ),
+        ({"kind": "janus_pro", "path": "/ckpt", "visual_head": "bsq"}, "model.visual_head", "'vq'"),
+    ],
+)
+def test_model_section_is_checked_against_the_registration(model, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        check(model)
+    assert info.value.key == key, str(info.value)
+    assert fragment in str(info.value)
+    if key == "model.kind":
+        assert "expected janus_pro, tiny (planned: uniar)" in str(info.value)
+
+
+def test_kind_must_match_the_model_directory(tmp_path):
+    (tmp_path / registry.MODEL_CONFIG).write_text(json.dumps({"kind": "janus_pro"}))
+    with pytest.raises(ConfigError, match="holds a 'janus_pro' model but model.kind is 'tiny'"):
+        check({"kind": "tiny", "path": str(tmp_path)})
+    assert check({"kind": "janus_pro", "path": str(tmp_path)}).kind == "janus_pro"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / registry.TRANSFORMERS_CONFIG).write_text(json.dumps({"model_type": "janus"}))
+    assert registry.model_kind(hf) == "janus_pro"
+    assert check({"kind": "tiny"}).build is not None
+
+
+def test_registration_errors(monkeypatch):
+    monkeypatch.setattr(registry, "_SPECS", dict(registry.discover()))
+    with pytest.raises(ValueError, match="TinyUnifiedModel.kind is not 'other'"):
+        registry.register_model("other", visual_heads=("vq",))(TinyUnifiedModel)
+    with pytest.raises(ValueError, match="kind 'tiny' is registered twice"):
+        registry.register_model("tiny", visual_heads=("vq",))(lambda path: None)
+    with pytest.raises(ValueError, match=r"model_type \['janus'\] claimed by both"):
+        registry.register_model("other", visual_heads=("vq",), transformers_model_types=("janus",))(
+            lambda path: None
+        )
+
+    @registry.register_model("other", visual_heads=("bsq",))
+    def load(path: Path):
+        return path
+
+    assert registry.model_spec("other").load is load
+
+
+def test_cli_refuses_a_planned_kind_before_creating_anything(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {kind: uniar, path: /ckpt, visual_head: bsq}\n")
+    out = tmp_path / "run"
+    for command in ("inspect", "train"):
+        assert cli.main([command, str(config), f"run.output_dir={out}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("unirl: error: <config>: model.kind: kind 'uniar'"), err
+        assert "not implemented yet" in err and len(err.splitlines()) == 1
+    assert not out.exists()
