@@ -2,8 +2,10 @@
 
 Nothing here runs before the config is fully validated; a model directory given as
 `model.path` is loaded as is (its tokenizer and codec travel with it), otherwise the tiny
-default is built from scratch with the run seed and its codec fitted on the digits train
-split (or loaded from `model.codec.path`).
+default is built from scratch with the run seed, its codec fitted on the digits train
+split (or loaded from `model.codec.path`) and its tokenizer as `data.tokenizer` says:
+the digits WordLevel tokenizer, or a byte-level BPE trained on the training rows' text
+(saved in `tokenizer_dir`, reused on resume).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 from unirl.codecs import ImageCodec, build_codec, load_codec
 from unirl.codecs.base import CONFIG_NAME
 from unirl.config.schema import UnirlConfig
+from unirl.core.sample import TextPart
 from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer
+from unirl.data.rows import check_targets, split_rows
+from unirl.data.tokenizer import build_tokenizer, load_or_train_bpe
 from unirl.models import UnifiedModel, load_model
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 
@@ -53,9 +57,27 @@ def build_or_load_codec(cfg: UnirlConfig, seed: int, codec_dir: Path | None) -> 
     return codec
 
 
-def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel:
+def tiny_tokenizer(cfg: UnirlConfig, tokenizer_dir: Path | None = None):
+    """The tiny model's tokenizer (module docstring). With `data.path`, every assistant
+    text of the training rows must map to known ids (a `DatasetError` names file:line)."""
+    if cfg.data.path is None:
+        return build_tokenizer()
+    rows = split_rows(cfg.data, "train")
+    if cfg.data.uses_bpe:
+        texts = [p.text for s in rows.samples for p in s.parts if isinstance(p, TextPart)]
+        tokenizer = load_or_train_bpe(tokenizer_dir, texts, cfg.data.bpe_vocab_size)
+    else:
+        tokenizer = build_tokenizer()
+    check_targets(rows, tokenizer)
+    return tokenizer
+
+
+def build_model(
+    cfg: UnirlConfig, codec_dir: Path | None = None, tokenizer_dir: Path | None = None
+) -> UnifiedModel:
     """The model a run starts from (before LoRA): `model.path` or a fresh tiny model
-    (initialised from the run seed; its codec as in `build_or_load_codec`)."""
+    (initialised from the run seed; its codec as in `build_or_load_codec`, its tokenizer
+    as in `tiny_tokenizer`)."""
     if cfg.model.path:
         model = load_model(cfg.model.path)
         if model.visual_head != cfg.model.visual_head:
@@ -67,6 +89,7 @@ def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel
     if cfg.model.kind != "tiny":
         raise ValueError(f"model.kind={cfg.model.kind} needs model.path")
     codec = build_or_load_codec(cfg, cfg.run.seed, codec_dir)
+    tokenizer = tiny_tokenizer(cfg, tokenizer_dir)
     t = cfg.model.tiny
     torch.manual_seed(cfg.run.seed)
     return TinyUnifiedModel(
@@ -78,7 +101,7 @@ def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel
             intermediate_size=t.intermediate_size,
             max_positions=t.max_position_embeddings,
         ),
-        build_tokenizer(),
+        tokenizer,
         codec,
     )
 
