@@ -198,3 +198,19 @@ def test_unknown_target_is_an_error_naming_file_line(tmp_path):
     message = str(info.value)
     assert message.startswith(f"{path}:1: assistant text") and "'théta'" in message
     check_targets(rows, train_bpe_tokenizer(["x"], 300))
+
+
+def test_image_generation_comes_from_the_row_not_the_task():
+    from unirl.core.sample import ImagePart, Sample
+    from unirl.data.digits import make_task_samples
+    from unirl.data.rows import answer_image_grid
+
+    t2i, draw, mc = (
+        make_task_samples(t, "val", 1)[0] for t in ("t2i", "draw_then_answer", "i2t_mc")
+    )
+    assert generates_image(t2i) and generates_image(draw) and not generates_image(mc)
+    assert answer_image_grid(t2i, (4, 4)) == (4, 4)
+    assert answer_image_grid(draw, (4, 4)) is None and answer_image_grid(mc, (4, 4)) is None
+    renamed = Sample("x", list(t2i.parts), task="anything")
+    assert answer_image_grid(renamed, (2, 3)) == (2, 3)
+    assert isinstance(renamed.parts[-1], ImagePart)

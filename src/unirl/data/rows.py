@@ -8,9 +8,9 @@ split field). Of those, rows whose task is in `data.tasks` are kept; the others 
 left out and counted in the log. Rows without a task get `data.default_task`; a row
 without either is an error naming its file:line.
 
-Whether a row generates an image (`generates_image`) comes from its first assistant
-part: an image (SFT target) or a `GenerationRequest` (a prompt-only row), never from its
-task name.
+Whether a row generates an image (`generates_image`) comes from its assistant parts: an
+image (SFT target) or a `GenerationRequest` (a prompt-only row), never from its task
+name; `answer_image_grid` says whether the whole answer is one image.
 """
 
 from __future__ import annotations
@@ -75,14 +75,27 @@ def split_rows(
     return rows
 
 
-def first_assistant_part(sample: Sample):
-    """The first assistant-role part of `sample`, or None."""
-    return next((p for p in sample.parts if p.role == "assistant"), None)
-
-
 def generates_image(sample: Sample) -> bool:
-    """Whether the model's answer to `sample` starts with an image (module docstring)."""
-    return isinstance(first_assistant_part(sample), (ImagePart, GenerationRequest))
+    """Whether the model's answer to `sample` holds an image (module docstring)."""
+    return any(
+        p.role == "assistant" and isinstance(p, (ImagePart, GenerationRequest))
+        for p in sample.parts
+    )
+
+
+def answer_image_grid(sample: Sample, grid: tuple[int, int]) -> tuple[int, int] | None:
+    """(H, W) of the image when `sample`'s whole answer is one image (a target image, of
+    its codes' grid or else `grid`, or a `GenerationRequest`); None otherwise. Such a row
+    is rolled out as forced image-only generation of exactly H*W positions."""
+    answer = [p for p in sample.parts if p.role == "assistant"]
+    if len(answer) != 1:
+        return None
+    part = answer[0]
+    if isinstance(part, GenerationRequest):
+        return (part.height, part.width)
+    if isinstance(part, ImagePart):
+        return part.grid or (int(grid[0]), int(grid[1]))
+    return None
 
 
 def check_targets(rows: Rows, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -31,11 +31,11 @@ import torch
 from rich.progress import Progress
 
 from unirl.config import ConfigError, UnirlConfig, config_hash
-from unirl.core.sample import GenerationRequest, ImagePart, Part, Sample, TextPart
+from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
 from unirl.data.images import processor_for
-from unirl.data.rows import split_rows
+from unirl.data.rows import answer_image_grid, split_rows
 from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
@@ -79,23 +79,11 @@ def eval_samples(cfg: UnirlConfig, model: UnifiedModel) -> list[Sample]:
     return samples[:cap] if cap else samples
 
 
-def _answer_image_grid(sample: Sample, grid: tuple[int, int]) -> tuple[int, int] | None:
-    answer = [p for p in sample.parts if p.role == "assistant"]
-    if len(answer) != 1:
-        return None
-    part = answer[0]
-    if isinstance(part, GenerationRequest):
-        return (part.height, part.width)
-    if isinstance(part, ImagePart):
-        return part.grid or grid
-    return None
-
-
 def make_request(cfg: UnirlConfig, sample: Sample, index: int, member: int, grid) -> RolloutRequest:
     """Member `member` of row `index` (module docstring)."""
     greedy = cfg.evaluation.greedy
     seed = seed_for(cfg.run.seed, 0, index, member)
-    image = _answer_image_grid(sample, grid)
+    image = answer_image_grid(sample, grid)
     if image is not None:
         params = sampling_params(
             cfg.rollout, max_new_tokens=image[0] * image[1], length_semantics="exact", greedy=greedy
