@@ -62,7 +62,7 @@ def test_load_jsonl_rows(tmp_path):
             {"messages": [{"role": "user", "content": [{"type": "image", "path": "img/rgb.png"}]}]},
         ],
     )
-    first, second = load_dataset(path)
+    first, second = load_dataset(path, image_size=(8, 8))
     assert first.id == "q1" and first.answer == "B" and first.task == "i2t_mc"
     assert first.meta == {"digit": 3}
     kinds = [(type(p).__name__, p.role) for p in first.parts]
@@ -101,7 +101,7 @@ def test_load_parquet_with_mixed_items(tmp_path):
     ]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    first, second = load_dataset(path)
+    first, second = load_dataset(path, image_size=(8, 8))
     assert [type(p) for p in first.parts] == [ImagePart, TextPart, TextPart]
     assert first.parts[1].text == "Which digit?" and first.task is None
     np.testing.assert_allclose(first.parts[0].pixels, LEVELS / 255.0, atol=1e-7)
@@ -161,7 +161,7 @@ MALFORMED = [
         [{"messages": [{"role": "user", "content": [{"type": "image", "path": "big.png"}]}]}],
         _big_png,
         1,
-        "messages[0].content[0].path: image 'big.png' is 16x12; expected 8x8 pixels",
+        "messages[0].content[0].path: image 'big.png' is 16x12; the model takes 8x8 pixels",
     ),
     (
         [{"messages": [{"role": "user", "content": [{"type": "image", "path": "bad.png"}]}]}],
@@ -186,7 +186,8 @@ MALFORMED = [
         [{"messages": [{"role": "user", "content": [{"type": "video", "path": "v.mp4"}]}]}],
         None,
         1,
-        "messages[0].content[0].type: expected 'text' or 'image', got a string 'video'",
+        "messages[0].content[0].type: expected one of 'text', 'image', 'generate_image', got a "
+        "string 'video'",
     ),
     (
         [{"messages": [{"role": "user"}]}],
@@ -198,7 +199,7 @@ MALFORMED = [
         [{"id": "a", "messages": [user_text()]}, {"id": "a", "messages": [user_text()]}],
         None,
         2,
-        "id: duplicate id 'a' (first used on line 1)",
+        "id: duplicate id 'a' (first at",
     ),
     (["[1, 2]"], None, 1, "row: expected a JSON object, got an array [1, 2]"),
     (
@@ -216,7 +217,7 @@ def test_malformed_rows(tmp_path, rows, setup, line, fragment):
         setup(tmp_path)
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DatasetError) as info:
-        load_dataset(path)
+        load_dataset(path, image_size=(8, 8))
     message = str(info.value)
     assert message.startswith(f"{path}:{line}: ")
     assert fragment in message
@@ -255,7 +256,7 @@ def test_export_round_trip(tmp_path, task):
     path = export_task(task, "val", 6, out, seed=2)
     assert path == out / f"{task}-val.jsonl"
     original = make_task_samples(task, "val", 6, seed=2)
-    loaded = load_dataset(path)
+    loaded = load_dataset(path, image_size=(8, 8))
     assert len(loaded) == len(original)
     for a, b in zip(original, loaded):
         assert (a.id, a.answer, a.task, a.meta) == (b.id, b.answer, b.task, b.meta)

@@ -151,15 +151,14 @@ def run_data(args: argparse.Namespace) -> int:
     return export.run(args)
 
 
-def not_yet_available(name: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand body for a command a later release provides (validates the config)."""
+def run_eval(args: argparse.Namespace) -> int:
+    """Validate the config, then evaluate `model.path` (see `unirl.eval.runner`)."""
+    cfg = load_args_config(args)
+    from unirl.eval import run_eval as evaluate
 
-    def run(args: argparse.Namespace) -> int:
-        load_args_config(args)
-        print(f"{PROG} {name}: not yet available", file=sys.stderr)
-        return 1
-
-    return run
+    out = evaluate(cfg)
+    print(f"{PROG} eval: results in {out} (summary.json, index.html)", file=sys.stderr)
+    return 0
 
 
 COMMANDS: list[Command] = [
@@ -181,7 +180,12 @@ COMMANDS: list[Command] = [
         configure_generate,
         run_generate,
     ),
-    Command("eval", "evaluate a model", add_config_arguments, not_yet_available("eval")),
+    Command(
+        "eval",
+        "evaluate a model on a data split with the reward plugins (resumable)",
+        add_config_arguments,
+        run_eval,
+    ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
 ]

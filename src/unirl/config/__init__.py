@@ -29,10 +29,12 @@ from unirl.config.hashing import (
 from unirl.config.loader import load_config
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import (
+    DIGITS_TASKS,
     IMAGE_GENERATION_TASKS,
     CheckpointConfig,
     CodecConfig,
     DataConfig,
+    EvaluationConfig,
     LoggingConfig,
     ModelConfig,
     RewardConfig,
@@ -49,6 +51,7 @@ from unirl.config.yaml_io import read_config_tree
 
 __all__ = [
     "COMMAND_LINE",
+    "DIGITS_TASKS",
     "IMAGE_GENERATION_TASKS",
     "AlgorithmConfig",
     "BitflipConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "CodecConfig",
     "ConfigError",
     "DataConfig",
+    "EvaluationConfig",
     "GRPOConfig",
     "InformationGainConfig",
     "KLConfig",

@@ -8,16 +8,21 @@ raise `incompatible(...)` naming the dotted key at fault.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, SFTConfig
 from unirl.config.base import StrictModel, incompatible
+from unirl.config.errors import suggest
 from unirl.config.trainer import TrainerConfig
 
-Task = Literal["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open"]
+Task = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=64)]
+"""A task label: any name a dataset row carries in its `task` field."""
+DIGITS_TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open")
+"""The built-in digits data provider's tasks (== unirl.data.digits.TASKS)."""
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
+"""The digits tasks whose answers hold an image (dataset rows say so themselves)."""
 DIGITS_IMAGE_SIZE = 8  # == unirl.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)
 
 
@@ -112,14 +117,43 @@ class ModelConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    """Training and evaluation data."""
+    """Training and evaluation data: the built-in digits tasks, or your own rows."""
 
-    tasks: list[Task] = Field(["t2i"], min_length=1, description="Tasks to mix (no repeats).")
+    tasks: list[Task] = Field(
+        ["t2i"],
+        min_length=1,
+        description="Tasks to use (no repeats): digits tasks, or the `task` labels of "
+        "data.path rows (rows of other tasks are left out, and counted).",
+    )
     task_weights: dict[Task, float] | None = Field(
         None, description="Sampling weight per task (> 0); null = uniform."
     )
     path: str | None = Field(
-        None, description="JSONL/parquet file or directory of rows; null = built-in digits tasks."
+        None,
+        description="JSONL/parquet file or directory of shards (train rows: its `split: "
+        "train` rows, or all rows without a split field); null = built-in digits tasks.",
+    )
+    val_path: str | None = Field(
+        None, description="Validation rows (file/directory); null = data.path rows of split val."
+    )
+    test_path: str | None = Field(
+        None, description="Test rows (file/directory); null = data.path rows of split test."
+    )
+    default_task: Task | None = Field(
+        None, description="Task of rows without a `task` field; null = such a row is an error."
+    )
+    image_resize: Literal["resize", "error"] = Field(
+        "error",
+        description="A dataset image whose size differs from the model's: resize it "
+        "(bicubic) or stop with its file:line.",
+    )
+    tokenizer: Literal["auto", "word", "bpe"] = Field(
+        "auto",
+        description="Tiny model tokenizer: word (digits vocabulary) | bpe (byte-level, "
+        "trained on the training text); auto = word without data.path, bpe with it.",
+    )
+    bpe_vocab_size: int = Field(
+        1024, ge=300, description="Vocabulary size of the byte-level BPE (data.tokenizer bpe)."
     )
     train_size: int = Field(
         0, ge=0, description="Training samples per task (0 = one per train-split image)."
@@ -129,15 +163,37 @@ class DataConfig(StrictModel):
     seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
     shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
 
+    @property
+    def uses_bpe(self) -> bool:
+        """Whether the tiny model's tokenizer is the byte-level BPE (see `tokenizer`)."""
+        return self.tokenizer == "bpe" or (self.tokenizer == "auto" and self.path is not None)
+
     @model_validator(mode="after")
     def _tasks(self) -> DataConfig:
         if len(set(self.tasks)) != len(self.tasks):
             raise incompatible("tasks", f"repeated task in {self.tasks}")
         for task, weight in (self.task_weights or {}).items():
             if task not in self.tasks:
-                raise incompatible(f"task_weights.{task}", f"task '{task}' is not in tasks")
+                close = suggest(task, self.tasks)
+                hint = f"; did you mean '{close}'?" if close else ""
+                raise incompatible(
+                    f"task_weights.{task}", f"task '{task}' is not in tasks {self.tasks}{hint}"
+                )
             if weight <= 0:
                 raise incompatible(f"task_weights.{task}", f"weight must be > 0 (got {weight})")
+        if self.path is None:
+            unknown = [t for t in self.tasks if t not in DIGITS_TASKS]
+            if unknown:
+                raise incompatible(
+                    "tasks",
+                    f"'{unknown[0]}' is not a built-in digits task ({', '.join(DIGITS_TASKS)}); "
+                    "set data.path to a dataset whose rows carry it",
+                )
+            for key in ("val_path", "test_path", "default_task"):
+                if getattr(self, key) is not None:
+                    raise incompatible(key, "needs data.path (the digits tasks are built in)")
+        if self.default_task is not None and self.default_task not in self.tasks:
+            raise incompatible("default_task", f"'{self.default_task}' is not in data.tasks")
         return self
 
 
@@ -194,7 +250,9 @@ class RewardPluginConfig(StrictModel):
     )
     weight: float = Field(1.0, description="Weight of this plugin's score in the total.")
     path: str | None = Field(None, description="Local model directory for learned scorers.")
-    tasks: list[Task] | None = Field(None, description="Score only these tasks; null = all.")
+    tasks: list[Task] | None = Field(
+        None, description="Score only rows of these tasks (any data.tasks labels); null = all."
+    )
     kwargs: dict[str, bool | int | float | str] = Field(
         default_factory=dict, description="Plugin-specific scalar options."
     )
@@ -260,6 +318,38 @@ class LoggingConfig(StrictModel):
         return self
 
 
+BPE_VOCAB_DEFAULT = DataConfig.model_fields["bpe_vocab_size"].default
+
+
+class EvaluationConfig(StrictModel):
+    """`unirl eval`: the model on one data split, scored by the reward plugins."""
+
+    split: Literal["train", "val", "test"] = Field(
+        "test", description="Rows to evaluate: data.<split>_path, or data.path rows of it."
+    )
+    max_samples: int = Field(0, ge=0, description="Evaluate the first N rows (0 = all).")
+    rollouts_per_sample: int = Field(
+        1, ge=1, description="Rollouts n per row: mean@n and pass@n are reported."
+    )
+    greedy: bool = Field(True, description="Greedy decoding (n must be 1) or sampled.")
+    pass_threshold: float = Field(
+        1.0, description="A rollout passes when its total reward is >= this (pass@n)."
+    )
+    output_dir: str | None = Field(
+        None, description="Results directory; null = <run.output_dir>/eval-<split>."
+    )
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvaluationConfig:
+        if self.greedy and self.rollouts_per_sample > 1:
+            raise incompatible(
+                "rollouts_per_sample",
+                f"{self.rollouts_per_sample} greedy rollouts are identical; set "
+                "evaluation.greedy=false to sample them",
+            )
+        return self
+
+
 class UnirlConfig(StrictModel):
     """A complete run: what `unirl inspect` prints and the config hash covers."""
 
@@ -276,6 +366,9 @@ class UnirlConfig(StrictModel):
         default_factory=CheckpointConfig, description="Checkpoints."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig, description="`unirl eval`."
+    )
 
     @model_validator(mode="after")
     def _cross_section(self) -> UnirlConfig:
@@ -294,6 +387,22 @@ class UnirlConfig(StrictModel):
                 raise incompatible(
                     "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
                 )
+        if self.data.path is None:
+            self._digits_rollout(tasks)
+        self._reward_routes(tasks)
+        if self.data.tokenizer != "auto" and (self.model.kind != "tiny" or self.model.path):
+            raise incompatible(
+                "data.tokenizer",
+                "only the tiny model built here takes a tokenizer "
+                "(a model.path checkpoint ships its own); leave it auto",
+            )
+        if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
+            raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
+        return self
+
+    def _digits_rollout(self, tasks: set[str]) -> None:
+        """Rollout checks that the digits tasks' names decide (dataset rows decide it
+        for data.path: the engine refuses an exact-count row that generates no image)."""
         if self.rollout.length_semantics == "exact" and tasks != {"t2i"}:
             raise incompatible(
                 "rollout.length_semantics",
@@ -305,4 +414,24 @@ class UnirlConfig(StrictModel):
                 f"guidance {self.rollout.guidance} needs an image-generation task "
                 f"({', '.join(sorted(IMAGE_GENERATION_TASKS))}); got {sorted(tasks)}",
             )
-        return self
+
+    def _reward_routes(self, tasks: set[str]) -> None:
+        """Every plugin's `tasks` are data.tasks; with plugins (GRPO always has some),
+        every data task is scored by at least one of them."""
+        plugins = self.reward.plugins
+        for k, plugin in enumerate(plugins):
+            for task in plugin.tasks or []:
+                if task not in tasks:
+                    raise incompatible(
+                        f"reward.plugins.{k}.tasks",
+                        f"task '{task}' is not in data.tasks {sorted(tasks)}",
+                    )
+        if not plugins:
+            return
+        routed = set().union(*(set(p.tasks) if p.tasks is not None else tasks for p in plugins))
+        for task in sorted(tasks - routed):
+            raise incompatible(
+                "reward.plugins",
+                f"task '{task}' has no reward route: add it to a plugin's tasks (or leave "
+                "that plugin's tasks null)",
+            )

@@ -7,14 +7,27 @@ One row (one JSON object per line, or one parquet row):
                    "content": [{"type": "text", "text": "..."},
                                {"type": "image", "path": "images/q1.png"}]}],
                    # content may also be a plain string (one text part)
-     "answer": "7", "task": "t2i", "meta": {...}}  # optional
+     "answer": "7", "task": "my_task", "split": "train", "meta": {...}}  # optional
 
-Image paths are relative to the dataset file (absolute paths are kept). Images are read
-with PIL, converted to grayscale and to float32 in [0, 1] (value / 255), and must be
-exactly `image_size` = (height, width) pixels. Each message's content items become
-parts, in order, with the message's role. A null optional field (id, answer, task,
-meta, or the unused field of a content item) counts as absent, so parquet struct columns
-can hold text and image items side by side. Unknown fields are errors.
+`task` is any label (routes rows to reward plugins and metrics); a row without one gets
+`default_task`. `split` ("train", "val" or "test") lets one file hold every split.
+An assistant content item `{"type": "generate_image", "height": H, "width": W}` asks
+for an image of H x W visual positions (height/width default to the model's grid) with
+no target: a text-to-image prompt. Whether a row generates an image is read from its
+assistant content (an image item or a generate_image item), never from its task.
+
+`path` is a .jsonl or .parquet file, or a directory whose *.jsonl / *.parquet files
+(sorted by name) are shards of one dataset; ids must be unique across shards. Parquet
+written by Hugging Face `datasets` (`Dataset.to_parquet`) loads as is.
+
+Image paths are relative to the file that names them (absolute paths are kept). Images
+are read in colour (`unirl.data.images.read_rgb`, float32 RGB [H, W, 3] in [0, 1]) and
+handed to `processor` (the model's: greyscale 8x8 for tiny, RGB for Janus-Pro), which
+checks or resizes their size; without a processor they stay RGB at their own size. Each
+message's content items become parts, in order, with the message's role. A null
+optional field (id, answer, task, split, meta, or the unused field of a content item)
+counts as absent, so parquet struct columns can hold text and image items side by side.
+Unknown fields are errors.
 
 Everything is checked before anything is returned: the first bad row raises one
 `DatasetError` whose one-line message is "FILE:LINE: FIELD: what was expected, got what"
@@ -31,14 +44,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
-from unirl.core.sample import ROLES, ImagePart, Part, Sample, TextPart
+from unirl.core.sample import ROLES, GenerationRequest, ImagePart, Part, Sample, TextPart
+from unirl.data.images import GreyscaleProcessor, ImageProcessor, log_summary, read_rgb
 
-ROW_FIELDS = ("id", "messages", "answer", "task", "meta")
+ROW_FIELDS = ("id", "messages", "answer", "task", "split", "meta")
 MESSAGE_FIELDS = ("role", "content")
-ITEM_FIELDS = {"text": ("type", "text"), "image": ("type", "path")}
+ITEM_FIELDS = {
+    "text": ("type", "text"),
+    "image": ("type", "path"),
+    "generate_image": ("type", "height", "width"),
+}
 SUFFIXES = (".jsonl", ".parquet")
+SPLITS = ("train", "val", "test")
 
 
 class DatasetError(ValueError):
@@ -109,27 +128,46 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
         yield k + 1, {key: v for key, v in row.items() if v is not None}
 
 
-def _read_image(row: _Row, field: str, base: Path, rel: str, size: tuple[int, int]) -> np.ndarray:
-    path = base / rel
-    if not path.is_file():
-        raise row.error(field, f"image file {rel!r} not found (looked for {path})")
-    try:
-        with Image.open(path) as image:
-            gray = image.convert("L")
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise row.error(field, f"cannot read image {rel!r} ({err})") from None
-    h, w = size
-    if gray.size != (w, h):
-        got_w, got_h = gray.size
-        raise row.error(
-            field, f"image {rel!r} is {got_h}x{got_w}; expected {h}x{w} pixels (height x width)"
-        )
-    return np.asarray(gray, dtype=np.float32) / np.float32(255.0)
+@dataclass
+class _Images:
+    """How a file's rows turn images into parts: the processor and the model's grid."""
+
+    base: Path
+    processor: ImageProcessor | None
+    grid: tuple[int, int] | None
+
+    def read(self, row: _Row, field: str, rel: str) -> np.ndarray:
+        path = self.base / rel
+        if not path.is_file():
+            raise row.error(field, f"image file {rel!r} not found (looked for {path})")
+        try:
+            rgb = read_rgb(path)
+        except (UnidentifiedImageError, OSError, ValueError) as err:
+            raise row.error(field, f"cannot read image {rel!r} ({err})") from None
+        if self.processor is None:
+            return rgb
+        try:
+            return self.processor(rgb, rel)
+        except ValueError as err:
+            raise row.error(field, str(err)) from None
+
+    def request(self, row: _Row, field: str, item: dict, role: str) -> GenerationRequest:
+        if role != "assistant":
+            raise row.error(f"{field}.type", "generate_image belongs in an assistant message")
+        sides = []
+        for key, default in zip(("height", "width"), self.grid or (None, None)):
+            value = item.get(key, default)
+            if value is None:
+                raise row.error(f"{field}.{key}", "missing (no model grid to default to)")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise row.error(
+                    f"{field}.{key}", f"expected a positive int, got {_describe(value)}"
+                )
+            sides.append(value)
+        return GenerationRequest(sides[0], sides[1], role="assistant")
 
 
-def _content(
-    row: _Row, field: str, content: Any, role: str, base: Path, size: tuple[int, int]
-) -> list[Part]:
+def _content(row: _Row, field: str, content: Any, role: str, images: _Images) -> list[Part]:
     if isinstance(content, str):
         return [TextPart(content, role)]
     row.expect(field, content, list, "a string or a non-empty array of content items")
@@ -141,23 +179,24 @@ def _content(
         row.expect(at, item, dict, "an object {type, text|path}")
         kind = item.get("type")
         if kind not in ITEM_FIELDS:
-            raise row.error(f"{at}.type", f"expected 'text' or 'image', got {_describe(kind)}")
+            kinds = ", ".join(repr(k) for k in ITEM_FIELDS)
+            raise row.error(f"{at}.type", f"expected one of {kinds}, got {_describe(kind)}")
         row.known_keys(at, {k: v for k, v in item.items() if v is not None}, ITEM_FIELDS[kind])
         if kind == "text":
             if "text" not in item:
                 raise row.error(f"{at}.text", "missing; a text item needs a string 'text'")
             parts.append(TextPart(row.expect(f"{at}.text", item["text"], str, "a string"), role))
+        elif kind == "generate_image":
+            parts.append(images.request(row, at, item, role))
         else:
             if "path" not in item:
                 raise row.error(f"{at}.path", "missing; an image item needs a string 'path'")
             rel = row.expect(f"{at}.path", item["path"], str, "a string (image file path)")
-            parts.append(
-                ImagePart(pixels=_read_image(row, f"{at}.path", base, rel, size), role=role)
-            )
+            parts.append(ImagePart(pixels=images.read(row, f"{at}.path", rel), role=role))
     return parts
 
 
-def _sample(row: _Row, obj: Any, base: Path, size: tuple[int, int], stem: str) -> Sample:
+def _sample(row: _Row, obj: Any, images: _Images, stem: str, default_task: str | None) -> Sample:
     row.expect("row", obj, dict, "a JSON object")
     row.known_keys("", obj, ROW_FIELDS)
     if "messages" not in obj:
@@ -177,7 +216,7 @@ def _sample(row: _Row, obj: Any, base: Path, size: tuple[int, int], stem: str) -
         if role not in ROLES:
             roles = ", ".join(repr(r) for r in ("user", "assistant", "system"))
             raise row.error(f"{at}.role", f"expected one of {roles}, got {_describe(role)}")
-        parts += _content(row, f"{at}.content", msg["content"], role, base, size)
+        parts += _content(row, f"{at}.content", msg["content"], role, images)
     sample_id = obj.get("id")
     if sample_id is None:
         sample_id = f"{stem}-{row.line}"
@@ -187,38 +226,92 @@ def _sample(row: _Row, obj: Any, base: Path, size: tuple[int, int], stem: str) -
     answer = obj.get("answer")
     if answer is not None:
         row.expect("answer", answer, str, "a string")
-    task = obj.get("task")
+    task = obj.get("task", default_task)
     if task is not None:
         row.expect("task", task, str, "a string")
+    split = obj.get("split")
+    if split is not None and split not in SPLITS:
+        raise row.error("split", f"expected one of {', '.join(SPLITS)}, got {_describe(split)}")
     meta = obj.get("meta")
     if meta is not None:
         row.expect("meta", meta, dict, "an object")
     return Sample(id=sample_id, parts=parts, answer=answer, task=task, meta=dict(meta or {}))
 
 
-def load_dataset(path: str | Path, image_size: tuple[int, int] = (8, 8)) -> list[Sample]:
-    """All samples of a .jsonl or .parquet file (format in the module docstring).
+@dataclass
+class Rows:
+    """Loaded samples with where each came from ("FILE:LINE") and its split field."""
 
-    Raises `DatasetError` for a missing/unsupported/empty file or the first bad row;
-    never returns a partial dataset.
-    """
+    samples: list[Sample]
+    where: dict[str, str]
+    splits: dict[str, str | None]
+
+    def select(self, keep: list[bool]) -> Rows:
+        samples = [s for s, k in zip(self.samples, keep) if k]
+        ids = {s.id for s in samples}
+        return Rows(
+            samples,
+            {i: w for i, w in self.where.items() if i in ids},
+            {i: v for i, v in self.splits.items() if i in ids},
+        )
+
+
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files of a dataset: the file itself, or a directory's *.jsonl/*.parquet shards."""
     path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.is_file())
+        if not files:
+            raise DatasetError(f"{path}: directory holds no {' or '.join(SUFFIXES)} files")
+        return files
     if path.suffix not in SUFFIXES:
         raise DatasetError(f"{path}: unsupported dataset file; expected {' or '.join(SUFFIXES)}")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
-    rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+    return [path]
+
+
+def load_rows(
+    path: str | Path,
+    processor: ImageProcessor | None = None,
+    image_grid: tuple[int, int] | None = None,
+    default_task: str | None = None,
+) -> Rows:
+    """Every row of a dataset file or directory of shards (module docstring).
+
+    Raises `DatasetError` for a missing/unsupported/empty dataset or the first bad row;
+    never returns a partial dataset. Logs the processor's conversion counts.
+    """
     samples: list[Sample] = []
-    seen: dict[str, int] = {}
-    for line, obj in rows:
-        row = _Row(str(path), line)
-        sample = _sample(row, obj, path.parent, image_size, path.stem)
-        if sample.id in seen:
-            raise row.error(
-                "id", f"duplicate id {sample.id!r} (first used on line {seen[sample.id]})"
-            )
-        seen[sample.id] = line
-        samples.append(sample)
+    where: dict[str, str] = {}
+    splits: dict[str, str | None] = {}
+    for file in dataset_files(path):
+        rows = _jsonl_rows(file) if file.suffix == ".jsonl" else _parquet_rows(file)
+        images = _Images(file.parent, processor, image_grid)
+        for line, obj in rows:
+            row = _Row(str(file), line)
+            sample = _sample(row, obj, images, file.stem, default_task)
+            if sample.id in where:
+                raise row.error("id", f"duplicate id {sample.id!r} (first at {where[sample.id]})")
+            where[sample.id] = f"{file}:{line}"
+            splits[sample.id] = obj.get("split")
+            samples.append(sample)
     if not samples:
         raise DatasetError(f"{path}: empty dataset; expected at least one row")
-    return samples
+    if processor is not None:
+        log_summary(processor)
+    return Rows(samples, where, splits)
+
+
+def load_dataset(
+    path: str | Path,
+    image_size: tuple[int, int] | None = None,
+    processor: ImageProcessor | None = None,
+) -> list[Sample]:
+    """The samples of `load_rows(path, processor)`. `image_size` is shorthand for the
+    tiny model's processor `GreyscaleProcessor(image_size, resize="error")`."""
+    if image_size is not None:
+        if processor is not None:
+            raise ValueError("give image_size or processor, not both")
+        processor = GreyscaleProcessor((int(image_size[0]), int(image_size[1])))
+    return load_rows(path, processor).samples

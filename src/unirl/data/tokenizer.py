@@ -1,4 +1,16 @@
-"""The embedded text tokenizer: a `tokenizers` WordLevel model in `PreTrainedTokenizerFast`.
+"""The embedded model's text tokenizers, as `PreTrainedTokenizerFast`s with the same
+special tokens: the digits WordLevel tokenizer (`build_tokenizer`, the default of the
+built-in digits tasks) and a byte-level BPE trained on a run's own text
+(`train_bpe_tokenizer`, `load_or_train_bpe`), which reads any text without an unknown id.
+
+The byte-level BPE (GPT-2 style): text is split by the ByteLevel pre-tokenizer, mapped
+to bytes, and merged by BPE merges learned from the given texts (plus the template words
+and the numbers 0..`MAX_NUMBER`) up to `vocab_size` ids; the 256 byte symbols are always
+in the vocabulary, so every string encodes, and decode(encode(text)) == text exactly.
+Ids: the special tokens first (`SPECIAL_TOKENS` order), then bytes and merges. It has no
+unknown token.
+
+WordLevel (the digits tokenizer):
 
 Pre-tokenisation isolates, in order of precedence, a newline "\\n", a run of decimal
 digits, a run of letters (and "_"), or one punctuation character; other whitespace
@@ -18,11 +30,15 @@ character. Anything else encodes to `<unk>`.
 
 from __future__ import annotations
 
+import os
+import shutil
 import string
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from unirl.data.digits import vocabulary_texts
@@ -98,16 +114,57 @@ def build_tokenizer(extra_texts: Iterable[str] = ()) -> PreTrainedTokenizerFast:
         ]
     )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return _fast(tok, UNK)
+
+
+def _fast(tok: Tokenizer, unk: str | None) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
-        unk_token=UNK,
+        unk_token=unk,
         eos_token=IM_END,
         extra_special_tokens=[ENDOFTEXT, IM_START, IMAGE_GEN, VISION_START, VISION_END, IMAGE_PAD],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of at most `vocab_size` ids trained on `texts` (module docstring)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    fixed = [*TEMPLATE_WORDS, NEWLINE, *(str(k) for k in range(MAX_NUMBER + 1))]
+    tok.train_from_iterator([*fixed, *texts], trainer=trainer)
+    return _fast(tok, None)
+
+
+def load_or_train_bpe(
+    directory: Path | None, texts: Iterable[str], vocab_size: int
+) -> PreTrainedTokenizerFast:
+    """The BPE saved in `directory` (a resumed run), else one trained on `texts` and saved
+    there atomically (written to a temporary sibling, then renamed)."""
+    if directory is not None and (directory / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    tokenizer = train_bpe_tokenizer(texts, vocab_size)
+    if directory is not None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            os.replace(tmp, directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    return tokenizer
 
 
 def normalize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> str:

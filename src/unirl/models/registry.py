@@ -35,8 +35,9 @@ MODEL_CONFIG = "unirl_model.json"
 TRANSFORMERS_CONFIG = "config.json"
 
 Loader = Callable[[Path], UnifiedModel]
-Builder = Callable[[ModelConfig, int, Path | None], UnifiedModel]
-"""`build(model_cfg, seed, codec_dir)`: a fresh model from the `model` config section."""
+Builder = Callable[[ModelConfig, int, Path | None, Any], UnifiedModel]
+"""`build(model_cfg, seed, codec_dir, tokenizer)`: a fresh model from the `model` config
+section (`tokenizer` None = the kind's default)."""
 
 
 @dataclass(frozen=True)

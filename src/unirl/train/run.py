@@ -113,7 +113,7 @@ def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_ta
 
 
 def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> UnifiedModel:
-    model = build_model(cfg, codec_dir=run_dir / "codec")
+    model = build_model(cfg, codec_dir=run_dir / "codec", tokenizer_dir=run_dir / "tokenizer")
     if cfg.trainer.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if cfg.trainer.lora.enabled:

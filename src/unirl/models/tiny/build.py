@@ -8,6 +8,7 @@ train split with `seed` and saved to `codec_dir`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,8 +50,11 @@ def build_or_load_codec(cfg: ModelConfig, seed: int, codec_dir: Path | None) -> 
     return codec
 
 
-def build_tiny(cfg: ModelConfig, seed: int, codec_dir: Path | None) -> TinyUnifiedModel:
-    """A fresh tiny model of `model.tiny`'s sizes, initialised from `seed`."""
+def build_tiny(
+    cfg: ModelConfig, seed: int, codec_dir: Path | None, tokenizer: Any = None
+) -> TinyUnifiedModel:
+    """A fresh tiny model of `model.tiny`'s sizes, initialised from `seed`; `tokenizer`
+    None = the digits WordLevel tokenizer."""
     codec = build_or_load_codec(cfg, seed, codec_dir)
     t = cfg.tiny
     torch.manual_seed(seed)
@@ -63,6 +67,6 @@ def build_tiny(cfg: ModelConfig, seed: int, codec_dir: Path | None) -> TinyUnifi
             intermediate_size=t.intermediate_size,
             max_positions=t.max_position_embeddings,
         ),
-        build_tokenizer(),
+        build_tokenizer() if tokenizer is None else tokenizer,
         codec,
     )

@@ -1,0 +1,227 @@
+"""`unirl eval`: a model on one data split, through the rollout engine, scored by the
+configured reward plugins; resumable records, `summary.json` and `index.html`.
+
+Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, images
+through the model's processor), or the digits tasks' rows of that split
+(`data.<split>_size` per task); the first `evaluation.max_samples` (0 = all).
+
+Each row i is rolled out n = `evaluation.rollouts_per_sample` times; member m draws with
+the stateless seed `seed_for(run.seed, 0, i, m)`, so two checkpoints evaluated on the
+same config see common random numbers. A row whose answer is one image (an image or a
+generate_image item, never a task name) is forced into an image of its grid with an
+exact count of H*W positions; other rows decode under the `rollout:` cap. Greedy or
+sampled is `evaluation.greedy`; the other sampling parameters are `rollout:`'s.
+
+Layout of the output directory (`evaluation.output_dir`, default
+<run.output_dir>/eval-<split>): results.jsonl (one record per (id, member), see
+`unirl.eval.records`), images/*.png, summary.json, index.html, config_hash (a re-run
+with another config refuses to mix its records in).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from unirl.config import ConfigError, UnirlConfig, config_hash
+from unirl.core.sample import ImagePart, Part, Sample, TextPart
+from unirl.core.seeding import seed_for
+from unirl.data.digits import make_task_samples
+from unirl.data.images import processor_for
+from unirl.data.rows import answer_image_grid, split_rows
+from unirl.eval.records import ResultLog
+from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
+from unirl.models.base import UnifiedModel
+from unirl.rewards import RewardService, build_responses, build_reward_service
+from unirl.rollout import RolloutEngine, RolloutRequest
+from unirl.rollout.config import sampling_params
+from unirl.train.build import build_model, resolve_device
+from unirl.train.evaluate import load_or_fit_classifier
+
+Rollout = Callable[[Sequence[RolloutRequest]], list]
+
+
+def engine_rollout(model: UnifiedModel) -> Rollout:
+    """The rollout function evaluation uses: the engine, directly (one place to swap in
+    the rollout service)."""
+    engine = RolloutEngine(model, model.tokenizer)
+    return engine.generate
+
+
+def eval_samples(cfg: UnirlConfig, model: UnifiedModel) -> list[Sample]:
+    """The rows to evaluate (module docstring)."""
+    split = cfg.evaluation.split
+    if cfg.data.path is not None:
+        size = tuple(model.codec.image_size)
+        processor = processor_for(cfg.model.kind, size, cfg.data.image_resize)
+        samples = split_rows(cfg.data, split, processor, tuple(model.codec.grid)).samples
+    else:
+        n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
+        if n[split] == 0:
+            raise ConfigError(
+                f"the digits {split} split of evaluation.split has no rows",
+                key=f"data.{split}_size",
+                expected="> 0 rows per task",
+            )
+        samples = [
+            s
+            for task in cfg.data.tasks
+            for s in make_task_samples(task, split, n[split], seed=cfg.data.seed)
+        ]
+    cap = cfg.evaluation.max_samples
+    return samples[:cap] if cap else samples
+
+
+def make_request(cfg: UnirlConfig, sample: Sample, index: int, member: int, grid) -> RolloutRequest:
+    """Member `member` of row `index` (module docstring)."""
+    greedy = cfg.evaluation.greedy
+    seed = seed_for(cfg.run.seed, 0, index, member)
+    image = answer_image_grid(sample, grid)
+    if image is not None:
+        params = sampling_params(
+            cfg.rollout, max_new_tokens=image[0] * image[1], length_semantics="exact", greedy=greedy
+        )
+        return RolloutRequest(sample.fork(member), seed, params, image_grid=image)
+    params = sampling_params(cfg.rollout, length_semantics="cap", greedy=greedy)
+    return RolloutRequest(sample.fork(member), seed, params)
+
+
+def _needs_classifier(cfg: UnirlConfig) -> bool:
+    return any(
+        p.path is None
+        and (p.name == "digit_classifier" or bool(p.kwargs.get("require_image_class")))
+        for p in cfg.reward.plugins
+    )
+
+
+def _rewards(cfg: UnirlConfig, model: UnifiedModel, out: Path) -> RewardService | None:
+    if not cfg.reward.plugins:
+        return None
+    resources = {}
+    if _needs_classifier(cfg):
+        resources["digit_classifier"] = load_or_fit_classifier(out / "classifier")
+    return build_reward_service(cfg.reward, decode_images=model.codec.decode, resources=resources)
+
+
+def _text_of(parts: Sequence[Part]) -> str:
+    pieces = []
+    for part in parts:
+        pieces.append(part.text if isinstance(part, TextPart) else "<image>")
+    return "".join(pieces)
+
+
+def _pixels(part: ImagePart, model: UnifiedModel) -> np.ndarray | None:
+    if part.pixels is not None:
+        return part.pixels
+    try:
+        return model.codec.decode(part.codes[None])[0].float().cpu().numpy()
+    except ValueError:
+        return None
+
+
+def _records(cfg, model, log, batch, trajs, rewards) -> None:
+    """Score one batch of (index, member, sample) rows and commit their records."""
+    forked = [s.fork(m) for _, m, s in batch]
+    parsed = [model.parse_response(t) for t in trajs]
+    responses, _ = build_responses(parsed, model.codec.decode)
+    result = rewards.score(forked, trajs, parsed) if rewards is not None else None
+    for j, ((_, m, sample), traj, response) in enumerate(zip(batch, trajs, responses)):
+        images: dict[str, np.ndarray] = {}
+        prompt_parts = [p for p in sample.parts if p.role != "assistant"]
+        prompt_images = []
+        for k, part in enumerate(p for p in prompt_parts if isinstance(p, ImagePart)):
+            pixels = _pixels(part, model)
+            if pixels is not None:
+                rel = log.image_path(sample.id, m, k, "in")
+                images[rel] = pixels
+                prompt_images.append(rel)
+        out_images, codes = [], []
+        for k, (part, pixels) in enumerate(
+            zip([p for p in response.parts if isinstance(p, ImagePart)], response.images)
+        ):
+            codes.append(part.codes.tolist() if part.codes is not None else None)
+            if pixels is not None:
+                rel = log.image_path(sample.id, m, k)
+                images[rel] = pixels.numpy()
+                out_images.append(rel)
+        scores, total = {}, 0.0
+        if result is not None:
+            scores = {k: float(v[j]) for k, v in result.per_plugin.items() if result.applied[k][j]}
+            total = float(result.total[j])
+        record: dict[str, Any] = {
+            "id": sample.id,
+            "member": m,
+            "task": sample.task,
+            "answer": sample.answer,
+            "prompt": _text_of(prompt_parts),
+            "prompt_images": prompt_images,
+            "response": _text_of(response.parts) if response.parsed else "",
+            "parsed": response.parsed,
+            "images": out_images,
+            "codes": codes,
+            "finish_reason": traj.finish_reason,
+            "scores": scores,
+            "total": total,
+            "passed": result is not None and total >= cfg.evaluation.pass_threshold,
+            "seed": seed_for(cfg.run.seed, 0, batch[j][0], m),
+        }
+        log.commit(record, images)
+
+
+def _check_hash(out: Path, cfg: UnirlConfig) -> None:
+    path, digest = out / "config_hash", config_hash(cfg)
+    if path.is_file() and path.read_text().strip() != digest:
+        raise ConfigError(
+            f"{out} holds an evaluation of another config; choose a new evaluation.output_dir",
+            key="evaluation.output_dir",
+        )
+    path.write_text(digest + "\n")
+
+
+def evaluate(
+    cfg: UnirlConfig, model: UnifiedModel, out: Path, rollout: Rollout | None = None
+) -> dict[str, Any]:
+    """Evaluate `model` as `cfg` says into `out` (module docstring); the summary."""
+    samples = eval_samples(cfg, model)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_hash(out, cfg)
+    log = ResultLog(out)
+    rewards = _rewards(cfg, model, out)
+    rollout = rollout or engine_rollout(model)
+    grid = tuple(model.codec.grid)
+    n = cfg.evaluation.rollouts_per_sample
+    todo = [(i, m, s) for i, s in enumerate(samples) for m in range(n) if (s.id, m) not in log.done]
+    quiet = os.environ.get("CI", "").lower() == "true" or not sys.stderr.isatty()
+    size = cfg.rollout.batch_size
+    with Progress(disable=quiet, transient=False) as progress:
+        bar = progress.add_task("eval", total=len(samples) * n, completed=len(log.done))
+        for start in range(0, len(todo), size):
+            batch = todo[start : start + size]
+            requests = [make_request(cfg, s, i, m, grid) for i, m, s in batch]
+            with torch.no_grad():
+                trajs = rollout(requests)
+            _records(cfg, model, log, batch, trajs, rewards)
+            progress.advance(bar, len(batch))
+    wanted = {(s.id, m) for s in samples for m in range(n)}
+    records = [r for r in log.records if (r["id"], r["member"]) in wanted]
+    summary = summarize(records, n)
+    write_json(out / SUMMARY, summary)
+    write_page(out / PAGE, records, summary)
+    return summary
+
+
+def run_eval(cfg: UnirlConfig) -> Path:
+    """`unirl eval`: build the model (`model.path`, or the tiny model built from the
+    config's seed), evaluate it, and return the output directory."""
+    e = cfg.evaluation
+    out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
+    model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
+    evaluate(cfg, model, out)
+    return out

@@ -1,0 +1,170 @@
+"""`unirl eval` end to end on the tiny model and a custom colour dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from unirl.config import load_config
+from unirl.core.types import TRUNCATED_REASONS
+from unirl.eval import evaluate
+from unirl.train.build import build_model
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (20, 40, 230)}
+
+
+def make_dataset(root: Path, n: int) -> Path:
+    """n colour-square questions (words outside the digits vocabulary), split train/test."""
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = list(COLOURS)[i % 3]
+        pixels = np.zeros((8, 8, 3), dtype=np.uint8)
+        pixels[1 + i % 3 : 7, 2:7] = COLOURS[name]
+        Image.fromarray(pixels).save(root / "img" / f"{i}.png")
+        rows.append(
+            {
+                "id": f"sq{i}",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "path": f"img/{i}.png"},
+                            {"type": "text", "text": "Which colour is the square?"},
+                        ],
+                    },
+                    {"role": "assistant", "content": name},
+                ],
+                "answer": name,
+                "task": "colour_qa",
+                "split": "test" if i % 2 else "train",
+            }
+        )
+    path = root / "colours.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(tmp_path: Path, data: Path, extra: str = "") -> Path:
+    path = tmp_path / "eval.yaml"
+    path.write_text(
+        f"run: {{output_dir: {tmp_path / 'run'}, device: cpu}}\n"
+        f"model: {{tiny: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}}}\n"
+        f"data: {{path: {data}, tasks: [colour_qa], image_resize: error}}\n"
+        "rollout: {max_new_tokens: 12, batch_size: 4}\n"
+        "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n" + extra
+    )
+    return path
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[str] = []
+        self.headers: list[str] = []
+        self.rows = 0
+        self._in_th = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.images.append(attrs["src"])
+        if tag == "th":
+            self._in_th = True
+            assert attrs["onclick"].startswith("sortBy(")
+        if tag == "tr":
+            self.rows += 1
+
+    def handle_endtag(self, tag):
+        if tag == "th":
+            self._in_th = False
+
+    def handle_data(self, data):
+        if self._in_th:
+            self.headers.append(data)
+
+
+def test_eval_sampled_records_summary_and_page(tmp_path):
+    data = make_dataset(tmp_path / "data", 8)
+    extra = "evaluation: {rollouts_per_sample: 3, greedy: false}\n"
+    cfg = load_config(write_config(tmp_path, data, extra))
+    model = build_model(cfg).eval()
+    out = tmp_path / "eval"
+    summary = evaluate(cfg, model, out)
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["member"]) for r in records) == [
+        (f"sq{i}", m) for i in (1, 3, 5, 7) for m in range(3)
+    ]
+    for r in records:
+        assert r["scores"].keys() == {"text_exact"} and r["finish_reason"]
+        kept = r["finish_reason"] not in TRUNCATED_REASONS
+        expected = float(r["response"].strip() == r["answer"] and kept)
+        assert r["total"] == expected
+        assert r["prompt"] == "<image>Which colour is the square?" and len(r["prompt_images"]) == 1
+        with Image.open(out / r["prompt_images"][0]) as im:
+            assert im.mode == "L" and im.size == (8, 8)  # the tiny model's greyscale view
+    by_id: dict[str, list[float]] = {}
+    for r in records:
+        by_id.setdefault(r["id"], []).append(r["total"])
+    mean_n = np.mean([np.mean(v) for v in by_id.values()])
+    pass_n = np.mean([max(v) >= 1.0 for v in by_id.values()])
+    assert summary["all"]["mean@n"] == pytest.approx(mean_n)
+    assert summary["all"]["pass@n"] == pytest.approx(pass_n)
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert len({r["response"] for r in records if r["id"] == "sq1"}) > 1  # sampled
+    page = _Page()
+    page.feed((out / "index.html").read_text())
+    assert page.rows == 1 + len(records) and "total" in page.headers
+    assert page.images and all((out / src).is_file() for src in page.images)
+    again = evaluate(cfg, model, tmp_path / "eval2")  # common random numbers
+    assert again == summary
+    records2 = (tmp_path / "eval2" / "results.jsonl").read_text().splitlines()
+    assert sorted(records2) == sorted((out / "results.jsonl").read_text().splitlines())
+
+
+def test_eval_resumes_after_sigkill(tmp_path):
+    data = make_dataset(tmp_path / "data", 40)
+    extra = (
+        f"evaluation: {{rollouts_per_sample: 2, greedy: false, output_dir: {tmp_path / 'out'}}}\n"
+    )
+    config = write_config(tmp_path, data, extra)
+    cmd = [sys.executable, "-m", "unirl", "eval", str(config), "rollout.batch_size=1"]
+    env = {**os.environ, "CI": "true"}
+    results = tmp_path / "out" / "results.jsonl"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if results.is_file() and results.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, proc.stderr.read().decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = results.read_text().count("\n")
+    assert 3 <= done < 40
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    keys = [(r["id"], r["member"]) for r in map(json.loads, results.read_text().splitlines())]
+    assert sorted(keys) == sorted((f"sq{i}", m) for i in range(1, 40, 2) for m in range(2))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["all"]["n_rollouts"] == 40.0
+
+
+def test_eval_refuses_another_config_in_the_same_directory(tmp_path):
+    data = make_dataset(tmp_path / "data", 4)
+    cfg = load_config(write_config(tmp_path, data))
+    model = build_model(cfg).eval()
+    evaluate(cfg, model, tmp_path / "out")
+    other = load_config(write_config(tmp_path, data), ["evaluation.pass_threshold=0.5"])
+    with pytest.raises(Exception, match="evaluation.output_dir"):
+        evaluate(other, model, tmp_path / "out")

@@ -1,0 +1,216 @@
+"""Own datasets: any task label, splits, shards, parquet, colour images, the BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from unirl.config import ConfigError, load_config
+from unirl.config.schema import DataConfig
+from unirl.core.sample import GenerationRequest, TextPart
+from unirl.data.images import GreyscaleProcessor, RGBProcessor, read_rgb
+from unirl.data.loader import DatasetError, load_rows
+from unirl.data.rows import check_targets, generates_image, split_rows
+from unirl.data.template import parse, serialize
+from unirl.data.tokenizer import build_tokenizer, load_or_train_bpe, train_bpe_tokenizer
+
+RED = np.zeros((8, 8, 3), dtype=np.uint8)
+RED[..., 0] = 200
+RED[2:4, :, 2] = 100
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def qa(i: int, task: str = "angle_mc", split: str | None = None, image: str | None = None):
+    user = [{"type": "text", "text": f"Which angle is larger in figure {i}?"}]
+    if image:
+        user.insert(0, {"type": "image", "path": image})
+    row = {
+        "id": f"q{i}",
+        "messages": [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": f"Angle théta {i}"},
+        ],
+        "answer": f"Angle théta {i}",
+        "task": task,
+    }
+    if split:
+        row["split"] = split
+    return row
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_any_task_label_needs_data_path(tmp_path):
+    cfg = load_config(write_config(tmp_path, "data: {path: d.jsonl, tasks: [angle_mc]}\n"))
+    assert cfg.data.tasks == ["angle_mc"] and cfg.data.uses_bpe
+    with pytest.raises(ConfigError, match=r"data\.tasks: 'angle_mc' is not a built-in digits"):
+        load_config(write_config(tmp_path, "data: {tasks: [angle_mc]}\n"))
+
+
+def test_reward_routes_are_checked(tmp_path):
+    base = "algorithm: {name: grpo}\ndata: {path: d.jsonl, tasks: [angle_mc, geo]}\n"
+    ok = base + "reward: {plugins: [{name: text_exact, tasks: [angle_mc, geo]}]}\n"
+    assert load_config(write_config(tmp_path, ok)).reward.plugins[0].tasks == ["angle_mc", "geo"]
+    unrouted = base + "reward: {plugins: [{name: text_exact, tasks: [angle_mc]}]}\n"
+    with pytest.raises(ConfigError, match="reward.plugins: task 'geo' has no reward route"):
+        load_config(write_config(tmp_path, unrouted))
+    stray = base + "reward: {plugins: [{name: text_exact, tasks: [angle_mc, geo, nope]}]}\n"
+    with pytest.raises(ConfigError, match=r"reward\.plugins\.0\.tasks: task 'nope' is not in"):
+        load_config(write_config(tmp_path, stray))
+
+
+def test_colour_is_kept_and_processors_convert_explicitly(tmp_path):
+    Image.fromarray(RED).save(tmp_path / "red.png")
+    rgb = read_rgb(tmp_path / "red.png")
+    assert rgb.shape == (8, 8, 3)
+    np.testing.assert_allclose(rgb, RED / 255.0, atol=1e-7)
+    rows = load_rows(write_rows(tmp_path / "d.jsonl", [qa(0, image="red.png")]))
+    np.testing.assert_allclose(rows.samples[0].parts[0].pixels, RED / 255.0, atol=1e-7)
+    grey = GreyscaleProcessor((8, 8))
+    out = grey(rgb, "red.png")
+    expected = (RED.astype(np.float64) / 255.0) @ np.array([0.299, 0.587, 0.114])
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+    assert (grey.n_images, grey.n_colour) == (1, 1)
+    with pytest.raises(ValueError, match=r"'red.png' is 8x8; the model takes 16x16 .*resize"):
+        RGBProcessor((16, 16))(rgb, "red.png")
+    big = RGBProcessor((16, 16), resize="resize")(rgb, "red.png")
+    assert big.shape == (16, 16, 3) and abs(big[..., 0].mean() - 200 / 255) < 1e-3
+
+
+def test_wrong_size_under_error_names_file_line(tmp_path):
+    Image.fromarray(RED).save(tmp_path / "red.png")
+    path = write_rows(tmp_path / "d.jsonl", [qa(0), qa(1, image="red.png")])
+    with pytest.raises(DatasetError) as info:
+        load_rows(path, RGBProcessor((384, 384)))
+    assert str(info.value).startswith(f"{path}:2: messages[0].content[0].path: image 'red.png'")
+
+
+def test_splits_shards_and_tasks(tmp_path):
+    shards = tmp_path / "shards"
+    write_rows(shards / "a.jsonl", [qa(0), qa(1, split="val"), qa(2, task="other")])
+    write_rows(shards / "b.jsonl", [qa(3, split="test"), qa(4, split="train")])
+    data = DataConfig(path=str(shards), tasks=["angle_mc"])
+    assert [s.id for s in split_rows(data, "train").samples] == ["q0", "q4"]
+    assert [s.id for s in split_rows(data, "val").samples] == ["q1"]
+    assert split_rows(data, "test").where["q3"] == f"{shards / 'b.jsonl'}:1"
+    val = write_rows(tmp_path / "val.jsonl", [qa(7), qa(8, split="test")])
+    with pytest.raises(DatasetError, match=r"val\.jsonl:2: split: 'test' row in data\.val_path"):
+        split_rows(DataConfig(path=str(shards), val_path=str(val), tasks=["angle_mc"]), "val")
+    untagged = write_rows(tmp_path / "u.jsonl", [{k: v for k, v in qa(0).items() if k != "task"}])
+    with pytest.raises(DatasetError, match=r"u\.jsonl:1: task: missing"):
+        split_rows(DataConfig(path=str(untagged), tasks=["angle_mc"]), "train")
+    rows = split_rows(DataConfig(path=str(untagged), tasks=["x"], default_task="x"), "train")
+    assert rows.samples[0].task == "x"
+    with pytest.raises(DatasetError, match="no rows with split 'val'"):
+        split_rows(DataConfig(path=str(untagged), tasks=["x"], default_task="x"), "val")
+
+
+def test_parquet_in_hugging_face_layout(tmp_path):
+    """The layout `datasets.Dataset.from_list(rows).to_parquet(...)` writes: content items
+    as one struct type whose unused fields are null."""
+    Image.fromarray(RED).save(tmp_path / "red.png")
+    item = pa.struct([("type", pa.string()), ("text", pa.string()), ("path", pa.string())])
+    message = pa.struct([("role", pa.string()), ("content", pa.list_(item))])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("messages", pa.list_(message)),
+            ("answer", pa.string()),
+            ("task", pa.string()),
+            ("split", pa.string()),
+        ]
+    )
+    rows = [
+        {
+            "id": "p0",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "text": None, "path": "red.png"},
+                        {"type": "text", "text": "Colour?", "path": None},
+                    ],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": "red", "path": None}]},
+            ],
+            "answer": "red",
+            "task": "colour",
+            "split": None,
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "train.parquet")
+    (sample,) = load_rows(tmp_path / "train.parquet").samples
+    assert sample.task == "colour" and sample.parts[0].pixels.shape == (8, 8, 3)
+    assert [type(p).__name__ for p in sample.parts] == ["ImagePart", "TextPart", "TextPart"]
+
+
+def test_generate_image_rows(tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": "a red square"},
+            {"role": "assistant", "content": [{"type": "generate_image"}]},
+        ],
+        "task": "paint",
+    }
+    path = write_rows(tmp_path / "p.jsonl", [row])
+    (sample,) = load_rows(path, image_grid=(4, 4)).samples
+    assert sample.parts[-1] == GenerationRequest(4, 4) and generates_image(sample)
+    with pytest.raises(DatasetError, match=r"p\.jsonl:1: messages\[1\]\.content\[0\]\.height"):
+        load_rows(path)
+    assert not generates_image(load_rows(write_rows(tmp_path / "q.jsonl", [qa(0)])).samples[0])
+
+
+def test_bpe_reads_any_text_and_is_saved(tmp_path):
+    texts = ["Which angle is larger? Angle théta", "三角形 ABC"] * 3
+    tok = train_bpe_tokenizer(texts, 400)
+    assert tok.unk_token_id is None
+    sample = load_rows(write_rows(tmp_path / "d.jsonl", [qa(5)])).samples[0]
+    traj = serialize(sample, tok)
+    assert [p.text for p in parse(traj, tok) if isinstance(p, TextPart)] == [
+        "Which angle is larger in figure 5?",
+        "Angle théta 5",
+    ]
+    saved = load_or_train_bpe(tmp_path / "tokenizer", texts, 400)
+    again = load_or_train_bpe(tmp_path / "tokenizer", ["unrelated"], 400)
+    assert saved.get_vocab() == again.get_vocab() == tok.get_vocab()
+
+
+def test_unknown_target_is_an_error_naming_file_line(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", [qa(0)])
+    rows = split_rows(DataConfig(path=str(path), tasks=["angle_mc"]), "train")
+    with pytest.raises(DatasetError) as info:
+        check_targets(rows, build_tokenizer())
+    message = str(info.value)
+    assert message.startswith(f"{path}:1: assistant text") and "'théta'" in message
+    check_targets(rows, train_bpe_tokenizer(["x"], 300))
+
+
+def test_image_generation_comes_from_the_row_not_the_task():
+    from unirl.core.sample import ImagePart, Sample
+    from unirl.data.digits import make_task_samples
+    from unirl.data.rows import answer_image_grid
+
+    t2i, draw, mc = (
+        make_task_samples(t, "val", 1)[0] for t in ("t2i", "draw_then_answer", "i2t_mc")
+    )
+    assert generates_image(t2i) and generates_image(draw) and not generates_image(mc)
+    assert answer_image_grid(t2i, (4, 4)) == (4, 4)
+    assert answer_image_grid(draw, (4, 4)) is None and answer_image_grid(mc, (4, 4)) is None
+    renamed = Sample("x", list(t2i.parts), task="anything")
+    assert answer_image_grid(renamed, (2, 3)) == (2, 3)
+    assert isinstance(renamed.parts[-1], ImagePart)
