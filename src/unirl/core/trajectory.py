@@ -397,6 +397,11 @@ class TrajectoryBatch:
             raise ValueError(f"micro-batch size must be a positive int, got {size!r}")
         return [self[s : s + size] for s in range(0, len(self), size)]
 
+    def without_training_data(self) -> TrajectoryBatch:
+        """The same rows without the per-row training tensors (advantages, anchors): what
+        a scoring pass needs, and what it may mix with rows that never had them."""
+        return replace(self, advantages=None, old_logp=None, old_logp_factors=None)
+
     def unbatch(self) -> list[Trajectory]:
         """The trajectories this batch was collated from (exact inverse of `collate`)."""
         out = []
