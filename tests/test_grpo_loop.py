@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
@@ -38,6 +39,7 @@ from unirl.rollout.config import sampling_params
 from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job, scored_mask
+from unirl.train.forward import body_hidden
 from unirl.train.metrics import read_metrics
 from unirl.train.trainer import Trainer
 
@@ -431,3 +433,100 @@ def test_two_rank_run_shards_rollouts_and_matches_one_process(tmp_path, assets):
         assert one["reward/total_mean"] == pytest.approx(two["reward/total_mean"], rel=1e-6)
         assert one["reward/truncated_frac"] == two["reward/truncated_frac"]
         assert one["rollout/n_rows"] == two["rollout/n_rows"] == 8
+
+
+@pytest.mark.parametrize("task", ["i2t_mc", "t2i"])
+def test_jsd_to_the_reference_matches_full_distributions(tmp_path, assets, task):
+    """The chunked JSD path (reference chunks rebuilt from its hidden states inside each
+    checkpointed chunk) gives the loss and gradient of an independent computation over
+    the full distributions at every scored position (rows with advantage 0, so the loss
+    is the penalty alone)."""
+    cfg = grpo_config(
+        tmp_path / task,
+        assets,
+        task=task,
+        algorithm={"kl": {"type": "jsd", "coef": 0.7}, "chunk_size": 5},
+        trainer={"micro_batch_size": 8},
+    )
+    trainer = make_trainer(cfg)
+    model = trainer.model
+    trajs = trainer.source.global_batch(0)
+    for t in trajs:
+        t.advantage = 0.0
+    batch = TrajectoryBatch.collate(trajs, trainer.pad_id)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # move the policy away from the (frozen, initial) reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    mask = scored_mask(batch)
+    n = int(mask.sum())
+    model.zero_grad()
+    loss, stats = trainer.objective.loss(model, batch, n)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    def full_logp(m, hidden):
+        text = torch.log_softmax(m.text_logits(hidden).double(), -1)
+        vis = torch.log_softmax(m.visual_logits(hidden).double(), -1)
+        return text, vis
+
+    model.zero_grad()
+    hidden = body_hidden(model, batch)[:, :-1]
+    with torch.no_grad():
+        ref_hidden = body_hidden(trainer.objective.reference.frozen, batch)[:, :-1]
+    visual = (batch.modality == Modality.VISUAL)[:, 1:]
+    rows = mask[:, 1:]
+    total = torch.zeros((), dtype=torch.float64)
+    for policy_lp, ref_lp, where in zip(
+        full_logp(model, hidden),
+        full_logp(trainer.objective.reference.frozen, ref_hidden),
+        (rows & ~visual, rows & visual),
+    ):
+        p, q = policy_lp[where].exp(), ref_lp[where].exp()
+        m = 0.5 * (p + q)
+        jsd = 0.5 * (p * (p.log() - m.log())).sum(-1) + 0.5 * (q * (q.log() - m.log())).sum(-1)
+        total = total + jsd.sum()
+    expected = 0.7 * total / n
+    expected.backward()
+    assert n > 10 and float(expected.detach()) > 1e-4
+    assert abs(float(loss.detach()) - float(expected.detach())) <= 1e-6
+    assert stats["kl_sum"] == pytest.approx(float(total.detach()), rel=1e-5)
+    assert any(g.abs().max() > 1e-4 for g in got.values())
+    for name, p in model.named_parameters():
+        mine = got.get(name, torch.zeros_like(p)).double()
+        theirs = torch.zeros_like(mine) if p.grad is None else p.grad.double()
+        assert (mine - theirs).abs().max() <= 1e-6, name
+
+
+def test_sigkill_during_a_round_of_two_updates_resumes_bitwise(tmp_path, assets):
+    """updates_per_batch=2: SIGKILLed after the first and after the second update of a
+    round (before the checkpoint), the run resumes mid-round from the round file (batch,
+    advantages, anchor) and ends bitwise equal to the uninterrupted run."""
+
+    def config(name: str) -> dict:
+        return grpo_config(
+            tmp_path / name,
+            assets,
+            algorithm={"updates_per_batch": 2, "kl": {"type": "k3", "coef": 0.05}},
+            trainer={"total_updates": 4, "optimizer": {"lr": 3e-2}},
+            checkpoint={"every_updates": 1, "keep_last": 0},
+        )
+
+    fit(make_trainer(config("ref")))  # one thread, as the subprocesses
+    path = write_config(tmp_path / "killed.yaml", config("killed"))
+    for fault in ("after_update:2", "after_update:4"):
+        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        assert killed.returncode == -9, (fault, killed.stderr[-2000:])
+    assert sorted(p.name for p in (tmp_path / "killed" / "rollouts").iterdir()) == [
+        "round-000000-rank0.pt",
+        "round-000002-rank0.pt",
+    ]
+    resumed = run_cli(["train", str(path)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = checkpoint_tensors(tmp_path / "ref" / "checkpoints" / "update-000004")
+    final = checkpoint_tensors(tmp_path / "killed" / "checkpoints" / "update-000004")
+    assert_same_state(ref[0], final[0], "model")
+    assert_same_state(ref[1], final[1], "optimizer")
+    exported = load_file(str(tmp_path / "killed" / "model" / "model.safetensors"))
+    assert_same_state(ref[0], exported, "exported model")
+    assert _updates(tmp_path / "killed") == [1, 2, 3, 4]
