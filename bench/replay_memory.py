@@ -39,12 +39,12 @@ from collections.abc import Callable
 import torch
 
 from unirl.codecs import build_codec
+from unirl.config.algorithms import GRPOConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Owner
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer, build_vocab
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.config.algorithms import GRPOConfig
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
 from unirl.train.forward import body_hidden
@@ -143,9 +143,7 @@ def jsd_row(model: TinyUnifiedModel, batch: TrajectoryBatch, chunk: int, repeats
         gen = torch.Generator().manual_seed(1)
         for p in reference.frozen.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
-    algo = GRPOConfig(
-        old_logp_source="rollout", kl={"type": "jsd", "coef": 1.0}, chunk_size=chunk
-    )
+    algo = GRPOConfig(old_logp_source="rollout", kl={"type": "jsd", "coef": 1.0}, chunk_size=chunk)
     objective = GRPOObjective(algo, reference)
     records = [SamplingRecord(SamplingParams())] * len(batch)
     rows = copy.copy(batch)

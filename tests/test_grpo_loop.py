@@ -38,8 +38,8 @@ from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
 from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job, scored_mask
 from unirl.train.forward import body_hidden
+from unirl.train.grpo import build_grpo_job, scored_mask
 from unirl.train.metrics import read_metrics
 from unirl.train.trainer import Trainer
 
@@ -132,6 +132,7 @@ def test_rollout_config_maps_one_to_one_onto_sampling_params():
     assert engine_fields - shared == {"greedy", "stop_token_ids"}
     assert all(getattr(params, name) == getattr(cfg, name) for name in shared)
     assert sampling_params(cfg, max_new_tokens=3, length_semantics="cap").max_new_tokens == 3
+    assert SamplingParams() == sampling_params(RolloutConfig())  # one default per setting
 
 
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
@@ -152,6 +153,10 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     for key in ("adv/advantage_std", "adv/between_share", "adv/frac_zero_std_groups"):
         assert key in metrics
     assert "task/t2i/accuracy" in metrics and metrics["time/rollout_s"] > 0
+    samples = trainer.source.samples(0, 3)
+    assert len(samples) == 2 and {"prompt", "response", "reward", "image"} == set(samples[0])
+    assert "digit" in samples[0]["prompt"] and samples[0]["image"].shape[:2] == (8, 8)
+    assert samples[1]["reward"] == float(trainer.source.rollout(0).rewards[4])
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

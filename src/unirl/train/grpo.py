@@ -51,6 +51,7 @@ from unirl.algorithms.grpo import (
 )
 from unirl.config import UnirlConfig
 from unirl.config.algorithms import GRPOConfig
+from unirl.core.distributions import TextCategorical
 from unirl.core.sample import Sample
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
@@ -61,6 +62,7 @@ from unirl.models.base import UnifiedModel
 from unirl.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
 from unirl.rewards import build_reward_service
 from unirl.rollout import SamplingRecord
+from unirl.train import grpo_jsd as lean
 from unirl.train.build import set_adapters_enabled
 from unirl.train.distributed import DistInfo, barrier
 from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
@@ -130,7 +132,9 @@ class GRPOObjective:
     def _columns(self, batch: TrajectoryBatch, ref_plan: ReplayPlan | None):
         """Per chunk [n, C]: log-prob, entropy, (JSD to the reference), (BSQ factors). The
         reference's chunk is rebuilt from its hidden states inside the chunk (and again
-        when backward recomputes it): one chunk of distributions alive at a time."""
+        when backward recomputes it): one chunk of distributions alive at a time, and the
+        categorical reductions over the vocabulary run a block of rows at a time
+        (`grpo_jsd`)."""
         bits = batch.is_bits
 
         def fn(chunk: DistributionChunk) -> torch.Tensor:
@@ -141,11 +145,19 @@ class GRPOObjective:
             else:
                 logp = dist.log_prob(chunk.targets)
                 factors = logp.new_zeros(n, batch.n_factors) if bits else None
-            cols = [logp, dist.entropy().detach()]
+            categorical = isinstance(dist, TextCategorical)
+            if categorical:
+                cols = [logp, lean.entropy(dist.log_probs)]
+            else:
+                with torch.no_grad():
+                    cols = [logp, dist.entropy()]
             if ref_plan is not None:
                 with self.reference.active():
                     ref = ref_plan.distribution(chunk.index, chunk.rows, chunk.cols)
-                cols.append(jsd_penalty(dist, ref))
+                if categorical and isinstance(ref, TextCategorical):
+                    cols.append(lean.symmetric_jsd(dist.log_probs, ref.log_probs))
+                else:
+                    cols.append(jsd_penalty(dist, ref))
                 del ref
             out = torch.stack(cols, -1)
             return out if factors is None else torch.cat([out, factors], -1)

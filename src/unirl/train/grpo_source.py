@@ -194,7 +194,7 @@ class GRPOSource:
             images = [p.codes for p in parts if isinstance(p, ImagePart) and p.codes is not None]
             out.append(
                 {
-                    "prompt": _text(rollout.samples[i].prompt_parts()),
+                    "prompt": _text(rollout.samples[i].prompt_parts),
                     "response": _text(parts),
                     "reward": rollout.rewards[i],
                     "image": self.model.codec.decode(images[0][None])[0] if images else None,
