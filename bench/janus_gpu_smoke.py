@@ -31,7 +31,6 @@ from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job
 from unirl.train.grpo_source import PromptSampler
-from unirl.train.run import trainer_settings
 from unirl.train.trainer import Trainer
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "janus_pro"
@@ -104,7 +103,7 @@ def one_update(
             model,
             source,
             objective,
-            trainer_settings(cfg),
+            cfg,
             Path(run_dir),
             DistInfo(),
             model.special_ids.pad,

@@ -15,12 +15,19 @@ replay is measured before and after the naive forward and the larger value is ke
 Time: median of `--repeats` calls. `--grad` also measures forward + backward of the
 summed log-probs (training-time scoring; replay checkpoints each chunk).
 
-    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad]
+`--jsd` adds the JSD-to-reference path of GRPO (`kl.type: jsd`): the objective's loss on
+the same rows (advantage 0, so the loss is the penalty: the full-vocabulary JSD to a
+frozen, perturbed copy of the model at every scored position), forward + backward,
+against plain replay's forward + backward. The reference's distributions are rebuilt per
+chunk from its hidden states, so its peak should stay within 1.2x of plain replay's.
+
+    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad] [--jsd]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import itertools
 import re
@@ -32,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from unirl.codecs import build_codec
+from unirl.config.algorithms import GRPOConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Owner
 from unirl.data.digits_images import load_split
@@ -40,6 +48,7 @@ from unirl.forward import body_hidden
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
+from unirl.train.grpo import GRPOObjective, Reference, scored_mask
 
 VOCAB = 102_400
 SEQ = 512
@@ -126,6 +135,41 @@ def report(name: str, fns: dict[str, Callable[[], object]], repeats: int) -> Non
     print(f"  ratio replay / naive time:        {sec['replay'] / sec['naive']:.3f}x")
 
 
+def jsd_row(model: TinyUnifiedModel, batch: TrajectoryBatch, chunk: int, repeats: int) -> None:
+    """Peak memory and time of GRPO's JSD-to-reference loss vs plain replay, both with
+    backward (module docstring)."""
+    reference = Reference(model, lora=False)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in reference.frozen.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    algo = GRPOConfig(old_logp_source="rollout", kl={"type": "jsd", "coef": 1.0}, chunk_size=chunk)
+    objective = GRPOObjective(algo, reference)
+    records = [SamplingRecord(SamplingParams())] * len(batch)
+    rows = copy.copy(batch)
+    rows.sampling = records
+    rows.advantages = torch.zeros(len(batch))
+    rows.rollout_logp = torch.zeros(batch.token_ids.shape)
+    n = int(scored_mask(rows).sum())
+
+    def jsd() -> None:
+        model.zero_grad(set_to_none=True)
+        objective.loss(model, rows, n)[0].backward()
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        replay_logprobs(model, batch, records, chunk_size=chunk).logp.sum().backward()
+
+    mem = {"plain": peak_bytes(plain), "jsd": peak_bytes(jsd)}
+    mem["plain"] = max(mem["plain"], peak_bytes(plain))
+    sec = {"plain": median_seconds(plain, repeats), "jsd": median_seconds(jsd, repeats)}
+    print("\n[JSD to reference, forward + backward]")
+    for k, label in (("plain", "plain replay"), ("jsd", "JSD to ref")):
+        print(f"  {label:12s} peak {mem[k] / 2**20:8.1f} MiB   time {sec[k] * 1e3:8.1f} ms")
+    print(f"  ratio JSD / plain replay peak memory: {mem['jsd'] / mem['plain']:.3f}x")
+    print(f"  ratio JSD / plain replay time:        {sec['jsd'] / sec['plain']:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -134,6 +178,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--grad", action="store_true")
+    parser.add_argument("--jsd", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, batch = build(args.batch, args.response)
@@ -169,6 +214,9 @@ def main() -> None:
             {"replay": backward(replay), "naive": backward(lambda: naive_logprobs(model, batch))},
             args.repeats,
         )
+
+    if args.jsd:
+        jsd_row(model, batch, args.chunk_size, args.repeats)
 
 
 if __name__ == "__main__":

@@ -273,3 +273,57 @@ def test_batch_validate_catches_inconsistent_batch():
     b.sample_ids = b.sample_ids[:-1]
     with pytest.raises(ValueError, match="sample_ids"):
         b.validate()
+
+
+def _with_training_data(trajs: list[Trajectory]) -> list[Trajectory]:
+    """Attach per-row training data: advantage, anchor log-probs, seed and a record."""
+    for i, t in enumerate(trajs):
+        t.advantage = 0.5 - i
+        t.old_logp = t.rollout_logp - 0.25 * (t.rollout_logp != 0)
+        if t.rollout_logp_factors is not None:
+            t.old_logp_factors = t.rollout_logp_factors * 2
+        t.seed = 100 + i
+        t.sampling = {"row": i}
+    return trajs
+
+
+@pytest.mark.parametrize("bits", [0, 3])
+def test_per_row_training_data_travels_with_the_batch(bits):
+    trajs = _with_training_data(_trajs(bits))
+    b = TrajectoryBatch.collate(trajs, pad_id=PAD).validate()
+    assert b.advantages.tolist() == [t.advantage for t in trajs]
+    assert b.seeds == [t.seed for t in trajs] and b.sampling == [t.sampling for t in trajs]
+    assert (b.old_logp[~b.attention_mask] == 0).all()
+    assert (b.old_logp_factors is not None) == bool(bits)
+
+    def same(a: Trajectory, c: Trajectory) -> None:
+        _assert_traj_equal(a, c)
+        assert (a.advantage, a.seed, a.sampling) == (c.advantage, c.seed, c.sampling)
+        for name in ("old_logp", "old_logp_factors"):
+            x, y = getattr(a, name), getattr(c, name)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+
+    for a, c in zip(trajs, b.unbatch()):
+        same(a, c.validate())
+    sub = b[[3, 1]].validate()
+    assert sub.advantages.tolist() == [trajs[3].advantage, trajs[1].advantage]
+    for a, c in zip([trajs[3], trajs[1]], sub.unbatch()):
+        same(a, c)
+    micro = b.micro_batches(2)
+    assert [m.seeds for m in micro] == [[100, 101], [102, 103], [104]]
+    assert torch.equal(torch.cat([m.advantages for m in micro]), b.advantages)
+
+
+def test_per_row_training_data_is_validated():
+    t = _with_training_data([_traj(3, (2, 2), 2)])[0]
+    T = len(t)
+    _bad("old_logp", old_logp=torch.full((T,), -1.0))
+    _bad("old_logp_factors", old_logp_factors=torch.zeros(T, 2))
+    _bad("advantage", advantage=float("nan"))
+    _bad("seed", seed=-1)
+    with pytest.raises(ValueError, match="advantage"):
+        TrajectoryBatch.collate([t, _traj(3, (2, 2), 2)], pad_id=PAD)
+    b = TrajectoryBatch.collate([t, _with_training_data([_traj(2, None, 3)])[0]], pad_id=PAD)
+    b.advantages = b.advantages[:1]
+    with pytest.raises(ValueError, match="advantages"):
+        b.validate()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
@@ -30,6 +31,7 @@ from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
+from unirl.forward import body_hidden
 from unirl.replay import replay_logprobs
 from unirl.rewards import PLUGINS, RewardError, RewardPlugin
 from unirl.rewards.digit_classifier import DigitClassifier
@@ -39,7 +41,6 @@ from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job, scored_mask
 from unirl.train.metrics import read_metrics
-from unirl.train.run import trainer_settings
 from unirl.train.trainer import Trainer
 
 
@@ -101,8 +102,7 @@ def make_trainer(cfg: dict | UnirlConfig) -> Trainer:
     source, objective = build_grpo_job(cfg, model, run_dir, DistInfo())
     pad = SpecialIds.from_tokenizer(model.tokenizer).pad
     state = (lambda: adapter_state(model)) if lora else None
-    settings = trainer_settings(cfg)
-    return Trainer(model, source, objective, settings, run_dir, DistInfo(), pad, state)
+    return Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad, state)
 
 
 def fit(trainer: Trainer) -> list[dict]:
@@ -132,6 +132,7 @@ def test_rollout_config_maps_one_to_one_onto_sampling_params():
     assert engine_fields - shared == {"greedy", "stop_token_ids"}
     assert all(getattr(params, name) == getattr(cfg, name) for name in shared)
     assert sampling_params(cfg, max_new_tokens=3, length_semantics="cap").max_new_tokens == 3
+    assert SamplingParams() == sampling_params(RolloutConfig())  # one default per setting
 
 
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
@@ -152,6 +153,10 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     for key in ("adv/advantage_std", "adv/between_share", "adv/frac_zero_std_groups"):
         assert key in metrics
     assert "task/t2i/accuracy" in metrics and metrics["time/rollout_s"] > 0
+    samples = trainer.source.samples(0, 3)
+    assert len(samples) == 2 and {"prompt", "response", "reward", "image"} == set(samples[0])
+    assert "digit" in samples[0]["prompt"] and samples[0]["image"].shape[:2] == (8, 8)
+    assert samples[1]["reward"] == float(trainer.source.rollout(0).rewards[4])
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -162,10 +167,9 @@ def test_replay_anchoring_is_reinforce_with_a_group_baseline(tmp_path, assets):
     trainer.update = 0
     trainer.accumulate()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    rollout = trainer.source.rollout(0)
-    batch = TrajectoryBatch.collate(rollout.trajectories, trainer.pad_id)
-    records = [rollout.records[s] for s in batch.sample_ids]
-    adv = torch.tensor([rollout.advantages[s] for s in batch.sample_ids])[:, None]
+    batch = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+    records = batch.sampling
+    adv = batch.advantages[:, None]
     trainer.model.zero_grad()
     logp = replay_logprobs(trainer.model, batch, records).logp
     mask = scored_mask(batch)
@@ -207,10 +211,10 @@ def test_bits_objective_matches_an_independent_per_factor_formula(tmp_path, asse
             t.rollout_logp_factors.sum(-1) * visual[:, 0] + t.rollout_logp * ~visual[:, 0]
         )
     batch = TrajectoryBatch.collate(rollout.trajectories, trainer.pad_id)
-    records = [rollout.records[s] for s in batch.sample_ids]
-    adv = torch.tensor([rollout.advantages[s] for s in batch.sample_ids])[:, None]
+    records = batch.sampling
+    adv = batch.advantages[:, None]
     mask = scored_mask(batch)
-    loss, _ = trainer.objective.loss(trainer.model, batch, int(mask.sum()), 0)
+    loss, stats = trainer.objective.loss(trainer.model, batch, int(mask.sum()))
     with torch.no_grad():
         new = replay_logprobs(trainer.model, batch, records)
         ratio = torch.exp(new.logp_factors - batch.rollout_logp_factors)
@@ -223,7 +227,6 @@ def test_bits_objective_matches_an_independent_per_factor_formula(tmp_path, asse
         expected = per_pos[mask].sum() / mask.sum()
         clipped = ((-a * ratio.clamp(0.8, 1.2)) > (-a * ratio))[visual].double().mean(-1).sum()
     assert torch.allclose(loss.detach(), expected, atol=1e-6)
-    stats = trainer.source.stats.reduce(0, DistInfo())
     assert stats["clipped"] == pytest.approx(float(clipped)) and float(clipped) > 0
 
 
@@ -255,9 +258,10 @@ def test_reference_is_the_initial_policy(tmp_path, assets, kl, lora):
 
 
 def test_several_updates_per_batch_reuse_the_round_and_resume_mid_round(tmp_path, assets):
-    """updates_per_batch=2: the second update trains on the first one's rollout with the
-    replayed anchor (ratio 1 only on the first); a run resumed in the middle of a round
-    reloads the round and ends bitwise equal (and refuses when the round file is gone)."""
+    """updates_per_batch=2: both updates of a round train on its rollout against the anchor
+    replayed before its first update (a real ratio, ~1 on the first update, not 1 by
+    construction); a run resumed in the middle of a round reloads the round (with its
+    anchor) and ends bitwise equal (and refuses when the round file is gone)."""
 
     def config(run_dir: Path) -> dict:
         return grpo_config(
@@ -271,12 +275,12 @@ def test_several_updates_per_batch_reuse_the_round_and_resume_mid_round(tmp_path
     trainer = make_trainer(config(tmp_path / "a"))
     first = trainer.source.global_batch(0)
     assert trainer.source.global_batch(1) is first
+    assert all(t.old_logp is not None and t.advantage is not None for t in first)
     metrics = fit(trainer)
     assert [m["rollout/reused"] for m in metrics] == [0.0, 1.0, 0.0, 1.0]
-    assert [m["policy/ratio_is_one_by_construction"] for m in metrics] == [1.0, 0.0, 1.0, 0.0]
-    assert (
-        metrics[0]["policy/ratio_mean"] == 1.0 and abs(metrics[1]["policy/ratio_mean"] - 1) > 1e-6
-    )
+    assert [m["policy/ratio_is_one_by_construction"] for m in metrics] == [0.0] * 4
+    assert abs(metrics[0]["policy/ratio_mean"] - 1) < 1e-6
+    assert abs(metrics[1]["policy/ratio_mean"] - 1) > 1e-6
     assert metrics[1]["reward/total_mean"] == metrics[0]["reward/total_mean"]
     rounds = sorted(p.name for p in (tmp_path / "a" / "rollouts").iterdir())
     assert rounds == ["round-000000-rank0.pt", "round-000002-rank0.pt"]
@@ -412,18 +416,17 @@ def _ddp_worker(rank: int, cfg: dict, init_file: str) -> None:
         model = build_model(cfg).train()
         source, objective = build_grpo_job(cfg, model, Path(cfg.run.output_dir), info)
         pad = SpecialIds.from_tokenizer(model.tokenizer).pad
-        settings = trainer_settings(cfg)
-        for _ in Trainer(
-            model, source, objective, settings, Path(cfg.run.output_dir), info, pad
-        ).fit():
+        for _ in Trainer(model, source, objective, cfg, Path(cfg.run.output_dir), info, pad).fit():
             pass
     finally:
         dist.destroy_process_group()
 
 
 def test_two_rank_run_shards_rollouts_and_matches_one_process(tmp_path, assets):
-    """Rollouts split across 2 gloo ranks and all-gathered give the 1-process run
-    (rows decoded one at a time, so batching cannot change a sampled token)."""
+    """Rollouts split across 2 gloo ranks, each rank scoring the rows it sampled, and
+    gathered give the 1-process run (rows decoded one at a time, so batching cannot
+    change a sampled token; the classifier scores 4 rows per call instead of 8, so its
+    GEMMs may round differently: rewards agree to float32 precision, not bitwise)."""
     fit(make_trainer(_ddp_config(tmp_path / "p1", assets)))
     cfg = _ddp_config(tmp_path / "p2", assets)
     mp.spawn(_ddp_worker, args=(cfg, str(tmp_path / "init")), nprocs=2, join=True)
@@ -432,5 +435,103 @@ def test_two_rank_run_shards_rollouts_and_matches_one_process(tmp_path, assets):
     for name, value in final[0].items():
         assert (value - final[1][name]).abs().max() <= 1e-5, name
     for one, two in zip(*[read_metrics(r / "metrics.jsonl") for r in runs]):
-        assert one["reward/total_mean"] == two["reward/total_mean"]
+        assert one["reward/total_mean"] == pytest.approx(two["reward/total_mean"], rel=1e-6)
+        assert one["reward/truncated_frac"] == two["reward/truncated_frac"]
         assert one["rollout/n_rows"] == two["rollout/n_rows"] == 8
+
+
+@pytest.mark.parametrize("task", ["i2t_mc", "t2i"])
+def test_jsd_to_the_reference_matches_full_distributions(tmp_path, assets, task):
+    """The chunked JSD path (reference chunks rebuilt from its hidden states inside each
+    checkpointed chunk) gives the loss and gradient of an independent computation over
+    the full distributions at every scored position (rows with advantage 0, so the loss
+    is the penalty alone)."""
+    cfg = grpo_config(
+        tmp_path / task,
+        assets,
+        task=task,
+        algorithm={"kl": {"type": "jsd", "coef": 0.7}, "chunk_size": 5},
+        trainer={"micro_batch_size": 8},
+    )
+    trainer = make_trainer(cfg)
+    model = trainer.model
+    trajs = trainer.source.global_batch(0)
+    for t in trajs:
+        t.advantage = 0.0
+    batch = TrajectoryBatch.collate(trajs, trainer.pad_id)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # move the policy away from the (frozen, initial) reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    mask = scored_mask(batch)
+    n = int(mask.sum())
+    model.zero_grad()
+    loss, stats = trainer.objective.loss(model, batch, n)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    def full_logp(m, hidden):
+        text = torch.log_softmax(m.text_logits(hidden).double(), -1)
+        vis = torch.log_softmax(m.visual_logits(hidden).double(), -1)
+        return text, vis
+
+    model.zero_grad()
+    hidden = body_hidden(model, batch)[:, :-1]
+    with torch.no_grad():
+        ref_hidden = body_hidden(trainer.objective.reference.frozen, batch)[:, :-1]
+    visual = (batch.modality == Modality.VISUAL)[:, 1:]
+    rows = mask[:, 1:]
+    total = torch.zeros((), dtype=torch.float64)
+    for policy_lp, ref_lp, where in zip(
+        full_logp(model, hidden),
+        full_logp(trainer.objective.reference.frozen, ref_hidden),
+        (rows & ~visual, rows & visual),
+    ):
+        p, q = policy_lp[where].exp(), ref_lp[where].exp()
+        m = 0.5 * (p + q)
+        jsd = 0.5 * (p * (p.log() - m.log())).sum(-1) + 0.5 * (q * (q.log() - m.log())).sum(-1)
+        total = total + jsd.sum()
+    expected = 0.7 * total / n
+    expected.backward()
+    assert n > 10 and float(expected.detach()) > 1e-4
+    assert abs(float(loss.detach()) - float(expected.detach())) <= 1e-6
+    assert stats["kl_sum"] == pytest.approx(float(total.detach()), rel=1e-5)
+    assert any(g.abs().max() > 1e-4 for g in got.values())
+    for name, p in model.named_parameters():
+        mine = got.get(name, torch.zeros_like(p)).double()
+        theirs = torch.zeros_like(mine) if p.grad is None else p.grad.double()
+        assert (mine - theirs).abs().max() <= 1e-6, name
+
+
+def test_sigkill_during_a_round_of_two_updates_resumes_bitwise(tmp_path, assets):
+    """updates_per_batch=2: SIGKILLed after the first and after the second update of a
+    round (before the checkpoint), the run resumes mid-round from the round file (batch,
+    advantages, anchor) and ends bitwise equal to the uninterrupted run."""
+
+    def config(name: str) -> dict:
+        return grpo_config(
+            tmp_path / name,
+            assets,
+            algorithm={"updates_per_batch": 2, "kl": {"type": "k3", "coef": 0.05}},
+            trainer={"total_updates": 4, "optimizer": {"lr": 3e-2}},
+            checkpoint={"every_updates": 1, "keep_last": 0},
+        )
+
+    fit(make_trainer(config("ref")))  # one thread, as the subprocesses
+    path = write_config(tmp_path / "killed.yaml", config("killed"))
+    for fault in ("after_update:2", "after_update:4"):
+        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        assert killed.returncode == -9, (fault, killed.stderr[-2000:])
+    assert sorted(p.name for p in (tmp_path / "killed" / "rollouts").iterdir()) == [
+        "round-000000-rank0.pt",
+        "round-000002-rank0.pt",
+    ]
+    resumed = run_cli(["train", str(path)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = checkpoint_tensors(tmp_path / "ref" / "checkpoints" / "update-000004")
+    final = checkpoint_tensors(tmp_path / "killed" / "checkpoints" / "update-000004")
+    assert_same_state(ref[0], final[0], "model")
+    assert_same_state(ref[1], final[1], "optimizer")
+    exported = load_file(str(tmp_path / "killed" / "model" / "model.safetensors"))
+    assert_same_state(ref[0], exported, "exported model")
+    assert _updates(tmp_path / "killed") == [1, 2, 3, 4]

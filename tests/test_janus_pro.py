@@ -40,7 +40,6 @@ from unirl.rollout import (
 from unirl.train.build import apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job
-from unirl.train.run import trainer_settings
 from unirl.train.trainer import Trainer
 
 TEXTS = ["draw a red cat on the mat", "what is in this picture ? A B C D", "a dog"]
@@ -397,10 +396,7 @@ def _grpo_trainer(
     apply_lora(model, cfg)
     model.train()
     source, objective = build_grpo_job(cfg, model, root / "run", DistInfo())
-    settings = trainer_settings(cfg)
-    return Trainer(
-        model, source, objective, settings, root / "run", DistInfo(), model.special_ids.pad
-    )
+    return Trainer(model, source, objective, cfg, root / "run", DistInfo(), model.special_ids.pad)
 
 
 def _one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:

@@ -20,21 +20,28 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, get_args, get_origin
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from pydantic import BaseModel
 from trainer_helpers import fit_small_codec
 
 from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
 from unirl.config.introspect import is_model, strip_optional, union_branches
+from unirl.core.sample import ImagePart
 from unirl.data.digits_images import load_split
+from unirl.data.images import processor_for
+from unirl.data.loader import DatasetError
+from unirl.data.rows import split_rows
+from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
 from unirl.models import check_model_config
 from unirl.models.tiny.build import new_codec
 from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
-from unirl.train.build import build_model, resolve_device
+from unirl.train.build import build_model, config_tokenizer, resolve_device
 from unirl.train.distributed import DistInfo
 from unirl.train.evaluate import CLASSIFIER_DIR
 from unirl.train.metrics import MetricsLogger
@@ -45,7 +52,6 @@ from unirl.train.run import (
     finish_run,
     prepare_run_dir,
     run_train,
-    trainer_settings,
 )
 from unirl.train.trainer import Trainer
 
@@ -195,12 +201,11 @@ def make_trainer(cfg: UnirlConfig, run_dir: Path | None = None) -> Trainer:
         model,
         source,
         objective,
-        trainer_settings(cfg),
+        cfg,
         run_dir,
         DistInfo(),
         model.special_ids.pad,
         evaluator=_val_evaluator(cfg, model, run_dir),
-        eval_every=cfg.trainer.eval_every,
     )
 
 
@@ -342,7 +347,9 @@ def _data(kit):
     one = {"trainer__total_updates": 1}
     differs(kit, steps, "data.tasks", ["t2i"], ["i2t_mc"], **one)
     differs(kit, steps, "data.task_weights", None, {"t2i": 3.0, "i2t_mc": 1.0}, **one)
-    differs(kit, steps, "data.path", None, str(kit.jsonl), **one)
+    own = {"data__tasks": ["colour"], "data__default_task": "colour"}
+    other = own_rows(kit)["val"]
+    differs(kit, steps, "data.path", str(kit.jsonl), str(other), **one, **own)
     differs(kit, steps, "data.train_size", 4, 2, **one)
     differs(kit, steps, "data.seed", 0, 1, **one)
     differs(kit, steps, "data.shuffle", True, False, **one)
@@ -434,7 +441,7 @@ def _reward(kit):
     differs(kit, observe, "reward.on_error", "raise", "zero", reward__plugins=one())
     differs(kit, observe, "reward.plugins", one(), [{"name": "text_exact"}])
     differs(kit, observe, "reward.plugins", one(), one(weight=0.5))
-    differs(kit, observe, "reward.plugins", one(), one(tasks=["i2t_mc"]))
+    differs(kit, observe, "reward.plugins", one(), one(tasks=["i2t_mc"]), data__tasks=["i2t_mc"])
     clf = {"name": "exact_answer", "path": str(kit.classifier)}
     differs(kit, observe, "reward.plugins", [{"name": "exact_answer"}],
             [{**clf, "kwargs": {"require_image_class": True}}])  # fmt: skip
@@ -677,6 +684,169 @@ def _logger(kit):
 
 
 # -- the coverage check and the probes themselves -----------------------------------
+
+
+# -- your own data and `unirl eval` ---------------------------------------------------
+
+
+def own_rows(kit: SimpleNamespace) -> dict[str, Path]:
+    """A labelled dataset in three files: train (one untagged row), val and test."""
+    out = {}
+    for split, words in (("train", ("red", "blue")), ("val", ("green",)), ("test", ("gold",))):
+        rows = [
+            {
+                "id": f"{split}-{w}",
+                "answer": w,
+                "messages": [
+                    {"role": "user", "content": f"say {w}"},
+                    {"role": "assistant", "content": w},
+                ],
+                **({"task": "colour"} if (split, w) != ("train", "blue") else {}),
+            }
+            for w in words
+        ]
+        path = kit.root / f"own_{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out[split] = path
+    return out
+
+
+OWN = {"data": {"tasks": ["colour"], "default_task": "colour"}}
+
+
+def own_base(kit: SimpleNamespace) -> dict[str, Any]:
+    paths = own_rows(kit)
+    return {
+        "data": {
+            **OWN["data"],
+            "path": str(paths["train"]),
+            "val_path": str(paths["val"]),
+            "test_path": str(paths["test"]),
+        },
+        "reward": {"plugins": [{"name": "text_exact"}]},
+        "rollout": {"max_new_tokens": 4},
+    }
+
+
+def own_config(kit: SimpleNamespace, changes: dict[str, Any]) -> UnirlConfig:
+    return config(kit, changes, own_base(kit))
+
+
+def scratch(kit: SimpleNamespace) -> Path:
+    path = Path(fresh_dir(kit))
+    path.mkdir()
+    return path
+
+
+@probe("data.val_path", "data.test_path", "data.default_task", "data.image_resize")
+def _own_rows(kit):
+    """Which rows a split holds, and what happens to an image of another size."""
+    tmp_path = scratch(kit)
+    ids = lambda split: lambda c: [s.id for s in split_rows(c.data, split).samples]  # noqa: E731
+    assert ids("val")(own_config(kit, {})) == ["val-green"]
+    assert ids("test")(own_config(kit, {})) == ["test-gold"]
+    with pytest.raises(DatasetError, match="no rows with split 'val'"):
+        ids("val")(own_config(kit, {"data.val_path": None}))
+    with pytest.raises(DatasetError, match="no rows with split 'test'"):
+        ids("test")(own_config(kit, {"data.test_path": None}))
+    assert ids("train")(own_config(kit, {})) == ["train-red", "train-blue"]
+    with pytest.raises(DatasetError, match="task: missing"):
+        ids("train")(own_config(kit, {"data.default_task": None}))
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(tmp_path / "big.png")
+    row = {
+        "id": "img",
+        "task": "colour",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "path": "big.png"},
+                    {"type": "text", "text": "which colour"},
+                ],
+            },
+            {"role": "assistant", "content": "red"},
+        ],
+    }
+    (tmp_path / "img.jsonl").write_text(json.dumps(row) + "\n")
+    processor = lambda c: processor_for("tiny", (8, 8), c.data.image_resize)  # noqa: E731
+    load = lambda c: split_rows(c.data, "train", processor(c)).samples  # noqa: E731
+    sized = own_config(
+        kit, {"data.path": str(tmp_path / "img.jsonl"), "data.image_resize": "resize"}
+    )
+    image = next(p for p in load(sized)[0].parts if isinstance(p, ImagePart))
+    assert np.asarray(image.pixels).shape[:2] == (8, 8)
+    strict = own_config(
+        kit, {"data.path": str(tmp_path / "img.jsonl"), "data.image_resize": "error"}
+    )
+    with pytest.raises(DatasetError, match="img.jsonl:1"):
+        load(strict)
+
+
+@probe("data.tokenizer", "data.bpe_vocab_size")
+def _own_tokenizer(kit):
+    """The tiny model's tokenizer trained on the rows: its vocabulary."""
+
+    def vocab(c: UnirlConfig) -> int:
+        return len(config_tokenizer(c, Path(fresh_dir(kit))))
+
+    digits = kit.root / "digit_answers.jsonl"
+    words = "which digit is shown here please answer quickly carefully honestly today".split()
+    rows = [
+        {
+            "task": "colour",
+            "messages": [
+                {"role": "user", "content": " ".join(words[k % 5 :] + [str(k * 37)])},
+                {"role": "assistant", "content": "37A"[k % 3]},
+            ],
+        }
+        for k in range(40)
+    ]
+    digits.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = own_base(kit)
+    base["data"] = {**base["data"], "path": str(digits)}
+    differs(kit, vocab, "data.tokenizer", "bpe", "word", base=base)
+    differs(kit, vocab, "data.bpe_vocab_size", 300, 320, base=base)
+
+
+@probe(
+    "evaluation.split",
+    "evaluation.max_samples",
+    "evaluation.rollouts_per_sample",
+    "evaluation.greedy",
+    "evaluation.pass_threshold",
+    "evaluation.output_dir",
+)
+def _evaluation(kit):
+    """`unirl eval` on the kit's tiny model: which rows, how many rollouts, how they are
+    drawn and passed, and where the results go."""
+    tmp_path = scratch(kit)
+    model = build_model(own_config(kit, {})).eval()
+
+    def records(c: UnirlConfig) -> tuple:
+        out = tmp_path / f"eval{next(_runs)}"
+        summary = evaluate(c, model, out)
+        lines = (out / "results.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        return summary["all"]["pass@n"], tuple((r["id"], r["member"], r["response"]) for r in rows)
+
+    assert records(own_config(kit, {"evaluation.split": "val"}))[1][0][0] == "val-green"
+    assert records(own_config(kit, {"evaluation.split": "test"}))[1][0][0] == "test-gold"
+    two = {"evaluation.split": "train"}
+    assert len(records(own_config(kit, {**two, "evaluation.max_samples": 1}))[1]) == 1
+    assert len(records(own_config(kit, {**two, "evaluation.max_samples": 0}))[1]) == 2
+    sampled = {**two, "evaluation.greedy": False}
+    three = own_config(kit, {**sampled, "evaluation.rollouts_per_sample": 3})
+    assert len(records(three)[1]) == 6
+    request = lambda c: make_request(c, eval_samples(c, model)[0], 0, 0, (4, 4))  # noqa: E731
+    assert request(own_config(kit, two)).params.greedy
+    assert not request(own_config(kit, sampled)).params.greedy
+    assert records(own_config(kit, {**two, "evaluation.pass_threshold": -1.0}))[0] == 1.0
+    assert records(own_config(kit, {**two, "evaluation.pass_threshold": 2.0}))[0] == 0.0
+    where = str(tmp_path / "chosen")
+    chosen = own_config(kit, {**two, "evaluation.output_dir": where})
+    assert run_eval(chosen) == Path(where) and (Path(where) / "summary.json").is_file()
+    default = own_config(kit, {**two, "run.output_dir": str(tmp_path / "r")})
+    assert run_eval(default) == tmp_path / "r" / "eval-train"
 
 
 def test_every_schema_field_has_a_probe_or_an_exemption():

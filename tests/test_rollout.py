@@ -24,9 +24,11 @@ from unirl.models.base import ModelInputs, image_positions
 from unirl.rollout import (
     RolloutEngine,
     RolloutRequest,
+    RolloutService,
     RowState,
     SamplingParams,
     has_cycle,
+    interleave,
 )
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.policy import text_distribution, visual_distribution
@@ -316,3 +318,24 @@ def test_sampling_params_validation():
     ):
         with pytest.raises(ValueError, match="SamplingParams"):
             SamplingParams(**bad)
+
+
+def test_rollout_service_shards_round_robin_and_reassembles_in_request_order():
+    """Two ranks' shards, each decoded in fixed-size batches, interleave back into the
+    one-process rollout (rows one at a time, so batching cannot change a token); each
+    trajectory carries its request's seed and sampling record."""
+    model = tiny_model("vq")
+    requests = mixed_requests(
+        mixed_samples(2), SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=16)
+    )
+    calls = []
+    whole = RolloutService(model, batch_size=1).generate(requests, lambda: calls.append(1))
+    assert len(calls) == len(requests)
+    parts = [RolloutService(model, 1, rank=r, world_size=2) for r in range(2)]
+    shards = [p.generate(p.shard(requests)) for p in parts]
+    assert [len(s) for s in shards] == [4, 4]
+    for a, b, req in zip(whole, interleave(shards), requests):
+        assert a.sample_id == b.sample_id == req.id and a.seed == b.seed == req.seed
+        assert torch.equal(a.token_ids, b.token_ids) and a.sampling.seed == req.seed
+    with pytest.raises(ValueError, match="round-robin"):
+        interleave([shards[0], shards[1][:2]])

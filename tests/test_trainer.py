@@ -30,7 +30,7 @@ from unirl.forward import forward_interleaved
 from unirl.train.build import adapter_state, apply_lora, build_model
 from unirl.train.checkpoint import latest_checkpoint
 from unirl.train.distributed import DistInfo
-from unirl.train.run import sft_trajectories, trainer_settings
+from unirl.train.run import sft_trajectories
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import Trainer, TrainingError
 
@@ -76,13 +76,15 @@ def test_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir):
 def _trainer(cfg, run_dir: Path, model=None) -> Trainer:
     model = model or build_model(cfg)
     trajs = sft_trajectories(cfg, model, "train", cfg.data.train_size)
-    source = DatasetSource(trajs, cfg.trainer.global_batch_size, cfg.data.seed)
+    source = DatasetSource(
+        trajs, cfg.trainer.global_batch_size, cfg.data.seed, run_seed=cfg.run.seed
+    )
     pad = SpecialIds.from_tokenizer(model.tokenizer).pad
     return Trainer(
         model,
         source,
-        SFTObjective(cfg.algorithm, cfg.run.seed),
-        trainer_settings(cfg),
+        SFTObjective(cfg.algorithm),
+        cfg,
         run_dir,
         DistInfo(),
         pad,
@@ -132,7 +134,10 @@ def test_lora_trains_only_adapters_and_reloads(tmp_path, codec_dir):
         tiny_config(
             tmp_path / "lora",
             codec_dir,
-            trainer={"lora": {"enabled": True, "r": 4, "target_modules": r".*\.(q_proj|v_proj)$"}},
+            trainer={
+                "total_updates": 3,
+                "lora": {"enabled": True, "r": 4, "target_modules": r".*\.(q_proj|v_proj)$"},
+            },
         )
     )
     model = build_model(cfg)
@@ -140,7 +145,6 @@ def test_lora_trains_only_adapters_and_reloads(tmp_path, codec_dir):
     assert targets and all("decoder.layers" in t for t in targets)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(cfg, tmp_path / "lora", model)
-    trainer.s.total_updates = 3
     trainer._trainable_state = lambda: adapter_state(model)
     for _ in trainer.fit():
         pass

@@ -13,6 +13,12 @@ built from the same checkpoint replays it with no other state.
 
 Under autograd each chunk's heads and log-probs run inside `torch.utils.checkpoint`, so
 backward recomputes them chunk by chunk and memory stays flat in the vocabulary.
+
+A reduction against a second model's full distributions (JSD to a reference, OPD's
+teacher) keeps that model's replay as a `ReplayPlan`: its body's hidden states, from
+which chunk i's distributions are rebuilt inside the chunk function of `replay_map` (and
+rebuilt again when backward recomputes the chunk), so at most one chunk's distributions
+of either model are alive.
 """
 
 from __future__ import annotations
@@ -265,3 +271,37 @@ def replay_distributions(
         source = batch.token_ids if g.modality == Modality.TEXT else batch.visual_codes
         dist = plan.distribution(g, *plan.inputs(g, rows, cols))
         yield DistributionChunk(g.modality, rows, cols, source[rows, cols], dist, index)
+
+
+class ReplayPlan:
+    """A model's replay of a batch held as its body's hidden states (module docstring).
+
+    Chunk i (the order of `replay_map` / `replay_distributions` with the same records,
+    params and chunk size) has its distributions rebuilt by `distribution(i)`; nothing
+    of size [positions x vocabulary] is kept between calls. Build it (and call
+    `distribution`) under the grad mode and adapter state the model should be scored in.
+    """
+
+    def __init__(
+        self,
+        model: UnifiedModel,
+        batch: TrajectoryBatch,
+        records: Sequence[SamplingRecord],
+        params: SamplingParams | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        self._plan = _Plan(model, batch, records, params)
+        self._chunks = list(self._plan.chunks(chunk_size))
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def distribution(
+        self, index: int, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+    ) -> TextCategorical | VisualDistribution:
+        """The distributions of chunk `index`; with `rows`/`cols` (another replay's
+        chunk) refuses a chunk at other positions (RuntimeError)."""
+        g, r, c = self._chunks[index]
+        if rows is not None and not (torch.equal(r, rows) and torch.equal(c, cols)):
+            raise RuntimeError(f"chunk {index}: the two replays score different positions")
+        return self._plan.distribution(g, *self._plan.inputs(g, r, c))

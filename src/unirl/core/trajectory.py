@@ -20,10 +20,19 @@ rollout log-probs = 0. `collate` then `unbatch` returns equal trajectories.
 `to_state` / `from_state` turn a trajectory into plain tensors, strings and numbers (what
 `torch.load(..., weights_only=True)` accepts) and back; `save_trajectories` /
 `load_trajectories` write and read a list of them atomically.
+
+Per-row training data (one separated block of fields): what a batch source attaches to a
+row for the objective that trains on it, so that a micro-batch is self-describing —
+`advantage` (a float; collated to float32 [B]), the ratio's anchor `old_logp` /
+`old_logp_factors` (laid out like the rollout log-probs, 0 off the policy positions),
+the row's stateless `seed`, and `sampling` (how the row was produced; opaque to core, the
+rollout layer's `SamplingRecord`). Each is optional; a batch has a tensor field only when
+every row has it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -45,6 +54,13 @@ from unirl.core.types import (
 
 VQ_PAD = -1
 BITS_PAD = 0.0
+_OPTIONAL_PER_ROW = (
+    "rollout_logp",
+    "rollout_logp_factors",
+    "advantage",
+    "old_logp",
+    "old_logp_factors",
+)
 
 
 def _fail(name: str, what: str) -> None:
@@ -77,6 +93,12 @@ class Trajectory:
     finish_reason: FinishReason | None = None
     length_semantics: LengthSemantics | None = None
     images: list[torch.Tensor] = field(default_factory=list)
+    # -- per-row training data (module docstring) ---------------------------------------
+    advantage: float | None = None
+    old_logp: torch.Tensor | None = None
+    old_logp_factors: torch.Tensor | None = None
+    seed: int | None = None
+    sampling: Any = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -91,7 +113,11 @@ class Trajectory:
         return replace(self, **_moved(self, device), images=[x.to(device) for x in self.images])
 
     def to_state(self) -> dict[str, Any]:
-        """Plain tensors, strings and numbers (module docstring); `from_state` inverts it."""
+        """Plain tensors, strings and numbers (module docstring); `from_state` inverts it.
+        `sampling` is opaque to core: the subclass that owns it (the rollout layer's
+        `RolloutTrajectory`) writes it."""
+        if self.sampling is not None and type(self).to_state is Trajectory.to_state:
+            _fail("sampling", "opaque to core: save it through the subclass that owns it")
         state: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -153,23 +179,11 @@ class Trajectory:
                 f"modality has {n_visual}",
             )
         non_policy = self.owner != Owner.POLICY
-        if self.rollout_logp is not None:
-            lp = self.rollout_logp
-            if not isinstance(lp, torch.Tensor) or not lp.is_floating_point() or lp.shape != (T,):
-                _fail("rollout_logp", f"expected a float tensor [{T}], got {_describe(lp)}")
-            if (lp[non_policy] != 0).any():
-                _fail("rollout_logp", "must be 0 at non-policy positions")
-        if self.rollout_logp_factors is not None:
-            lf = self.rollout_logp_factors
-            if not self.is_bits:
-                _fail("rollout_logp_factors", "only BSQ trajectories have per-factor log-probs")
-            shape = tuple(self.visual_codes.shape)
-            if not isinstance(lf, torch.Tensor) or not lf.is_floating_point() or lf.shape != shape:
-                _fail(
-                    "rollout_logp_factors", f"expected a float tensor {shape}, got {_describe(lf)}"
-                )
-            if (lf[non_policy] != 0).any():
-                _fail("rollout_logp_factors", "must be 0 at non-policy positions")
+        for name in ("rollout_logp", "old_logp"):
+            self._validate_logp(name, non_policy, T)
+        for name in ("rollout_logp_factors", "old_logp_factors"):
+            self._validate_logp_factors(name, non_policy)
+        self._validate_training_data()
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             _fail(
                 "finish_reason",
@@ -184,6 +198,37 @@ class Trajectory:
         ):
             _fail("images", "expected a list of float tensors (understanding-image inputs)")
         return self
+
+    def _validate_logp(self, name: str, non_policy: torch.Tensor, T: int) -> None:
+        lp = getattr(self, name)
+        if lp is None:
+            return
+        if not isinstance(lp, torch.Tensor) or not lp.is_floating_point() or lp.shape != (T,):
+            _fail(name, f"expected a float tensor [{T}], got {_describe(lp)}")
+        if (lp[non_policy] != 0).any():
+            _fail(name, "must be 0 at non-policy positions")
+
+    def _validate_logp_factors(self, name: str, non_policy: torch.Tensor) -> None:
+        lf = getattr(self, name)
+        if lf is None:
+            return
+        if not self.is_bits:
+            _fail(name, "only BSQ trajectories have per-factor log-probs")
+        shape = tuple(self.visual_codes.shape)
+        if not isinstance(lf, torch.Tensor) or not lf.is_floating_point() or lf.shape != shape:
+            _fail(name, f"expected a float tensor {shape}, got {_describe(lf)}")
+        if (lf[non_policy] != 0).any():
+            _fail(name, "must be 0 at non-policy positions")
+
+    def _validate_training_data(self) -> None:
+        a = self.advantage
+        if a is not None and (
+            isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a)
+        ):
+            _fail("advantage", f"expected a finite float, got {a!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            _fail("seed", f"expected a non-negative int, got {s!r}")
 
     def _validate_codes(self, visual: torch.Tensor, T: int) -> None:
         c = self.visual_codes
@@ -225,6 +270,12 @@ class TrajectoryBatch:
     length_semantics: list[LengthSemantics | None]
     pad_id: int = 0
     images: list[list[torch.Tensor]] = field(default_factory=list)
+    # -- per-row training data (module docstring): [B], [B, T], [B, T, L], lists of B ----
+    advantages: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    old_logp_factors: torch.Tensor | None = None
+    seeds: list[int | None] | None = None
+    sampling: list[Any] | None = None
 
     @classmethod
     def collate(
@@ -253,7 +304,7 @@ class TrajectoryBatch:
                     f"trajectory {k} has {_describe(t.visual_codes)}, trajectory 0 has "
                     f"{_describe(first.visual_codes)} (VQ and BSQ / different L cannot mix)",
                 )
-            for name in ("rollout_logp", "rollout_logp_factors"):
+            for name in _OPTIONAL_PER_ROW:
                 if (getattr(t, name) is None) != (getattr(first, name) is None):
                     _fail(name, f"present in some trajectories but not in trajectory {k}")
         lengths = torch.tensor([len(t) for t in trajs], dtype=torch.long)
@@ -261,8 +312,10 @@ class TrajectoryBatch:
         T = int(lengths.max())
         code_pad = BITS_PAD if first.is_bits else VQ_PAD
 
-        def pad(name: str, value: float) -> torch.Tensor:
+        def pad(name: str, value: float) -> torch.Tensor | None:
             seqs = [getattr(t, name) for t in trajs]
+            if seqs[0] is None:
+                return None
             return pad_sequence(seqs, batch_first=True, padding_value=value)
 
         return cls(
@@ -274,14 +327,19 @@ class TrajectoryBatch:
             lengths=lengths.to(device),
             image_grids=[list(t.image_grids) for t in trajs],
             sample_ids=[t.sample_id for t in trajs],
-            rollout_logp=None if first.rollout_logp is None else pad("rollout_logp", 0.0),
-            rollout_logp_factors=None
-            if first.rollout_logp_factors is None
-            else pad("rollout_logp_factors", 0.0),
+            rollout_logp=pad("rollout_logp", 0.0),
+            rollout_logp_factors=pad("rollout_logp_factors", 0.0),
             finish_reasons=[t.finish_reason for t in trajs],
             length_semantics=[t.length_semantics for t in trajs],
             pad_id=pad_id,
             images=[list(t.images) for t in trajs],
+            advantages=None
+            if first.advantage is None
+            else torch.tensor([float(t.advantage) for t in trajs], device=device),
+            old_logp=pad("old_logp", 0.0),
+            old_logp_factors=pad("old_logp_factors", 0.0),
+            seeds=[t.seed for t in trajs],
+            sampling=[t.sampling for t in trajs],
         )
 
     def __len__(self) -> int:
@@ -342,7 +400,7 @@ class TrajectoryBatch:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "lengths":
+            if f.name in ("lengths", "advantages") and v is not None:
                 out[f.name] = v[idx]
             elif isinstance(v, torch.Tensor):
                 out[f.name] = v[idx, :T]
@@ -386,9 +444,19 @@ class TrajectoryBatch:
             raise ValueError(f"micro-batch size must be a positive int, got {size!r}")
         return [self[s : s + size] for s in range(0, len(self), size)]
 
+    def without_training_data(self) -> TrajectoryBatch:
+        """The same rows without the per-row training tensors (advantages, anchors): what
+        a scoring pass needs, and what it may mix with rows that never had them."""
+        return replace(self, advantages=None, old_logp=None, old_logp_factors=None)
+
     def unbatch(self) -> list[Trajectory]:
         """The trajectories this batch was collated from (exact inverse of `collate`)."""
         out = []
+
+        def row(name: str, i: int, n: int) -> torch.Tensor | None:
+            v = getattr(self, name)
+            return None if v is None else v[i, :n].clone()
+
         for i, n in enumerate(self.lengths.tolist()):
             out.append(
                 Trajectory(
@@ -398,15 +466,16 @@ class TrajectoryBatch:
                     visual_codes=self.visual_codes[i, :n].clone(),
                     image_grids=list(self.image_grids[i]),
                     sample_id=self.sample_ids[i],
-                    rollout_logp=None
-                    if self.rollout_logp is None
-                    else self.rollout_logp[i, :n].clone(),
-                    rollout_logp_factors=None
-                    if self.rollout_logp_factors is None
-                    else self.rollout_logp_factors[i, :n].clone(),
+                    rollout_logp=row("rollout_logp", i, n),
+                    rollout_logp_factors=row("rollout_logp_factors", i, n),
                     finish_reason=self.finish_reasons[i],
                     length_semantics=self.length_semantics[i],
                     images=list(self.images[i]),
+                    advantage=None if self.advantages is None else float(self.advantages[i]),
+                    old_logp=row("old_logp", i, n),
+                    old_logp_factors=row("old_logp_factors", i, n),
+                    seed=None if self.seeds is None else self.seeds[i],
+                    sampling=None if self.sampling is None else self.sampling[i],
                 )
             )
         return out
@@ -429,15 +498,19 @@ class TrajectoryBatch:
                 "visual_codes",
                 f"expected [{B}, {T}] or [{B}, {T}, L], got {_describe(self.visual_codes)}",
             )
-        if self.rollout_logp is not None and tuple(self.rollout_logp.shape) != (B, T):
-            _fail("rollout_logp", f"expected shape ({B}, {T}), got {_describe(self.rollout_logp)}")
-        if self.rollout_logp_factors is not None and (
-            self.rollout_logp_factors.shape != self.visual_codes.shape or not self.is_bits
-        ):
-            _fail(
-                "rollout_logp_factors",
-                f"expected the BSQ codes' shape, got {_describe(self.rollout_logp_factors)}",
-            )
+        for name in ("rollout_logp", "old_logp"):
+            lp = getattr(self, name)
+            if lp is not None and tuple(lp.shape) != (B, T):
+                _fail(name, f"expected shape ({B}, {T}), got {_describe(lp)}")
+        for name in ("rollout_logp_factors", "old_logp_factors"):
+            lf = getattr(self, name)
+            if lf is not None and (lf.shape != self.visual_codes.shape or not self.is_bits):
+                _fail(name, f"expected the BSQ codes' shape, got {_describe(lf)}")
+        if self.advantages is not None and tuple(self.advantages.shape) != (B,):
+            _fail("advantages", f"expected shape ({B},), got {_describe(self.advantages)}")
+        for name in ("seeds", "sampling"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != B:
+                _fail(name, f"expected {B} entries, got {len(getattr(self, name))}")
         for name in ("image_grids", "sample_ids", "finish_reasons", "length_semantics", "images"):
             if len(getattr(self, name)) != B:
                 _fail(name, f"expected {B} entries, got {len(getattr(self, name))}")

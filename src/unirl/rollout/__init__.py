@@ -9,6 +9,7 @@ from unirl.rollout.request import (
     prompt_length_of,
     sampling_records,
 )
+from unirl.rollout.service import RolloutService, interleave
 from unirl.rollout.state import RowState
 from unirl.rollout.stopping import has_cycle, image_header
 
@@ -16,6 +17,7 @@ __all__ = [
     "POLICY_FIELDS",
     "RolloutEngine",
     "RolloutRequest",
+    "RolloutService",
     "RolloutTrajectory",
     "RowState",
     "SamplingParams",
@@ -24,6 +26,7 @@ __all__ = [
     "context_length",
     "has_cycle",
     "image_header",
+    "interleave",
     "prompt_length_of",
     "sampling_records",
 ]

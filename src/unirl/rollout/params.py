@@ -5,6 +5,9 @@ top-k, top-p, guidance weight, guidance log-prob convention, bit temperature): r
 applies exactly these, or refuses (`check_same_policy`). The other fields steer the
 sampler (greedy decoding, lengths, stops, header bounds) without changing the
 distribution whose log-probs are recorded.
+
+Every field that the `rollout:` config section also has takes its default from that
+section's schema (`RolloutConfig`): one source of truth per setting.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from unirl.config.schema import RolloutConfig
 from unirl.core.types import LengthSemantics
 
 GuidanceLogprob = Literal["guided", "conditional"]
@@ -26,6 +30,11 @@ POLICY_FIELDS: tuple[str, ...] = (
     "guidance_logprob",
     "bit_temperature",
 )
+
+
+def _default(name: str):
+    """The `rollout.<name>` default of the config schema."""
+    return RolloutConfig.model_fields[name].default
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:
@@ -67,21 +76,21 @@ class SamplingParams:
       header ends the row "invalid", or ("text") `<|vision_start|>` stays a text token.
     """
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    guidance: float = 1.0
-    guidance_logprob: GuidanceLogprob = "guided"
-    bit_temperature: float = 1.0
+    temperature: float = _default("temperature")
+    top_k: int = _default("top_k")
+    top_p: float = _default("top_p")
+    guidance: float = _default("guidance")
+    guidance_logprob: GuidanceLogprob = _default("guidance_logprob")
+    bit_temperature: float = _default("bit_temperature")
     greedy: bool = False
-    max_new_tokens: int = 256
-    length_semantics: LengthSemantics = "cap"
+    max_new_tokens: int = _default("max_new_tokens")
+    length_semantics: LengthSemantics = _default("length_semantics")
     stop_token_ids: tuple[int, ...] = ()
-    cycle_max_period: int = 4
-    cycle_repeats: int = 3
-    min_grid_side: int = 1
-    max_grid_side: int = 64
-    on_invalid_header: InvalidHeader = "invalid"
+    cycle_max_period: int = _default("cycle_max_period")
+    cycle_repeats: int = _default("cycle_repeats")
+    min_grid_side: int = _default("min_grid_side")
+    max_grid_side: int = _default("max_grid_side")
+    on_invalid_header: InvalidHeader = _default("on_invalid_header")
 
     def __post_init__(self) -> None:
         _positive_float("temperature", self.temperature)

@@ -35,7 +35,7 @@ from unirl.rewards.plugins import (
     build_responses,
     parse_response,
 )
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
 
 METRIC = {
     "i2t_mc": "accuracy",
@@ -94,11 +94,8 @@ def evaluate_task(
     batch_size: int = 64,
 ) -> dict[str, float]:
     """Metrics of one task on `samples` (see the module docstring)."""
-    engine = RolloutEngine(model, model.tokenizer)
     requests = _requests(model, task, samples, seed)
-    trajs = []
-    for start in range(0, len(requests), batch_size):
-        trajs.extend(engine.generate(requests[start : start + batch_size]))
+    trajs = RolloutService(model, batch_size).generate(requests)
     parsed = [parse_response(t, model.tokenizer) for t in trajs]
     responses, _ = build_responses(parsed, model.codec.decode)
     plugin = _plugin(task, classifier)

@@ -14,14 +14,15 @@ position t of row i with advantage A_i (NUMERICS "Clipped surrogate" .. "KL"):
 aggregated (`algorithm.aggregation`) with the global count of the whole batch.
 
 `old_logp_source`: "rollout" takes ℓ° from the sampler's log-probs; "replay" takes it
-from the replay at training geometry before the update. On the first update of a rollout
-batch that *is* this forward (ℓ° = ℓ.detach()), so ρ ≡ 1 and the clip fraction is 0 by
-construction (logged as `policy/ratio_is_one_by_construction: 1`): with one update per
-batch the objective is REINFORCE with a group baseline. With `updates_per_batch` K > 1
-(replay only) the first update records ℓ° per sample and the next K − 1 updates of the
-same batch use it, so their ratios and clipping are real. Either way the
-rollout-vs-replay gap K3 (`k3_mismatch`, sampler vs current replay) is logged every
-update.
+from a replay at training geometry before the update. With one update per batch that
+replay *is* this forward (ℓ° = ℓ.detach()), so ρ ≡ 1 and the clip fraction is 0 by
+construction (logged as `policy/ratio_is_one_by_construction: 1`): the objective is
+REINFORCE with a group baseline. With `updates_per_batch` K > 1 (replay only) the source
+runs a separate no-grad replay at training geometry before the round's first update
+(`anchor_old_logprobs`, as verl's compute_log_prob) and the rows carry it as `old_logp`
+through all K updates (and in the round file), so every update's ratio is a real one
+(`ratio_is_one_by_construction: 0`; ≈ 1 on the first). Either way the rollout-vs-replay
+gap K3 (`k3_mismatch`, sampler vs current replay) is logged every update.
 
 The reference is a frozen copy of the initial policy (the weights at job build, before
 any resume), or — with LoRA — the same model with its adapters disabled (no second
@@ -33,6 +34,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,24 +49,27 @@ from unirl.algorithms.grpo import (
     kl_penalty,
     kl_penalty_factors,
 )
-from unirl.config import ConfigError, UnirlConfig
+from unirl.config import UnirlConfig
 from unirl.config.algorithms import GRPOConfig
+from unirl.core.distributions import TextCategorical
 from unirl.core.sample import Sample
-from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
 from unirl.forward import scored_indices
 from unirl.models.base import UnifiedModel
-from unirl.replay import DistributionChunk, replay_distributions, replay_logprobs, replay_map
+from unirl.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
 from unirl.rewards import build_reward_service
-from unirl.rollout.config import sampling_params
+from unirl.rollout import SamplingRecord
+from unirl.train import grpo_jsd as lean
 from unirl.train.build import set_adapters_enabled
 from unirl.train.distributed import DistInfo, barrier
 from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
-from unirl.train.grpo_metrics import LOSS_STAT_KEYS, StepStats
-from unirl.train.grpo_source import GRPOSource, PromptSampler, Rollout, SourceSettings
+from unirl.train.grpo_metrics import finalize_loss_stats
+from unirl.train.grpo_source import GRPOSource, PromptSampler
+from unirl.train.trainer import autocast, rank_micro_batches
 
 
 class Reference:
@@ -102,11 +107,21 @@ def scored_mask(batch: TrajectoryBatch) -> torch.Tensor:
     return mask
 
 
-class GRPOObjective:
-    """The GRPO loss of a micro-batch (module docstring); statistics go to `source.stats`."""
+def _records(micro: TrajectoryBatch) -> list[SamplingRecord]:
+    """The rows' sampling records (carried by the batch); ValueError naming a row without."""
+    sampling = micro.sampling or [None] * len(micro)
+    for sid, rec in zip(micro.sample_ids, sampling):
+        if not isinstance(rec, SamplingRecord):
+            raise ValueError(f"row {sid!r} carries no SamplingRecord: GRPO replays as sampled")
+    return list(sampling)
 
-    def __init__(self, source: GRPOSource, algo: GRPOConfig, reference: Reference | None) -> None:
-        self.source = source
+
+class GRPOObjective:
+    """The GRPO loss of a micro-batch (module docstring), from the micro-batch alone: the
+    rows carry their advantages, sampling records and (later updates of a round) the
+    anchor log-probs. Statistics are sums (`loss`) finalised into means (`finalize`)."""
+
+    def __init__(self, algo: GRPOConfig, reference: Reference | None) -> None:
         self.algo = algo
         self.reference = reference
 
@@ -114,8 +129,12 @@ class GRPOObjective:
         counts = LossCounts.from_mask(scored_mask(batch))
         return counts.n_tokens if self.algo.aggregation == "token_mean" else counts.n_seqs
 
-    def _columns(self, batch: TrajectoryBatch, ref_chunks: list[DistributionChunk] | None):
-        """Per chunk [n, C]: log-prob, entropy, (JSD to the reference), (BSQ factors)."""
+    def _columns(self, batch: TrajectoryBatch, ref_plan: ReplayPlan | None):
+        """Per chunk [n, C]: log-prob, entropy, (JSD to the reference), (BSQ factors). The
+        reference's chunk is rebuilt from its hidden states inside the chunk (and again
+        when backward recomputes it): one chunk of distributions alive at a time, and the
+        categorical reductions over the vocabulary run a block of rows at a time
+        (`grpo_jsd`)."""
         bits = batch.is_bits
 
         def fn(chunk: DistributionChunk) -> torch.Tensor:
@@ -126,12 +145,20 @@ class GRPOObjective:
             else:
                 logp = dist.log_prob(chunk.targets)
                 factors = logp.new_zeros(n, batch.n_factors) if bits else None
-            cols = [logp, dist.entropy().detach()]
-            if ref_chunks is not None:
-                ref = ref_chunks[chunk.index]
-                if not (torch.equal(ref.rows, chunk.rows) and torch.equal(ref.cols, chunk.cols)):
-                    raise RuntimeError("reference and policy replay chunks are not aligned")
-                cols.append(jsd_penalty(dist, ref.dist))
+            categorical = isinstance(dist, TextCategorical)
+            if categorical:
+                cols = [logp, lean.entropy(dist.log_probs)]
+            else:
+                with torch.no_grad():
+                    cols = [logp, dist.entropy()]
+            if ref_plan is not None:
+                with self.reference.active():
+                    ref = ref_plan.distribution(chunk.index, chunk.rows, chunk.cols)
+                if categorical and isinstance(ref, TextCategorical):
+                    cols.append(lean.symmetric_jsd(dist.log_probs, ref.log_probs))
+                else:
+                    cols.append(jsd_penalty(dist, ref))
+                del ref
             out = torch.stack(cols, -1)
             return out if factors is None else torch.cat([out, factors], -1)
 
@@ -153,57 +180,46 @@ class GRPOObjective:
         return kl
 
     def _old_logp(
-        self,
-        micro: TrajectoryBatch,
-        rollout: Rollout,
-        logp: torch.Tensor,
-        factors: torch.Tensor | None,
-        update: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The ratio's denominator ℓ° (and per factor): the sampler's log-probs, or this
-        replay on the first update of a rollout batch (recorded for its later updates),
-        or the replay recorded then."""
+        self, micro: TrajectoryBatch, logp: torch.Tensor, factors: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The ratio's denominator ℓ° (and per factor) and whether it is this forward
+        itself: the sampler's log-probs (rollout); the anchor the rows carry (replay,
+        `updates_per_batch` > 1: a separate replay before the round's first update); or
+        this replay, detached (replay, one update per batch: ρ ≡ 1 by construction)."""
         if self.algo.old_logp_source == "rollout":
-            return micro.rollout_logp, micro.rollout_logp_factors
-        if self.source.first_of_round(update):
-            if self.source.s.updates_per_batch > 1:
-                for b, sid in enumerate(micro.sample_ids):
-                    n = int(micro.lengths[b])
-                    f = None if factors is None else factors[b, :n].detach().cpu().clone()
-                    rollout.old_logp[sid] = (logp[b, :n].detach().cpu().clone(), f)
-            return logp.detach(), None if factors is None else factors.detach()
-        old = torch.zeros_like(logp)
-        old_f = None if factors is None else torch.zeros_like(factors)
-        for b, sid in enumerate(micro.sample_ids):
-            lp, f = rollout.old_logp[sid]
-            old[b, : lp.numel()] = lp.to(old)
-            if old_f is not None:
-                old_f[b, : lp.numel()] = f.to(old_f)
-        return old, old_f
+            return micro.rollout_logp, micro.rollout_logp_factors, False
+        if micro.old_logp is not None:
+            if micro.is_bits and micro.old_logp_factors is None:
+                raise ValueError("BSQ rows carry old_logp without old_logp_factors")
+            return micro.old_logp.to(logp), micro.old_logp_factors, False
+        if self.algo.updates_per_batch > 1:
+            raise ValueError(
+                f"updates_per_batch={self.algo.updates_per_batch} with old_logp_source "
+                f"replay: rows {micro.sample_ids[:3]} carry no anchor log-probs (old_logp)"
+            )
+        return logp.detach(), None if factors is None else factors.detach(), True
 
     def loss(
-        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int, update: int
+        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.algo
-        rollout = self.source.rollout(update)
-        records = [rollout.records[sid] for sid in micro.sample_ids]
-        device = micro.token_ids.device
-        adv = torch.tensor([rollout.advantages[sid] for sid in micro.sample_ids], device=device)
-        adv = adv[:, None]
+        records = _records(micro)
+        if micro.advantages is None:
+            raise ValueError(f"rows {micro.sample_ids[:3]} carry no advantages")
+        adv = micro.advantages.to(micro.token_ids.device)[:, None]
+        scoring = micro.without_training_data()
         mask = scored_mask(micro)
         visual = mask & (micro.modality == Modality.VISUAL)
-        ref_chunks = None
+        ref_plan = None
         if a.kl.type == "jsd":
             with self.reference.active() as ref_model:
-                ref_chunks = list(
-                    replay_distributions(ref_model, micro, records, chunk_size=a.chunk_size)
-                )
-        fn = self._columns(micro, ref_chunks)
-        out = replay_map(model, micro, records, fn, chunk_size=a.chunk_size)
+                ref_plan = ReplayPlan(ref_model, scoring, records, chunk_size=a.chunk_size)
+        fn = self._columns(micro, ref_plan)
+        out = replay_map(model, scoring, records, fn, chunk_size=a.chunk_size)
         logp, entropy = out[..., 0], out[..., 1].detach()
-        jsd = out[..., 2] if ref_chunks is not None else None
+        jsd = out[..., 2] if ref_plan is not None else None
         factors = out[..., 3 if jsd is not None else 2 :] if micro.is_bits else None
-        old, old_f = self._old_logp(micro, rollout, logp, factors, update)
+        old, old_f, self_anchored = self._old_logp(micro, logp, factors)
         clip = (a.clip_low, a.clip_high, a.dual_clip)
         surr = clipped_surrogate(logp, old, adv, *clip)
         per_pos, ratio = surr.loss, surr.ratio
@@ -216,7 +232,7 @@ class GRPOObjective:
             dual = torch.where(visual, sf.dual_clipped.double().mean(-1), dual)
         counts = LossCounts(n_global, n_global)
         pg = aggregate(per_pos, mask, a.aggregation, counts, a.horizon)
-        divergence = self._divergence(micro, records, logp, factors, visual, jsd)
+        divergence = self._divergence(scoring, records, logp, factors, visual, jsd)
         loss, kl_loss, kl_sum = pg, 0.0, 0.0
         if divergence is not None:
             kl_term = a.kl.coef * aggregate(divergence, mask, a.aggregation, counts, a.horizon)
@@ -225,24 +241,28 @@ class GRPOObjective:
             kl_sum = float(divergence.detach()[mask].sum())
         n = int(mask.sum())
         k3 = float(k3_mismatch(micro.rollout_logp.double(), logp.detach().double(), mask)) * n
-        self.source.stats.add(
-            update,
-            {
-                "n_positions": n,
-                "n_text": int((mask & ~visual).sum()),
-                "n_visual": int(visual.sum()),
-                "pg_loss": float(pg.detach()),
-                "kl_loss": kl_loss,
-                "kl_sum": kl_sum,
-                "entropy_text_sum": float(entropy[mask & ~visual].sum()),
-                "entropy_visual_sum": float(entropy[visual].sum()),
-                "ratio_sum": float(ratio[mask].sum()),
-                "clipped": float(clipped[mask].sum()),
-                "dual_clipped": float(dual[mask].sum()),
-                "k3_sum": k3,
-            },
-        )
-        return loss, {}
+        return loss, {
+            "n_rows": float(len(micro)),
+            "n_self_anchored_rows": float(len(micro)) if self_anchored else 0.0,
+            "n_positions": float(n),
+            "n_text": float((mask & ~visual).sum()),
+            "n_visual": float(visual.sum()),
+            "pg_loss": float(pg.detach()),
+            "kl_loss": kl_loss,
+            "kl_sum": kl_sum,
+            "entropy_text_sum": float(entropy[mask & ~visual].sum()),
+            "entropy_visual_sum": float(entropy[visual].sum()),
+            "ratio_sum": float(ratio[mask].sum()),
+            "clipped": float(clipped[mask].sum()),
+            "dual_clipped": float(dual[mask].sum()),
+            "k3_sum": k3,
+        }
+
+    def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
+        """Means of the summed statistics (`policy/*`). `policy/ratio_is_one_by_construction`
+        is 1 when every row's ratio denominator was its own forward (replay anchoring with
+        one update per batch: REINFORCE with a group baseline), else 0."""
+        return finalize_loss_stats(sums)
 
 
 def prompt_pools(cfg: UnirlConfig, image_size: tuple[int, int] = (8, 8)) -> dict[str, list[Sample]]:
@@ -273,27 +293,24 @@ def _classifier(run_dir: Path, info: DistInfo):
     return load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
 
 
-def source_settings(cfg: UnirlConfig, model: UnifiedModel) -> SourceSettings:
-    """Prompts per update, batch sizes, seeds and the rows' `SamplingParams`."""
-    r, algo = cfg.rollout, cfg.algorithm
-    grid = tuple(model.codec.grid)
-    if r.length_semantics == "exact" and r.max_new_tokens != grid[0] * grid[1]:
-        raise ConfigError(
-            f"length_semantics 'exact' forces an image of the codec's {grid[0]}x{grid[1]} "
-            f"grid: max_new_tokens must be {grid[0] * grid[1]}, got {r.max_new_tokens}",
-            key="rollout.max_new_tokens",
-        )
-    params = sampling_params(r)
-    return SourceSettings(
-        group_size=algo.group_size,
-        n_prompts=cfg.trainer.global_batch_size // algo.group_size,
-        batch_size=r.batch_size,
-        run_seed=cfg.run.seed,
-        text_params=params,
-        image_params=params,
-        image_grid=grid,
-        updates_per_batch=algo.updates_per_batch,
-    )
+@torch.no_grad()
+def anchor_old_logprobs(
+    model: UnifiedModel, cfg: UnirlConfig, info: DistInfo, trajs: list[Trajectory]
+) -> None:
+    """Set `old_logp` (and `old_logp_factors`) on the rows this rank trains, from a no-grad
+    replay at training geometry (this rank's micro-batches, the trainer's precision)
+    before the round's first update: the ratio anchor of every update of the round
+    (verl's compute_log_prob)."""
+    for group in rank_micro_batches(trajs, info, cfg.trainer):
+        batch = TrajectoryBatch.collate(group, model.special_ids.pad).to(model.device)
+        records = _records(batch)
+        with autocast(cfg.trainer, model.device):
+            out = replay_logprobs(model, batch, records, chunk_size=cfg.algorithm.chunk_size)
+        for b, traj in enumerate(group):
+            n, device = len(traj), traj.token_ids.device
+            traj.old_logp = out.logp[b, :n].to(device)
+            if out.logp_factors is not None:
+                traj.old_logp_factors = out.logp_factors[b, :n].to(device)
 
 
 def build_grpo_job(
@@ -310,8 +327,9 @@ def build_grpo_job(
     )
     image_size = tuple(getattr(model.codec, "image_size", (8, 8)))
     sampler = PromptSampler(prompt_pools(cfg, image_size), cfg.data.task_weights, cfg.data.seed)
-    stats = StepStats(LOSS_STAT_KEYS)
-    settings = source_settings(cfg, model)
-    source = GRPOSource(model, sampler, rewards, algo, settings, info, stats, run_dir)
+    anchor = None
+    if algo.updates_per_batch > 1:
+        anchor = partial(anchor_old_logprobs, model, cfg, info)
+    source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor)
     reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
-    return source, GRPOObjective(source, algo, reference)
+    return source, GRPOObjective(algo, reference)

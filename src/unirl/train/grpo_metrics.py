@@ -1,5 +1,5 @@
-"""GRPO metrics: per-update loss statistics summed by the objective and reduced over
-ranks (`StepStats`), per-task accuracy, rollout lengths / finish reasons / throughput."""
+"""GRPO metrics: the means of the objective's summed loss statistics, per-task accuracy,
+rollout lengths / finish reasons / throughput."""
 
 from __future__ import annotations
 
@@ -8,31 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from unirl.config.algorithms import GRPOConfig
 from unirl.core.types import Owner
 from unirl.rewards import RewardResult
 from unirl.rollout import RolloutTrajectory
-from unirl.train.distributed import DistInfo, all_reduce_sum
-
-
-class StepStats:
-    """Per-update metric sums written by the objective, reduced over ranks on read."""
-
-    def __init__(self, keys: Sequence[str]) -> None:
-        self.keys = sorted(keys)
-        self._sums: dict[int, dict[str, float]] = {}
-
-    def add(self, update: int, values: dict[str, float]) -> None:
-        sums = self._sums.setdefault(update, dict.fromkeys(self.keys, 0.0))
-        for key, value in values.items():
-            sums[key] += float(value)
-
-    def reduce(self, update: int, info: DistInfo) -> dict[str, float]:
-        """The sums of `update` over every rank (a collective: call on all ranks)."""
-        sums = self._sums.pop(update, dict.fromkeys(self.keys, 0.0))
-        flat = torch.tensor([sums[k] for k in self.keys], dtype=torch.float64)
-        flat = all_reduce_sum(flat, info)
-        return dict(zip(self.keys, flat.tolist()))
 
 
 def task_accuracy(result: RewardResult) -> dict[str, float]:
@@ -68,31 +46,12 @@ def rollout_stats(trajs: Sequence[RolloutTrajectory], seconds: float) -> dict[st
     return out
 
 
-LOSS_STAT_KEYS = (
-    "n_positions",
-    "n_text",
-    "n_visual",
-    "pg_loss",
-    "kl_loss",
-    "kl_sum",
-    "entropy_text_sum",
-    "entropy_visual_sum",
-    "ratio_sum",
-    "clipped",
-    "dual_clipped",
-    "k3_sum",
-)
-
-
-def finalize_loss_stats(
-    sums: dict[str, float], algo: GRPOConfig, first_of_round: bool = True
-) -> dict[str, float]:
-    """Means of the objective's reduced sums (`policy/*`). Under old_logp_source replay,
-    on the first update of a rollout batch (every update when updates_per_batch = 1),
-    the ratio is 1 and the clip fraction 0 by construction:
-    `policy/ratio_is_one_by_construction` says so."""
+def finalize_loss_stats(sums: dict[str, float]) -> dict[str, float]:
+    """Means of the GRPO objective's reduced sums (`policy/*`, `GRPOObjective.loss`).
+    `policy/ratio_is_one_by_construction` is 1 only when every row's ratio denominator
+    was its own forward (replay anchoring with one update per batch)."""
     n = max(sums["n_positions"], 1.0)
-    by_construction = algo.old_logp_source == "replay" and first_of_round
+    rows = sums["n_rows"]
     return {
         "policy/pg_loss": sums["pg_loss"],
         "policy/kl_loss": sums["kl_loss"],
@@ -102,6 +61,8 @@ def finalize_loss_stats(
         "policy/ratio_mean": sums["ratio_sum"] / n,
         "policy/clip_frac": sums["clipped"] / n,
         "policy/dual_clip_frac": sums["dual_clipped"] / n,
-        "policy/ratio_is_one_by_construction": float(by_construction),
+        "policy/ratio_is_one_by_construction": float(
+            rows > 0 and sums["n_self_anchored_rows"] == rows
+        ),
         "policy/k3_rollout_vs_replay": sums["k3_sum"] / n,
     }

@@ -19,11 +19,13 @@ at its first update; see `GRPOSource`):
 4. Advantages: `group_advantages` with the `algorithm` settings (scope group | global,
    over the whole global batch).
 
-Under torchrun the rollout requests are split round-robin across ranks and the
-trajectories all-gathered (`all_gather_object`), so every rank holds the same global
-batch, scores it (deterministic plugins) and computes the same advantages; the trainer
-then trains each rank on its shard. The source caches the latest rollout batch, which the
-objective reads by sample id (advantages, sampling records, old log-probs).
+Under torchrun the rollout requests are split round-robin across ranks
+(`unirl.rollout.RolloutService`); each rank scores the rows it sampled and the
+trajectories and scores are all-gathered (`grpo_rewards.score_sharded`), so every rank
+holds the same global batch and computes the same advantages; the trainer then trains
+each rank on its shard. Every row carries what the objective needs — its advantage,
+sampling record, seed and (several updates per round) anchor log-probs — so the
+objective never reads the source.
 
 Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during the rollout of update n
 (1-based, as `after_update:<n>`), after its first decode batch.
@@ -34,31 +36,25 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from unirl.algorithms.grpo import group_advantages
-from unirl.config.algorithms import GRPOConfig
-from unirl.core.sample import Sample
+from unirl.config import ConfigError, UnirlConfig
+from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardError, RewardService
-from unirl.rollout import (
-    RolloutEngine,
-    RolloutRequest,
-    RolloutTrajectory,
-    SamplingParams,
-    SamplingRecord,
-    sampling_records,
-)
+from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
+from unirl.rollout.config import sampling_params
 from unirl.train.checkpoint import PREFIX, checkpoint_dir
 from unirl.train.distributed import DistInfo
-from unirl.train.grpo_metrics import StepStats, finalize_loss_stats, rollout_stats, task_accuracy
+from unirl.train.grpo_metrics import rollout_stats, task_accuracy
+from unirl.train.grpo_rewards import score_sharded
 from unirl.train.trainer import _inject_fault
 
 ROUNDS = "rollouts"
@@ -114,43 +110,28 @@ class PromptSampler:
 
 @dataclass
 class Rollout:
-    """The rollout batch of one round of `updates_per_batch` updates: trajectories in
-    group order; per sample id the advantage, the sampling record and (replay anchoring
-    with several updates per batch) the old log-probs replayed before the round's first
-    step, trimmed to the row's length; `metrics` are the rollout/reward/advantage ones."""
+    """The rollout batch of one round of `updates_per_batch` updates: the prompts' group
+    members and their trajectories in group order (each trajectory carries its
+    advantage, sampling record, seed and, when the round has several updates, its
+    anchor log-probs), the rows' rewards, and the rollout/reward/advantage `metrics`."""
 
     update: int
+    samples: list[Sample]
     trajectories: list[RolloutTrajectory]
-    advantages: dict[str, float]
-    records: dict[str, SamplingRecord]
+    rewards: list[float]
     metrics: dict[str, float]
-    old_logp: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SourceSettings:
-    """What the source needs of the config: G, prompts per update, rollout batch size,
-    the run seed, optimizer steps per rollout batch, and the sampling parameters of text
-    and of forced-image (t2i) rows."""
-
-    group_size: int
-    n_prompts: int
-    batch_size: int
-    run_seed: int
-    text_params: SamplingParams
-    image_params: SamplingParams
-    image_grid: tuple[int, int]
-    updates_per_batch: int = 1
 
 
 class GRPOSource:
-    """`BatchSource` of GRPO (module docstring). `stats` collects the objective's sums.
+    """`BatchSource` of GRPO (module docstring), built from the run config (`rollout`,
+    `algorithm`, `trainer.global_batch_size`, `run.seed`).
 
     With `updates_per_batch` K > 1, round r = u // K is rolled out once, at its first
-    update rK (prompts and seeds use r), and its later updates reuse it. The round (with
-    the old log-probs the objective records at rK) is saved to
-    `<run_dir>/rollouts/round-NNNNNN-rankR.pt` after update rK, so a run resumed in the
-    middle of a round trains on exactly the same batch and ratio anchor.
+    update rK (prompts and seeds use r), and its later updates reuse it. At rK, before the
+    update, `anchor` sets each row's old log-probs (a no-grad replay at training
+    geometry) and the round is written atomically to
+    `<run_dir>/rollouts/round-NNNNNN-rankR.pt`, so a run resumed in the middle of a round
+    trains on exactly the same batch and ratio anchor.
     """
 
     def __init__(
@@ -158,60 +139,77 @@ class GRPOSource:
         model: UnifiedModel,
         prompts: PromptSampler,
         rewards: RewardService,
-        algo: GRPOConfig,
-        settings: SourceSettings,
+        cfg: UnirlConfig,
         info: DistInfo,
-        stats: StepStats,
         run_dir: Path,
+        anchor: Callable[[list[RolloutTrajectory]], None] | None = None,
     ) -> None:
+        r, algo = cfg.rollout, cfg.algorithm
+        self.grid = tuple(model.codec.grid)
+        if r.length_semantics == "exact" and r.max_new_tokens != self.grid[0] * self.grid[1]:
+            g = self.grid
+            raise ConfigError(
+                f"length_semantics 'exact' forces an image of the codec's {g[0]}x{g[1]} "
+                f"grid: max_new_tokens must be {g[0] * g[1]}, got {r.max_new_tokens}",
+                key="rollout.max_new_tokens",
+            )
+        if algo.updates_per_batch > 1 and anchor is None:
+            raise ValueError("updates_per_batch > 1 needs an anchor (old log-prob replay)")
         self.model = model
-        self.engine = RolloutEngine(model, model.tokenizer)
+        self.service = RolloutService(model, r.batch_size, info.rank, info.world_size)
         self.prompt_sampler = prompts
         self.rewards = rewards
         self.algo = algo
-        self.s = settings
+        self.params = sampling_params(r)
+        self.group_size = algo.group_size
+        self.n_prompts = cfg.trainer.global_batch_size // algo.group_size
+        self.run_seed = cfg.run.seed
         self.info = info
-        self.stats = stats
         self.run_dir = Path(run_dir)
+        self.anchor = anchor
         self._rollout: Rollout | None = None
-        self._train_start = time.perf_counter()
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[RolloutTrajectory]:
-        trajs = self.rollout(update).trajectories
-        self._train_start = time.perf_counter()
-        return trajs
+        return self.rollout(update).trajectories
 
     def batch_metrics(self, update: int) -> dict[str, float]:
-        """Rollout, reward and advantage metrics of `update` with the objective's
-        (all-reduced) loss statistics and the train-phase time and throughput."""
-        rollout = self.rollout(update)
-        train_s = time.perf_counter() - self._train_start
+        """Rollout, reward and advantage metrics of `update`'s batch (rollout and reward
+        times and throughput are 0 on the updates that reuse a round)."""
+        metrics = dict(self.rollout(update).metrics)
         first = self.first_of_round(update)
-        if first and self.s.updates_per_batch > 1:
-            self._save(rollout)
-        metrics = dict(rollout.metrics)
         if not first:
             metrics.update({"time/rollout_s": 0.0, "time/reward_s": 0.0})
             metrics["rollout/tokens_per_s"] = 0.0
-        tokens = sum(len(t) for t in rollout.trajectories)
-        sums = self.stats.reduce(update, self.info)
-        return {
-            **metrics,
-            **finalize_loss_stats(sums, self.algo, first),
-            "rollout/reused": float(not first),
-            "time/train_s": train_s,
-            "train/tokens_per_s": tokens / max(train_s, 1e-9),
-        }
+        metrics["rollout/reused"] = float(not first)
+        return metrics
+
+    def samples(self, update: int, n: int) -> list[dict]:
+        """Up to n rows of `update`'s batch, one per prompt: prompt text, response text,
+        reward and the response's first image decoded (None without one)."""
+        rollout = self.rollout(update)
+        out = []
+        for i in range(0, len(rollout.trajectories), self.group_size)[:n]:
+            parts = self.model.parse_response(rollout.trajectories[i]) or []
+            images = [p.codes for p in parts if isinstance(p, ImagePart) and p.codes is not None]
+            out.append(
+                {
+                    "prompt": _text(rollout.samples[i].prompt_parts),
+                    "response": _text(parts),
+                    "reward": rollout.rewards[i],
+                    "image": self.model.codec.decode(images[0][None])[0] if images else None,
+                }
+            )
+        return out
 
     # -- rollouts ------------------------------------------------------------------
     def first_of_round(self, update: int) -> bool:
         """Whether `update` rolls out (the first update of its round)."""
-        return update % self.s.updates_per_batch == 0
+        return update % self.algo.updates_per_batch == 0
 
     def rollout(self, update: int) -> Rollout:
         """The (cached) rollout batch `update` trains on."""
-        start = update - update % self.s.updates_per_batch
+        start = update - update % self.algo.updates_per_batch
         if self._rollout is None or self._rollout.update != start:
             self._rollout = None
             self._rollout = self._make(start) if update == start else self._load(start, update)
@@ -220,43 +218,31 @@ class GRPOSource:
     def requests(self, update: int) -> tuple[list[Sample], list[RolloutRequest]]:
         """The G members of every prompt of the round starting at `update`, in group
         order, and their requests (prompts and seeds from the round index)."""
-        r = update // self.s.updates_per_batch
+        r = update // self.algo.updates_per_batch
         samples, requests = [], []
-        for i, prompt in enumerate(self.prompt_sampler.prompts(r, self.s.n_prompts)):
-            for m in range(self.s.group_size):
+        for i, prompt in enumerate(self.prompt_sampler.prompts(r, self.n_prompts)):
+            for m in range(self.group_size):
                 member = prompt.fork(m)
-                seed = seed_for(self.s.run_seed, r, i, m)
+                seed = seed_for(self.run_seed, r, i, m)
                 samples.append(member)
                 if member.task == "t2i":
-                    req = RolloutRequest(
-                        member, seed, self.s.image_params, image_grid=self.s.image_grid
-                    )
+                    req = RolloutRequest(member, seed, self.params, image_grid=self.grid)
                 else:
-                    req = RolloutRequest(member, seed, self.s.text_params)
+                    req = RolloutRequest(member, seed, self.params)
                 requests.append(req)
         return samples, requests
-
-    def _generate(self, update: int, requests: list[RolloutRequest]) -> list[RolloutTrajectory]:
-        rank, world = self.info.rank, self.info.world_size
-        mine = requests[rank::world]
-        local: list[RolloutTrajectory] = []
-        for start in range(0, len(mine), self.s.batch_size):
-            local.extend(self.engine.generate(mine[start : start + self.s.batch_size]))
-            _inject_fault("rollout", update + 1)
-        if world == 1:
-            return local
-        gathered: list[list[RolloutTrajectory] | None] = [None] * world
-        dist.all_gather_object(gathered, local)
-        return [gathered[j % world][j // world] for j in range(len(requests))]
 
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         samples, requests = self.requests(update)
-        trajs = self._generate(update, requests)
+        local = self.service.generate(
+            self.service.shard(requests), lambda: _inject_fault("rollout", update + 1)
+        )
         t1 = time.perf_counter()
-        parsed = [self.model.parse_response(t) for t in trajs]
         try:
-            result = self.rewards.score(samples, trajs, parsed)
+            trajs, result = score_sharded(
+                self.service, self.rewards, self.model.parse_response, samples, local
+            )
         except RewardError as err:
             source = {s.group_id: s.meta.get("source_id") for s in samples}
             group = err.sample_ids[0].split("/")[0] if err.sample_ids else ""
@@ -274,6 +260,8 @@ class GRPOSource:
             std_ddof=a.std_ddof,
             eps=a.eps,
         )
+        for traj, value in zip(trajs, adv.tolist()):
+            traj.advantage = value
         t2 = time.perf_counter()
         metrics = {
             **result.metrics(),
@@ -283,9 +271,11 @@ class GRPOSource:
             "time/rollout_s": t1 - t0,
             "time/reward_s": t2 - t1,
         }
-        ids = [s.id for s in samples]
-        records = dict(zip(ids, sampling_records(trajs)))
-        return Rollout(update, trajs, dict(zip(ids, adv.tolist())), records, metrics)
+        rollout = Rollout(update, samples, trajs, result.total.tolist(), metrics)
+        if self.anchor is not None:
+            self.anchor(trajs)
+            self._save(rollout)
+        return rollout
 
     # -- rounds on disk (updates_per_batch > 1) -----------------------------------------
     def _round_path(self, start: int) -> Path:
@@ -305,7 +295,7 @@ class GRPOSource:
             int(p.name.removeprefix(PREFIX))
             for p in checkpoint_dir(self.run_dir).glob(f"{PREFIX}*")
         ]
-        K = self.s.updates_per_batch
+        K = self.algo.updates_per_batch
         oldest = min(ckpts, default=0)
         for old in path.parent.glob(f"round-*-rank{self.info.rank}.pt"):
             if int(old.name.split("-")[1]) < oldest - oldest % K:
@@ -316,6 +306,11 @@ class GRPOSource:
         if not path.is_file():
             raise RuntimeError(
                 f"update {update + 1} trains on the rollout batch of update {start + 1} "
-                f"(updates_per_batch={self.s.updates_per_batch}), but {path} is missing"
+                f"(updates_per_batch={self.algo.updates_per_batch}), but {path} is missing"
             )
         return Rollout(**torch.load(path, weights_only=False))
+
+
+def _text(parts) -> str:
+    """The text of the text parts, joined by spaces."""
+    return " ".join(p.text for p in parts if isinstance(p, TextPart))

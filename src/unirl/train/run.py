@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.config import UnirlConfig, config_hash, resume_conflicts, to_yaml
+from unirl.config import UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
@@ -41,7 +41,7 @@ from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_cl
 from unirl.train.grpo import build_grpo_job
 from unirl.train.metrics import plot_metrics
 from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import BatchSource, Objective, Trainer, TrainerSettings
+from unirl.train.trainer import BatchSource, Objective, Trainer
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -59,32 +59,6 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
         _write_atomic(run_dir / "config_hash", config_hash(cfg) + "\n")
     barrier(info)
     return run_dir
-
-
-def trainer_settings(cfg: UnirlConfig) -> TrainerSettings:
-    t, c = cfg.trainer, cfg.checkpoint
-    return TrainerSettings(
-        total_updates=t.total_updates,
-        lr=t.optimizer.lr,
-        betas=tuple(t.optimizer.betas),
-        weight_decay=t.optimizer.weight_decay,
-        eps=t.optimizer.eps,
-        scheduler=t.scheduler.name,
-        warmup_updates=t.scheduler.warmup_steps,
-        min_lr_ratio=t.scheduler.min_lr_ratio,
-        micro_batch_size=t.micro_batch_size,
-        micro_batch_tokens=t.micro_token_budget or 0,
-        grad_clip=t.grad_clip or 0.0,
-        precision=t.precision,
-        checkpoint_every=c.every_updates,
-        checkpoint_minutes=c.every_minutes,
-        keep_last=c.keep_last,
-        progress=cfg.logging.progress_bar,
-        tensorboard=cfg.logging.tensorboard,
-        config_hash=config_hash(cfg),
-        config_dump=cfg.model_dump(mode="json"),
-        resume_check=lambda saved: resume_conflicts(saved, cfg),
-    )
 
 
 def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
@@ -127,8 +101,10 @@ def build_sft_job(
     """SFT: the serialised training rows walked by a dataset cursor; cross-entropy loss."""
     n_train = cfg.data.train_size or len(load_split("train"))
     trajs = sft_trajectories(cfg, model, "train", n_train)
-    source = DatasetSource(trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle)
-    return source, SFTObjective(cfg.algorithm, cfg.run.seed)
+    source = DatasetSource(
+        trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
+    )
+    return source, SFTObjective(cfg.algorithm)
 
 
 JobBuilder = Callable[[UnirlConfig, UnifiedModel, Path, DistInfo], tuple[BatchSource, Objective]]
@@ -153,13 +129,12 @@ def run_train(cfg: UnirlConfig) -> Path:
             model,
             source,
             objective,
-            trainer_settings(cfg),
+            cfg,
             run_dir,
             info,
             model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
             evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
-            eval_every=cfg.trainer.eval_every,
         )
         for _update, _metrics in trainer.fit():
             pass

@@ -2,19 +2,21 @@
 
 The batch of update u is a pure function of (data seed, u): the rows are walked through a
 fresh permutation per epoch, so the data cursor is the update counter and a resumed run
-continues the exact order.
+continues the exact order. Each row of update u carries the stateless seed
+`seed_for(run seed, u, crc32(sample id), 0)` of its input noise (BitFlip).
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from unirl.algorithms.sft import bitflip, bitflip_rates, sft_loss, sft_terms
 from unirl.config.algorithms import SFTConfig
-from unirl.core.seeding import generator_for
+from unirl.core.seeding import seed_for
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.forward import forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
@@ -24,7 +26,12 @@ class DatasetSource:
     """Global batches of `batch_size` rows walked through per-epoch permutations."""
 
     def __init__(
-        self, trajectories: list[Trajectory], batch_size: int, seed: int, shuffle: bool = True
+        self,
+        trajectories: list[Trajectory],
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        run_seed: int = 0,
     ) -> None:
         if not trajectories:
             raise ValueError("the SFT dataset is empty")
@@ -32,6 +39,7 @@ class DatasetSource:
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.run_seed = run_seed
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -50,7 +58,13 @@ class DatasetSource:
         return out
 
     def global_batch(self, update: int) -> list[Trajectory]:
-        return [self.rows[i] for i in self.indices(update)]
+        """The update's rows, each with its noise seed (module docstring)."""
+        out = []
+        for i in self.indices(update):
+            row = self.rows[i]
+            seed = seed_for(self.run_seed, update, _row_seed_index(row.sample_id), 0)
+            out.append(replace(row, seed=seed))
+        return out
 
     def batch_metrics(self, update: int) -> dict[str, float]:
         return {"epoch": update * self.batch_size / len(self.rows)}
@@ -62,34 +76,30 @@ def _row_seed_index(sample_id: str) -> int:
 
 class SFTObjective:
     """Text CE + λ_visual · visual CE over the global count of scored positions, with
-    optional BitFlip noise on the visual inputs (stateless per trajectory and update)."""
+    optional BitFlip noise on the visual inputs drawn from each row's seed."""
 
-    def __init__(self, cfg: SFTConfig, run_seed: int) -> None:
+    def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
-        self.run_seed = run_seed
 
     def count(self, batch: TrajectoryBatch) -> int:
         text, visual = scored_indices(batch)
         return len(text) + len(visual)
 
-    def _noisy_inputs(
-        self, model: UnifiedModel, batch: TrajectoryBatch, update: int
-    ) -> torch.Tensor | None:
+    def _noisy_inputs(self, model: UnifiedModel, batch: TrajectoryBatch) -> torch.Tensor | None:
         p = self.cfg.bitflip.probability
         if p <= 0:
             return None
-        gens = [
-            generator_for(self.run_seed, update, _row_seed_index(sid), 0)
-            for sid in batch.sample_ids
-        ]
+        if batch.seeds is None or any(s is None for s in batch.seeds):
+            raise ValueError("BitFlip noise needs every row's seed (DatasetSource sets them)")
+        gens = [torch.Generator().manual_seed(s) for s in batch.seeds]
         uniforms = torch.stack([torch.rand((), generator=g) for g in gens])
         rates = bitflip_rates(p, self.cfg.bitflip.probability_mode, uniforms)
         return bitflip(batch.visual_codes, batch.visual_mask, rates, model.n_visual_outputs, gens)
 
     def loss(
-        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int, update: int
+        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        out = forward_interleaved(model, micro, self._noisy_inputs(model, micro, update))
+        out = forward_interleaved(model, micro, self._noisy_inputs(model, micro))
         terms = sft_terms(out.text_logits, out.text_targets, out.visual_logits, out.visual_targets)
         loss = sft_loss(terms, self.cfg.lambda_visual, n_global)
         return loss, {
@@ -97,4 +107,12 @@ class SFTObjective:
             "visual_ce_sum": float(terms.visual_sum.detach()),
             "n_text": float(terms.n_text),
             "n_visual": float(terms.n_visual),
+        }
+
+    def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
+        """The summed cross-entropies and counts, and the mean CE per modality."""
+        return {
+            **sums,
+            "text_ce": sums["text_ce_sum"] / max(sums["n_text"], 1.0),
+            "visual_ce": sums["visual_ce_sum"] / max(sums["n_visual"], 1.0),
         }

@@ -4,8 +4,11 @@ What varies between methods is behind two small interfaces:
 
 - a `BatchSource` says where an update's global batch comes from (a dataset cursor for
   SFT, rollouts for GRPO/OPD) — deterministically from the update number, so a resumed
-  or retried update sees exactly the same batch;
-- an `Objective` turns a micro-batch into a loss normalised by a *global* count.
+  or retried update sees exactly the same batch — and attaches to each row what the
+  objective needs (advantages, anchor log-probs, seeds, sampling records);
+- an `Objective` turns a micro-batch into a loss normalised by a *global* count plus
+  metric sums, and `finalize`s the sums once they are added over micro-batches and
+  ranks. The two never see each other: the trainer only passes batches and sums.
 
 Everything else — micro-batching and accumulation, gradient sum across ranks, clipping,
 AdamW + schedule, atomic checkpoints with exact resume, JSONL/TensorBoard metrics, the
@@ -20,13 +23,13 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from unirl.config.schema import LoggingConfig
+from unirl.config import UnirlConfig, config_hash, resume_conflicts
+from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.models.base import UnifiedModel
 from unirl.train import checkpoint as ckpt
@@ -43,7 +46,8 @@ class TrainingError(RuntimeError):
 
 class BatchSource(Protocol):
     def global_batch(self, update: int) -> list[Trajectory]:
-        """The trajectories of update `update` (the same on every rank and every retry)."""
+        """The trajectories of update `update` (the same on every rank and every retry),
+        each carrying the per-row data its objective needs (advantages, anchors, ...)."""
 
     def batch_metrics(self, update: int) -> dict[str, float]:
         """Metrics of producing update `update`'s batch (rewards, rollout speed, ...)."""
@@ -54,35 +58,17 @@ class Objective(Protocol):
         """This shard's contribution to the global normaliser."""
 
     def loss(
-        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int, update: int
+        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The micro-batch's share of the global loss and metric *sums* for logging."""
+        """The micro-batch's share of the global loss, and metric *sums* of the
+        micro-batch (additive over micro-batches and ranks; the same keys every call)."""
+
+    def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
+        """The logged metrics of an update from its `loss` sums, added over every
+        micro-batch and all-reduced over ranks."""
 
 
-@dataclass
-class TrainerSettings:
-    """The trainer knobs, read from the run config by the job that builds the trainer."""
-
-    total_updates: int
-    lr: float
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    scheduler: str = "constant"
-    warmup_updates: int = 0
-    min_lr_ratio: float = 0.0
-    micro_batch_size: int = 8
-    micro_batch_tokens: int = 0
-    grad_clip: float = 1.0
-    precision: str = "fp32"
-    checkpoint_every: int = 0
-    checkpoint_minutes: float = 0.0
-    keep_last: int = 2
-    progress: bool = True
-    tensorboard: bool = True
-    config_hash: str = ""
-    config_dump: dict[str, Any] = field(default_factory=dict)
-    resume_check: Callable[[dict[str, Any]], list[str]] | None = None
+SAMPLES_PER_LOG = 4
 
 
 def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list[list[int]]:
@@ -104,6 +90,25 @@ def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list
     return buckets
 
 
+def rank_micro_batches(
+    trajs: list[Trajectory], dist_info: DistInfo, cfg: TrainerConfig
+) -> list[list[Trajectory]]:
+    """Training geometry: this rank's round-robin shard of a global batch, split into
+    micro-batches (`micro_batch_size`, or length buckets under `micro_token_budget`).
+    Every pass that must see the batch as training does (the update itself, an anchor
+    replay before it) uses this."""
+    shard = trajs[dist_info.rank :: dist_info.world_size]
+    groups = micro_batches(shard, cfg.micro_batch_size, cfg.micro_token_budget or 0)
+    return [[shard[i] for i in g] for g in groups]
+
+
+def autocast(cfg: TrainerConfig, device: torch.device):
+    """The forward's precision context (`trainer.precision`)."""
+    if cfg.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def _inject_fault(point: str, update: int) -> None:
     """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point."""
     spec = os.environ.get(FAULT_ENV, "")
@@ -117,40 +122,44 @@ class Trainer:
         model: UnifiedModel,
         source: BatchSource,
         objective: Objective,
-        settings: TrainerSettings,
+        cfg: UnirlConfig,
         run_dir: Path,
         dist_info: DistInfo,
         pad_id: int,
         trainable_state: Any = None,
         evaluator: Callable[[int], dict[str, float]] | None = None,
-        eval_every: int = 0,
     ) -> None:
+        """`cfg` is the run config: the trainer reads its `trainer`, `checkpoint` and
+        `logging` sections (and hashes the whole of it for resume checks)."""
         self.model = model
         self.source = source
         self.objective = objective
-        self.s = settings
+        self.cfg = cfg
+        self.t = cfg.trainer
         self.run_dir = Path(run_dir)
         self.dist = dist_info
         self.pad_id = pad_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._trainable_state = trainable_state or self._full_state
         self.evaluator = evaluator
-        self.eval_every = eval_every
+        opt, sched = self.t.optimizer, self.t.scheduler
         self.optimizer = torch.optim.AdamW(
             self.params,
-            lr=settings.lr,
-            betas=settings.betas,
-            weight_decay=settings.weight_decay,
-            eps=settings.eps,
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            weight_decay=opt.weight_decay,
+            eps=opt.eps,
         )
         self.scheduler = build_scheduler(
             self.optimizer,
-            settings.scheduler,
-            settings.warmup_updates,
-            settings.total_updates,
-            settings.min_lr_ratio,
+            sched.name,
+            sched.warmup_steps,
+            self.t.total_updates,
+            sched.min_lr_ratio,
         )
+        self.config_hash = config_hash(cfg)
         self.update = 0
+        self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
     def _full_state(self) -> dict[str, torch.Tensor]:
@@ -173,11 +182,11 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                 },
                 {
-                    "config_hash": self.s.config_hash,
-                    "config": self.s.config_dump,
+                    "config_hash": self.config_hash,
+                    "config": self.cfg.model_dump(mode="json"),
                     "data_cursor": self.update,
                 },
-                self.s.keep_last,
+                self.cfg.checkpoint.keep_last,
             )
         barrier(self.dist)
         self._last_ckpt_time = time.monotonic()
@@ -209,10 +218,9 @@ class Trainer:
         return True
 
     def _check_config(self, found: ckpt.Checkpoint) -> None:
-        if found.state.get("config_hash") == self.s.config_hash:
+        if found.state.get("config_hash") == self.config_hash:
             return
-        saved = found.state.get("config", {})
-        refused = self.s.resume_check(saved) if self.s.resume_check else ["<config hash>"]
+        refused = resume_conflicts(found.state.get("config", {}), self.cfg)
         if refused:
             raise TrainingError(
                 f"refusing to resume {found.path}: the config changed at "
@@ -220,22 +228,16 @@ class Trainer:
             )
 
     # -- one update ----------------------------------------------------------------
-    def _shard(self, trajs: list[Trajectory]) -> list[Trajectory]:
-        return trajs[self.dist.rank :: self.dist.world_size]
-
-    def _autocast(self):
-        if self.s.precision == "bf16":
-            return torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
     def accumulate(self) -> dict[str, float]:
         """Gradients of update `self.update`'s global objective, summed over this rank's
-        micro-batches and then over ranks (left in `.grad`). Raises TrainingError on a
+        micro-batches and then over ranks (left in `.grad`), and the update's metrics
+        (`objective.finalize` of the all-reduced sums). Raises TrainingError on a
         non-finite loss, leaving the gradients cleared."""
-        shard = self._shard(self.source.global_batch(self.update))
-        groups = micro_batches(shard, self.s.micro_batch_size, self.s.micro_batch_tokens)
-        micros = [TrajectoryBatch.collate([shard[i] for i in g], self.pad_id) for g in groups]
-        micros = [m.to(self.model.device) for m in micros]
+        t0 = time.perf_counter()
+        trajs = self.source.global_batch(self.update)
+        self._batch_seconds = time.perf_counter() - t0
+        groups = rank_micro_batches(trajs, self.dist, self.t)
+        micros = [TrajectoryBatch.collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
         n_global = int(all_reduce_sum(torch.tensor(float(local)), self.dist).item())
         self.optimizer.zero_grad(set_to_none=True)
@@ -243,8 +245,8 @@ class Trainer:
         sums: dict[str, float] = {}
         n_tokens = 0
         for micro in micros:
-            with self._autocast():
-                loss, metrics = self.objective.loss(self.model, micro, n_global, self.update)
+            with autocast(self.t, self.model.device):
+                loss, stats = self.objective.loss(self.model, micro, n_global)
             finite = torch.isfinite(loss.detach()).all().float().view(1)
             if int(all_reduce_sum(finite, self.dist).item()) != self.dist.world_size:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -254,20 +256,23 @@ class Trainer:
             loss.backward()
             total += loss.detach().double().cpu()
             n_tokens += int(micro.attention_mask.sum())
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
         sum_gradients(self.params, self.dist)
-        reduced = {k: float(all_reduce_sum(torch.tensor(v), self.dist)) for k, v in sums.items()}
-        reduced["loss"] = float(all_reduce_sum(total, self.dist).item())
-        reduced["n_scored"] = float(n_global)
-        reduced["tokens"] = float(all_reduce_sum(torch.tensor(float(n_tokens)), self.dist))
-        return reduced
+        keys = sorted(sums)
+        flat = torch.tensor([sums[k] for k in keys] + [float(total), n_tokens], dtype=torch.float64)
+        flat = all_reduce_sum(flat, self.dist).tolist()
+        metrics = self.objective.finalize(dict(zip(keys, flat)), n_global)
+        metrics["loss"] = flat[-2]
+        metrics["n_scored"] = float(n_global)
+        metrics["tokens"] = flat[-1]
+        return metrics
 
     def step(self) -> dict[str, float]:
         """Run update `self.update`: accumulate, clip, step the optimizer and schedule."""
         t0 = time.perf_counter()
         metrics = self.accumulate()
-        grad_norm, clip_scale = clip_gradients(self.params, self.s.grad_clip)
+        grad_norm, clip_scale = clip_gradients(self.params, self.t.grad_clip or 0.0)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(f"non-finite gradient norm at update {self.update + 1}; stopping")
@@ -275,6 +280,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         seconds = time.perf_counter() - t0
+        train_s = seconds - self._batch_seconds
         tokens = metrics.pop("tokens")
         return {
             **self.source.batch_metrics(self.update),
@@ -284,19 +290,29 @@ class Trainer:
             "clip_scale": clip_scale,
             "tokens_per_s": tokens / max(seconds, 1e-9),
             "step_seconds": seconds,
+            "time/batch_s": self._batch_seconds,
+            "time/train_s": train_s,
+            "train/tokens_per_s": tokens / max(train_s, 1e-9),
         }
 
     def _due(self) -> bool:
-        s = self.s
-        if self.update >= s.total_updates:
+        c = self.cfg.checkpoint
+        if self.update >= self.t.total_updates:
             return True
-        if s.checkpoint_every > 0 and self.update % s.checkpoint_every == 0:
+        if c.every_updates > 0 and self.update % c.every_updates == 0:
             return True
-        due = s.checkpoint_minutes > 0 and (
-            time.monotonic() - self._last_ckpt_time >= 60.0 * s.checkpoint_minutes
+        due = c.every_minutes > 0 and (
+            time.monotonic() - self._last_ckpt_time >= 60.0 * c.every_minutes
         )
         flag = all_reduce_sum(torch.tensor(float(due)), self.dist)
         return bool(flag.item() > 0)
+
+    def _log_samples(self, logger: MetricsLogger) -> None:
+        """Every `logging.samples_every` updates, a few of the update's rows (prompt,
+        response, reward, decoded image) of a batch source that has them (`samples`)."""
+        samples = getattr(self.source, "samples", None)  # rollout sources only
+        if samples is not None and logger.samples_due(self.update):
+            logger.log_samples(self.update, samples(self.update - 1, SAMPLES_PER_LOG))
 
     # -- the loop ------------------------------------------------------------------
     def fit(self) -> Iterator[tuple[int, dict[str, float]]]:
@@ -308,27 +324,26 @@ class Trainer:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
             self.save()
+        log = self.cfg.logging
         logger = None
         if self.dist.is_main:
-            dump = self.s.config_dump
-            log_cfg = LoggingConfig.model_validate(dump.get("logging", {}))
-            logger = MetricsLogger(self.run_dir, log_cfg, dump)
-        progress = Progress(
-            self.s.total_updates, self.update, self.s.progress and self.dist.is_main
-        )
+            logger = MetricsLogger(self.run_dir, log, self.cfg.model_dump(mode="json"))
+        total, eval_every = self.t.total_updates, self.t.eval_every
+        progress = Progress(total, self.update, log.progress_bar and self.dist.is_main)
         try:
-            while self.update < self.s.total_updates:
+            while self.update < total:
                 t0 = time.perf_counter()
                 metrics = self.step()
                 self.update += 1
-                if self.evaluator is not None and self.eval_every > 0:
-                    if self.update % self.eval_every == 0 or self.update == self.s.total_updates:
+                if self.evaluator is not None and eval_every > 0:
+                    if self.update % eval_every == 0 or self.update == total:
                         metrics.update(self.evaluator(self.update))
                 if logger is not None:
-                    last = self.update == self.s.total_updates
-                    evaluated = self.evaluator is not None and self.eval_every > 0
-                    evaluated = evaluated and self.update % self.eval_every == 0
+                    last = self.update == total
+                    evaluated = self.evaluator is not None and eval_every > 0
+                    evaluated = evaluated and self.update % eval_every == 0
                     logger.log(self.update, metrics, force=last or evaluated)
+                    self._log_samples(logger)
                 _inject_fault("after_update", self.update)
                 if self._due():
                     self.save()

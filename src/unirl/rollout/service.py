@@ -1,0 +1,104 @@
+"""The rollout service (DESIGN §3): prompts -> sampled trajectories, shared by GRPO,
+evaluation and OPD.
+
+`RolloutService.generate(requests)` samples every request in fixed-size engine batches
+(`batch_size` rows decoded together, in request order) and returns one
+`RolloutTrajectory` per request, in request order, carrying its rollout log-probs, its
+finish reason, its `SamplingRecord` and its per-row stateless `seed` (the request's).
+Because the seeds are stateless and rows do not interact, the result does not depend on
+how the requests are split into batches or across ranks.
+
+Across ranks (torch.distributed initialised, `world_size` > 1): `shard(items)` gives
+this rank's round-robin share (`items[rank::world_size]`), and `gather(local, n)` returns
+the n items of every rank in the original order (`all_gather_object`), so
+`generate_sharded(requests) == generate(requests)` on every rank. Anything computed per
+row on the shard (e.g. rewards) can be gathered the same way instead of being
+recomputed on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from unirl.models.base import UnifiedModel
+from unirl.rollout.engine import RolloutEngine
+from unirl.rollout.request import RolloutRequest, RolloutTrajectory
+
+T = TypeVar("T")
+
+
+def interleave(parts: Sequence[Sequence[T]]) -> list[T]:
+    """Undo a round-robin split: item j of the whole is parts[j % W][j // W]."""
+    world = len(parts)
+    n = sum(len(p) for p in parts)
+    for r, part in enumerate(parts):
+        expected = len(range(r, n, world))
+        if len(part) != expected:
+            raise ValueError(f"rank {r} holds {len(part)} items, round-robin gives {expected}")
+    return [parts[j % world][j // world] for j in range(n)]
+
+
+class RolloutService:
+    """Prompts -> trajectories in fixed-size engine batches, optionally sharded across
+    ranks (module docstring)."""
+
+    def __init__(
+        self, model: UnifiedModel, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.engine = RolloutEngine(model, model.tokenizer)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        after_batch: Callable[[], None] | None = None,
+    ) -> list[RolloutTrajectory]:
+        """Sample every request on this process, `batch_size` rows at a time; each
+        trajectory carries its request's seed. `after_batch` runs after each engine batch
+        (progress, test hooks)."""
+        out: list[RolloutTrajectory] = []
+        for start in range(0, len(requests), self.batch_size):
+            chunk = requests[start : start + self.batch_size]
+            for request, traj in zip(chunk, self.engine.generate(chunk)):
+                traj.seed = request.seed
+                out.append(traj)
+            if after_batch is not None:
+                after_batch()
+        return out
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's round-robin share of `items`."""
+        return list(items[self.rank :: self.world_size])
+
+    def gather(self, local: Sequence[T], n: int) -> list[T]:
+        """The n items whose round-robin shards the ranks hold, in the original order (a
+        collective: every rank calls it)."""
+        if self.world_size == 1:
+            if len(local) != n:
+                raise ValueError(f"gather: {len(local)} local items, expected {n}")
+            return list(local)
+        parts: list[list[T] | None] = [None] * self.world_size
+        dist.all_gather_object(parts, list(local))
+        out = interleave(parts)
+        if len(out) != n:
+            raise ValueError(f"gather: the ranks hold {len(out)} items, expected {n}")
+        return out
+
+    def generate_sharded(
+        self,
+        requests: Sequence[RolloutRequest],
+        after_batch: Callable[[], None] | None = None,
+    ) -> list[RolloutTrajectory]:
+        """`generate(requests)` with the rows split round-robin across ranks and gathered
+        (every rank gets every trajectory)."""
+        local = self.generate(self.shard(requests), after_batch)
+        return self.gather(local, len(requests))

@@ -1,0 +1,82 @@
+"""The GRPO reward step: every trajectory is parsed and scored once, by the rank that
+sampled it, and the scores are gathered.
+
+Rank r holds the rows r, r + W, ... of the update (`RolloutService.shard`); it scores
+them with the reward service and all ranks exchange (trajectories, scores) in one
+`all_gather_object`, so every rank ends with the same trajectories and the same
+`RewardResult` as one process scoring the whole batch (plugins score rows
+independently and deterministically). A plugin failure on any rank is raised on every
+rank, naming the first failing row in batch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from unirl.core.sample import Part, Sample
+from unirl.rewards import RewardError, RewardResult, RewardService
+from unirl.rollout import RolloutService, RolloutTrajectory, interleave
+
+
+def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
+    """The `RewardResult` of the whole batch from the results of its round-robin shards
+    (part r scored rows r, r + W, ...)."""
+    world = len(parts)
+    sizes = [len(p.sample_ids) for p in parts]
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    order = torch.tensor(
+        [offsets[j % world] + j // world for j in range(sum(sizes))], dtype=torch.long
+    )
+
+    def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(tensors))[order]
+
+    def cat_dict(name: str) -> dict[str, torch.Tensor]:
+        return {k: cat([getattr(p, name)[k] for p in parts]) for k in getattr(parts[0], name)}
+
+    return RewardResult(
+        total=cat([p.total for p in parts]),
+        raw_total=cat([p.raw_total for p in parts]),
+        per_plugin=cat_dict("per_plugin"),
+        applied=cat_dict("applied"),
+        invalid=cat_dict("invalid"),
+        errors=cat_dict("errors"),
+        truncated=cat([p.truncated for p in parts]),
+        overwritten=cat([p.overwritten for p in parts]),
+        sample_ids=interleave([p.sample_ids for p in parts]),
+        tasks=interleave([p.tasks for p in parts]),
+        n_undecodable_images=sum(p.n_undecodable_images for p in parts),
+    )
+
+
+def score_sharded(
+    service: RolloutService,
+    rewards: RewardService,
+    parse: Callable[[RolloutTrajectory], Sequence[Part] | None],
+    samples: Sequence[Sample],
+    local: list[RolloutTrajectory],
+) -> tuple[list[RolloutTrajectory], RewardResult]:
+    """All trajectories of the batch and their rewards, from this rank's `local` rows
+    (the rows `service.shard` gives it) of the batch whose samples are `samples`."""
+    mine = service.shard(samples)
+    result, failure = None, None
+    try:
+        result = rewards.score(mine, local, [parse(t) for t in local])
+    except RewardError as err:
+        failure = (str(err), err.plugin, list(err.sample_ids))
+    if service.world_size == 1:
+        parts = [(local, result, failure)]
+    else:
+        parts = [None] * service.world_size
+        torch.distributed.all_gather_object(parts, (local, result, failure))
+    failures = [f for _, _, f in parts if f is not None]
+    if failures:
+        index = {s.id: i for i, s in enumerate(samples)}
+        last = len(samples)
+        first = min(failures, key=lambda f: min((index.get(i, last) for i in f[2]), default=last))
+        message, plugin, ids = first
+        raise RewardError(message, plugin, ids)
+    trajs = interleave([p[0] for p in parts])
+    return trajs, merge_round_robin([p[1] for p in parts])
