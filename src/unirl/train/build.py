@@ -77,6 +77,7 @@ def build_model(cfg: UnirlConfig, codec_dir: Path | None = None) -> UnifiedModel
             num_heads=t.num_heads,
             intermediate_size=t.intermediate_size,
             max_positions=t.max_position_embeddings,
+            mixer_kernel=t.mixer_kernel,
         ),
         build_tokenizer(),
         codec,
