@@ -94,9 +94,14 @@ class MixedNorm(nn.Module):
         return self.mixer(self.norm(hidden_states), self._ctx)
 
 
-def install_mixers(decoder: nn.Module, kernel: int, init_std: float) -> MixContext:
+def install_mixers(decoder: nn.Module, kernel: int, init_std: float | None = None) -> MixContext:
     """Put a mixer after `input_layernorm` and `post_attention_layernorm` of every layer of
-    a Llama-like `decoder`; return the context the caller fills at each body call."""
+    a Llama-like `decoder`; return the context the caller fills at each body call.
+
+    `init_std` (default 1/sqrt(k)): the taps start far from zero, so from the first update
+    every position carries its neighbours (a letter reaches the digit after "A )"), which
+    is what lets attention bind them before any previous-token head has formed."""
+    init_std = kernel**-0.5 if init_std is None else init_std
     ctx = MixContext()
     for i, layer in enumerate(decoder.layers):
         d = layer.input_layernorm.weight.shape[0]
