@@ -65,7 +65,7 @@ class TinyUnifiedModel(UnifiedModel):
         # Sequence-mixing prior (mixer.py): a depthwise causal conv after each layer norm.
         self._mix: MixContext | None = None
         if config.mixer_kernel > 0:
-            self._mix = install_mixers(self.decoder, config.mixer_kernel, config.initializer_range)
+            self._mix = install_mixers(self.decoder, config.mixer_kernel)
         d = config.hidden_size
         n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
         self._n_visual = int(n_out)
