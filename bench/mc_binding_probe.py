@@ -6,10 +6,12 @@ It trains a LlamaModel body of the tiny recipe's size from scratch and prints th
 training loss and accuracy on 256 fresh sequences every 50 steps; chance is 0.25.
 `--shift K` adds learned maps of the K previous positions to each input embedding,
 `--layer-shift K` does so before every layer (a causal "token shift"; the probe that
-measured how many examples binding needs, issue 4 note).
+measured how many examples binding needs, issue 4 note). `--conv K` installs the tiny
+model's own prior instead (`unirl.models.tiny.mixer`: a depthwise causal conv of kernel K
+after each layer norm, issue 15).
 
     .venv/bin/python bench/mc_binding_probe.py [--steps 600] [--batch 128] [--lr 1e-3]
-        [--shift 0] [--layer-shift 0] [--distinct]
+        [--shift 0] [--layer-shift 0] [--conv 0] [--distinct]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
+
+from unirl.models.tiny.mixer import install_mixers
 
 DIGITS, QUERIES, LETTERS, PAREN, STOP, FILL, ASK = 0, 10, 20, 24, 25, 26, 27
 VOCAB = 32
@@ -57,6 +61,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--shift", type=int, default=0)
     p.add_argument("--layer-shift", type=int, default=0)
+    p.add_argument("--conv", type=int, default=0)
     p.add_argument("--filler", type=int, default=12)
     p.add_argument("--distinct", action="store_true", help="query tokens differ from options")
     p.add_argument("--seed", type=int, default=0)
@@ -78,6 +83,7 @@ def main() -> None:
         )
     )
     head = nn.Linear(d, VOCAB, bias=False)
+    mix = install_mixers(body, args.conv, 0.02) if args.conv else None
     input_maps = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(args.shift))
     layer_maps = nn.ModuleList(
         nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(args.layer_shift))
@@ -100,6 +106,8 @@ def main() -> None:
 
     def logits(x: torch.Tensor) -> torch.Tensor:
         e = body.embed_tokens(x)
+        if mix is not None:
+            mix.valid = torch.ones(x.shape, dtype=torch.bool)
         if len(input_maps):
             e = shifted(e, input_maps)
         return head(body(inputs_embeds=e).last_hidden_state[:, -1])

@@ -4,10 +4,13 @@ Prints tokens/s of full SFT steps (forward + backward + AdamW on a mixed digits 
 and the model-FLOPs utilisation: achieved model FLOP/s divided by the FLOP/s of a large
 fp32 matrix multiply measured in the same process (the baseline). Model FLOPs per step:
 6 · N_matmul · tokens (weights, forward + backward) + 12 · layers · d · Σ_rows T_row²
-(attention scores and values, forward + backward), with N_matmul the parameters of the
-decoder's linear layers plus the heads at the scored positions.
+(attention scores and values, forward + backward) + 6 · n_mixers · k · d · tokens (the
+depthwise causal conv prior, `model.tiny.mixer_kernel` = k), with N_matmul the parameters
+of the decoder's linear layers plus the heads at the scored positions. Run it with
+`--mixer-kernel 0` and with the default to read the prior's throughput cost.
 
     .venv/bin/python bench/sft_step.py [--steps 20] [--batch 32] [--threads 2]
+        [--mixer-kernel 4]
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def model_flops(model: TinyUnifiedModel, batch: TrajectoryBatch, n_scored: int) 
     tokens = int(batch.attention_mask.sum())
     head = model.text_head.weight.numel()
     attention = 12 * cfg.num_layers * cfg.hidden_size * float((batch.lengths.float() ** 2).sum())
-    return 6.0 * linear * tokens + 6.0 * head * n_scored + attention
+    mixers = 6.0 * 2 * cfg.num_layers * cfg.mixer_kernel * cfg.hidden_size * tokens
+    return 6.0 * linear * tokens + 6.0 * head * n_scored + attention + mixers
 
 
 def main() -> None:
@@ -57,12 +61,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mixer-kernel", type=int, default=TinyModelConfig.mixer_kernel)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
-    model = TinyUnifiedModel(TinyModelConfig(hidden_size=128), tokenizer, codec).train()
+    model = TinyUnifiedModel(
+        TinyModelConfig(hidden_size=128, mixer_kernel=args.mixer_kernel), tokenizer, codec
+    ).train()
     samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
     trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
     batch = TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
@@ -88,6 +95,7 @@ def main() -> None:
     peak = gemm_peak()
     flops = model_flops(model, batch, n_scored)
     tokens = int(batch.attention_mask.sum())
+    print(f"mixer kernel {args.mixer_kernel} (0 = no sequence-mixing prior)")
     print(f"batch {len(batch)} rows, {tokens} tokens ({batch.max_length} padded length)")
     print(f"step time            {seconds * 1e3:8.1f} ms")
     print(f"tokens/s             {tokens / seconds:8.0f}")

@@ -10,11 +10,11 @@ import pytest
 from unirl.core.sample import ImagePart, TextPart
 from unirl.data.digits import (
     LETTERS,
+    NEXT_PROMPT,
     TASKS,
     inverse_permutation,
     make_mixed,
     make_task_samples,
-    math_problems,
     permute_quadrants,
 )
 from unirl.data.digits_images import load_split, split_indices
@@ -65,8 +65,15 @@ def test_images_come_from_their_split(task):
     for s in samples:
         assert s.meta["image_index"] in test_rows and s.meta["image_index"] not in train_rows
         original, label = image_of(s.meta["image_index"])
-        assert s.meta["digit"] == label
         images = [p for p in s.parts if isinstance(p, ImagePart)]
+        if task == "draw_then_answer":  # the shown image, then the drawn one
+            assert s.meta["shown_digit"] == label and len(images) == 2
+            drawn = s.meta["drawn_index"]
+            assert drawn in test_rows and drawn not in train_rows
+            np.testing.assert_allclose(images[1].pixels, image_of(drawn)[0], atol=1e-7)
+            images = images[:1]
+        else:
+            assert s.meta["digit"] == label
         assert len(images) == 1 and images[0].pixels.shape == (8, 8)
         if task != "jigsaw_mc":
             np.testing.assert_allclose(images[0].pixels, original, atol=1e-7)
@@ -153,30 +160,19 @@ def test_jigsaw_mc():
 
 
 def test_draw_then_answer():
-    ops = Counter()
+    shown = Counter()
     for s in make_task_samples("draw_then_answer", "train", 60, seed=4):
-        question, lead, image, final = s.parts
-        m = re.fullmatch(
-            r"What is (\d) ([+-]) (\d)\? Draw the answer, then state it\.", question.text
-        )
-        assert m is not None and question.role == "user"
-        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-        result = a + b if op == "+" else a - b
-        assert 0 <= result <= 9 and str(result) == s.answer == final.text
-        assert s.meta["digit"] == result and s.meta["problem"] == f"{a} {op} {b}"
-        assert [lead.role, image.role, final.role] == ["assistant"] * 3
-        assert isinstance(lead, TextPart) and isinstance(image, ImagePart)
-        ops[op] += 1
-    assert set(ops) == {"+", "-"}
-
-
-def test_math_problems_cover_every_single_digit_result():
-    for r in range(10):
-        problems = math_problems(r)
-        assert len(problems) == len(set(problems)) == 11
-        for a, op, b in problems:
-            assert 0 <= a <= 9 and 0 <= b <= 9
-            assert (a + b if op == "+" else a - b) == r
+        image, prompt, lead, drawn, final = s.parts
+        assert isinstance(image, ImagePart) and image.role == "user"
+        assert prompt.text == NEXT_PROMPT and prompt.role == "user"
+        assert isinstance(lead, TextPart) and isinstance(drawn, ImagePart)
+        assert [lead.role, drawn.role, final.role] == ["assistant"] * 3
+        d = s.meta["shown_digit"]
+        assert image_of(s.meta["image_index"])[1] == d
+        assert s.meta["digit"] == (d + 1) % 10 == int(s.answer) and final.text == s.answer
+        assert image_of(s.meta["drawn_index"])[1] == s.meta["digit"]
+        shown[d] += 1
+    assert set(shown) == set(range(10))
 
 
 def test_make_mixed():

@@ -496,7 +496,10 @@ def test_bad_images_and_unfillable_t2i_requests_fail_clearly(model, tmp_path):
         model.prompt_trajectory(wrong)
     Image.fromarray(np.zeros((12, 16, 3), np.uint8)).save(tmp_path / "small.png")
     (tmp_path / "broken.png").write_bytes(b"not a png")
-    for name, match in (("small.png", "is 12x16; the model takes 16x16"), ("broken.png", "cannot read")):
+    for name, match in (
+        ("small.png", "is 12x16; the model takes 16x16"),
+        ("broken.png", "cannot read"),
+    ):
         row = {"messages": [{"role": "user", "content": [{"type": "image", "path": name}]}]}
         (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
         with pytest.raises(DatasetError, match=match):

@@ -272,6 +272,7 @@ def _run_device(kit):
     "model.tiny.num_layers",
     "model.tiny.num_heads",
     "model.tiny.intermediate_size",
+    "model.tiny.mixer_kernel",
     "model.visual_head",
     "model.codec.path",
     "model.path",
@@ -285,6 +286,7 @@ def _model_weights(kit):
         ("model.tiny.num_layers", 1, 2),
         ("model.tiny.num_heads", 2, 4),
         ("model.tiny.intermediate_size", 32, 48),
+        ("model.tiny.mixer_kernel", 4, 0),
         ("model.codec.path", str(kit.base["model"]["codec"]["path"]), str(kit.vq_b)),
         ("model.path", None, str(kit.saved)),
     ]:

@@ -104,12 +104,14 @@ def test_encode_image_is_called_on_pixels(tok):
 
     sample = make_task_samples("draw_then_answer", "train", 1)[0]
     traj = serialize(sample, tok, encode_image=encode_image)
-    (pixels, codes), image = calls[0], sample.parts[2]
+    assert len(calls) == 2  # the shown image, then the drawn one
+    assert np.array_equal(calls[0][0][0].numpy(), sample.parts[0].pixels)
+    (pixels, codes), image = calls[1], sample.parts[3]
     assert np.array_equal(pixels[0].numpy(), image.pixels)
     parsed = parse(traj, tok)
-    assert torch.equal(parsed[2].codes, codes.float())
-    assert [p.role for p in parsed] == ["user", "assistant", "assistant", "assistant"]
-    assert parsed[3].text == sample.answer
+    assert torch.equal(parsed[3].codes, codes.float())
+    assert [p.role for p in parsed] == ["user", "user", "assistant", "assistant", "assistant"]
+    assert parsed[4].text == sample.answer
 
 
 def test_t2i_positions_owners_and_codes(tok, sp):

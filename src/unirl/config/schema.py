@@ -56,6 +56,12 @@ class TinyModelConfig(StrictModel):
     max_position_embeddings: int = Field(
         512, gt=0, description="Native context length (a rollout stop condition)."
     )
+    mixer_kernel: int = Field(
+        4,
+        ge=0,
+        description="Depthwise causal conv over the last k positions after each layer norm "
+        "(0 = off).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:

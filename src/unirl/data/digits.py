@@ -20,9 +20,10 @@ Tasks (parts are user prompt parts followed by assistant target parts):
   to put there; the correct option is `solution`, the inverse of `permutation`, because
   `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. The three
   distractors are distinct permutations that do not restore the image. -> the letter.
-- `draw_then_answer`: "What is 3 + 4? Draw the answer, then state it." -> "The answer is
-  drawn below." + ImagePart (a real image of 7 from the same split) + "7". Problems are
-  sums and differences of single digits whose result is a single digit 0-9.
+- `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
+  (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
+  real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
+  the tiny model learns (recognise, draw, read back); meta "digit" is the drawn digit.
 """
 
 from __future__ import annotations
@@ -49,17 +50,10 @@ JIGSAW_PROMPT = (
     "restores the digit? {options}. Answer with the letter only."
 )
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
-MATH_PROMPT = "What is {a} {op} {b}? Draw the answer, then state it."
-MATH_RESPONSE = "The answer is drawn below."
+NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
+NEXT_RESPONSE = "The next digit is drawn below."
 
 _PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
-
-
-def math_problems(result: int) -> list[tuple[int, str, int]]:
-    """All (a, op, b) with single digits a, b, op in {+, -} and a op b == result (0-9)."""
-    sums = [(a, "+", result - a) for a in range(result + 1)]
-    diffs = [(result + b, "-", b) for b in range(10 - result)]
-    return sums + diffs
 
 
 def permute_quadrants(image: np.ndarray, perm: Sequence[int]) -> np.ndarray:
@@ -102,7 +96,9 @@ def _image_stream(n_images: int, seed: int, task: str, split: Split) -> Iterator
         yield from rng.permutation(n_images).tolist()
 
 
-def _t2i(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+def _t2i(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
     parts = [
         TextPart(T2I_PROMPT.format(digit=digit), "user"),
         ImagePart(pixels=image, role="assistant"),
@@ -110,7 +106,9 @@ def _t2i(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list,
     return parts, str(digit), {}
 
 
-def _i2t_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+def _i2t_mc(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
     others = [d for d in range(10) if d != digit]
     options = [digit] + [int(d) for d in rng.choice(others, size=3, replace=False)]
     options = [options[k] for k in rng.permutation(4)]
@@ -123,7 +121,9 @@ def _i2t_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[li
     return parts, letter, {"options": options}
 
 
-def _i2t_open(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+def _i2t_open(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
     parts = [
         ImagePart(pixels=image, role="user"),
         TextPart(I2T_OPEN_PROMPT, "user"),
@@ -132,7 +132,9 @@ def _i2t_open(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[
     return parts, str(digit), {}
 
 
-def _jigsaw_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple[list, str, dict]:
+def _jigsaw_mc(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
     scrambles = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(image, p), image)]
     permutation = scrambles[int(rng.integers(len(scrambles)))]
     shown = permute_quadrants(image, permutation)
@@ -155,17 +157,20 @@ def _jigsaw_mc(rng: np.random.Generator, image: np.ndarray, digit: int) -> tuple
 
 
 def _draw_then_answer(
-    rng: np.random.Generator, image: np.ndarray, digit: int
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
-    problems = math_problems(digit)
-    a, op, b = problems[int(rng.integers(len(problems)))]
+    nxt = (digit + 1) % 10
+    candidates = np.flatnonzero(data.labels == nxt)
+    k = int(candidates[int(rng.integers(len(candidates)))])
     parts = [
-        TextPart(MATH_PROMPT.format(a=a, op=op, b=b), "user"),
-        TextPart(MATH_RESPONSE, "assistant"),
-        ImagePart(pixels=image, role="assistant"),
-        TextPart(str(digit), "assistant"),
+        ImagePart(pixels=image, role="user"),
+        TextPart(NEXT_PROMPT, "user"),
+        TextPart(NEXT_RESPONSE, "assistant"),
+        ImagePart(pixels=data.images[k].copy(), role="assistant"),
+        TextPart(str(nxt), "assistant"),
     ]
-    return parts, str(digit), {"problem": f"{a} {op} {b}"}
+    meta = {"digit": nxt, "shown_digit": digit, "drawn_index": int(data.indices[k])}
+    return parts, str(nxt), meta
 
 
 _BUILDERS = {
@@ -193,7 +198,8 @@ def make_task_samples(task: str, split: Split, n: int, seed: int = 0) -> list[Sa
     meta holds "digit" (the label of the image used), "image_index" (its row in
     scikit-learn's dataset) and the task's own fields: i2t_mc "options" (digits in
     option order); jigsaw_mc "permutation", "solution", "options" (see the module
-    docstring); draw_then_answer "problem" (e.g. "3 + 4").
+    docstring); draw_then_answer "digit" (the drawn digit), "shown_digit" (the label of
+    the shown image, row "image_index") and "drawn_index" (the target image's row).
     """
     _check_args(task, split, n, seed)
     data: DigitImages = load_split(split)
@@ -203,7 +209,7 @@ def make_task_samples(task: str, split: Split, n: int, seed: int = 0) -> list[Sa
         k = next(stream)
         digit = int(data.labels[k])
         rng = np.random.default_rng([seed, _stable_code(task), SPLITS.index(split), i])
-        parts, answer, extra = _BUILDERS[task](rng, data.images[k].copy(), digit)
+        parts, answer, extra = _BUILDERS[task](rng, data.images[k].copy(), digit, data)
         meta = {"digit": digit, "image_index": int(data.indices[k]), **extra}
         samples.append(
             Sample(id=f"{task}-{split}-{i:05d}", parts=parts, answer=answer, task=task, meta=meta)
@@ -225,9 +231,7 @@ def vocabulary_texts() -> list[str]:
     texts = [T2I_PROMPT.format(digit=d) for d in range(10)]
     texts.append(I2T_PROMPT.format(options=format_options([0, 1, 2, 3])))
     texts.append(JIGSAW_PROMPT.format(options=format_options(_PERMUTATIONS[:4])))
-    for d in range(10):
-        texts += [MATH_PROMPT.format(a=a, op=op, b=b) for a, op, b in math_problems(d)]
-    texts.append(MATH_RESPONSE)
+    texts += [NEXT_PROMPT, NEXT_RESPONSE]
     texts.append(I2T_OPEN_PROMPT)
     texts += list(LETTERS) + [str(d) for d in range(10)]
     return texts

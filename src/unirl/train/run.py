@@ -38,6 +38,8 @@ from unirl.train.build import (
 )
 from unirl.train.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
 from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
+from unirl.train.evaluate_masked import TASK as MASKED_TASK
+from unirl.train.evaluate_masked import evaluate_masked_answer
 from unirl.train.grpo import build_grpo_job
 from unirl.train.metrics import plot_metrics
 from unirl.train.sft import DatasetSource, SFTObjective
@@ -174,5 +176,8 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
         results = evaluate_digits(
             model, list(cfg.data.tasks), "test", cfg.data.test_size, classifier, cfg.data.seed
         )
+        if MASKED_TASK in cfg.data.tasks:  # does the answer read the drawn image?
+            samples = make_task_samples(MASKED_TASK, "test", cfg.data.test_size, cfg.data.seed)
+            results.update(evaluate_masked_answer(model, samples, seed=cfg.data.seed))
         _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
     _write_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")

@@ -66,6 +66,7 @@ def build_tiny(
             num_heads=t.num_heads,
             intermediate_size=t.intermediate_size,
             max_positions=t.max_position_embeddings,
+            mixer_kernel=t.mixer_kernel,
         ),
         build_tokenizer() if tokenizer is None else tokenizer,
         codec,

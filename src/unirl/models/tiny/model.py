@@ -25,6 +25,7 @@ from unirl.codecs import ImageCodec, load_codec
 from unirl.core.types import Modality
 from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
 from unirl.models.registry import MODEL_CONFIG
+from unirl.models.tiny.mixer import MixCache, MixContext, install_mixers
 
 WEIGHTS = "model.safetensors"
 
@@ -41,6 +42,7 @@ class TinyModelConfig:
     max_positions: int = 512
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
+    mixer_kernel: int = 4
 
 
 class TinyUnifiedModel(UnifiedModel):
@@ -60,6 +62,10 @@ class TinyUnifiedModel(UnifiedModel):
         self.tokenizer = tokenizer
         self.codec = codec
         self.decoder = LlamaModel(self._llama_config(config, len(tokenizer)))
+        # Sequence-mixing prior (mixer.py): a depthwise causal conv after each layer norm.
+        self._mix: MixContext | None = None
+        if config.mixer_kernel > 0:
+            self._mix = install_mixers(self.decoder, config.mixer_kernel)
         d = config.hidden_size
         n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
         self._n_visual = int(n_out)
@@ -134,7 +140,19 @@ class TinyUnifiedModel(UnifiedModel):
         position_ids: torch.Tensor,
         cache: Any = None,
     ) -> BodyOutput:
+        if self._mix is not None:
+            if cache is not None and not isinstance(cache, MixCache):
+                raise TypeError(
+                    f"the tiny model's mixers need a MixCache (model.new_cache()), "
+                    f"got {type(cache).__name__}"
+                )
+            self._mix.valid = attention_mask[:, -embeds.shape[1] :].bool()
+            self._mix.states = None if cache is None else cache.mix_states
         return run_decoder(self.decoder, embeds, attention_mask, position_ids, cache)
+
+    def new_cache(self) -> Any:
+        """A KV cache that also carries the mixers' last inputs (`MixCache`)."""
+        return MixCache() if self._mix is not None else super().new_cache()
 
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.text_head(hidden)

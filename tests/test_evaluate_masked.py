@@ -1,0 +1,97 @@
+"""The masked-drawn-image answer evaluation: where it cuts, that the mask removes every
+path from the drawn image (codes changed -> same hidden state), that without mixers it
+equals deleting those positions (positions kept), and the end-to-end metrics."""
+
+import dataclasses
+
+import pytest
+import torch
+from rollout_fixtures import tiny_model, tokenizer
+
+from unirl.core.types import Modality, Owner
+from unirl.data.digits import make_task_samples
+from unirl.data.template import serialize
+from unirl.models.base import ModelInputs, image_positions
+from unirl.train.evaluate import evaluate_task
+from unirl.train.evaluate_masked import (
+    cut_after_drawn_image,
+    evaluate_masked_answer,
+    last_hidden,
+)
+
+
+def _prefixes(model, n=3):
+    samples = make_task_samples("draw_then_answer", "val", n, seed=2)
+    trajs = [serialize(s, tokenizer(), encode_image=model.codec.encode) for s in samples]
+    return [cut_after_drawn_image(t, model.special_ids.vision_end) for t in trajs]
+
+
+def test_cut_ends_at_the_drawn_image_not_the_shown_one():
+    model = tiny_model("vq")
+    n_visual = model.codec.grid[0] * model.codec.grid[1]
+    for prefix, first in _prefixes(model):
+        assert int(prefix.token_ids[-1]) == model.special_ids.vision_end
+        drawn = slice(first, first + n_visual)
+        assert (prefix.modality[drawn] == Modality.VISUAL).all()
+        assert (prefix.owner[drawn] == Owner.POLICY).all()
+        shown = (prefix.modality == Modality.VISUAL) & (prefix.owner == Owner.PROMPT)
+        assert int(shown.sum()) == n_visual and int(torch.nonzero(shown)[-1]) < first
+
+
+@pytest.mark.parametrize("kind", ["vq", "bsq"])
+def test_masked_answer_does_not_see_the_drawn_codes(kind):
+    model = tiny_model(kind, init=0.3)
+    n_visual = model.codec.grid[0] * model.codec.grid[1]
+    cuts = _prefixes(model)
+    rows, firsts = [c[0] for c in cuts], [c[1] for c in cuts]
+    other = []
+    for row, first in zip(rows, firsts):
+        codes = row.visual_codes.clone()
+        drawn = slice(first, first + n_visual)
+        codes[drawn] = (codes[drawn] + 1) % 2 if kind == "bsq" else (codes[drawn] + 1) % 16
+        other.append(dataclasses.replace(row, visual_codes=codes))
+    masked = last_hidden(model, rows, firsts, n_visual, mask_image=True)
+    assert torch.allclose(masked, last_hidden(model, other, firsts, n_visual, True), atol=1e-6)
+    plain = last_hidden(model, rows, firsts, n_visual, mask_image=False)
+    changed = last_hidden(model, other, firsts, n_visual, mask_image=False)
+    assert (plain - changed).abs().max() > 1e-3  # unmasked, the codes do matter
+    assert (plain - masked).abs().max() > 1e-3
+
+
+def test_without_mixers_masking_equals_deleting_the_positions():
+    model = tiny_model("vq", init=0.3)
+    model = type(model)(
+        dataclasses.replace(model.config, mixer_kernel=0), model.tokenizer, model.codec
+    ).eval()
+    n_visual = model.codec.grid[0] * model.codec.grid[1]
+    for row, first in _prefixes(model):
+        masked = last_hidden(model, [row], [first], n_visual, mask_image=True)[0]
+        keep = torch.ones(len(row), dtype=torch.bool)
+        keep[first : first + n_visual] = False
+        ids, mod, codes = row.token_ids[keep], row.modality[keep], row.visual_codes[keep]
+        pos = torch.arange(len(row))[keep]
+        inputs = ModelInputs(
+            ids[None],
+            mod[None],
+            codes[None],
+            torch.ones(1, len(ids), dtype=torch.bool),
+            pos[None],
+            image_positions(mod[None]),
+            [[]],
+        )
+        with torch.no_grad():
+            hidden = model.hidden(inputs).hidden[0, -1]
+        assert torch.allclose(masked, hidden, atol=1e-5)
+
+
+def test_end_to_end_unmasked_matches_the_engine_evaluation():
+    model = tiny_model("vq")
+    samples = make_task_samples("draw_then_answer", "val", 6, seed=3)
+    out = evaluate_masked_answer(model, samples)
+    assert set(out) == {
+        "draw_then_answer/exact_match_unmasked",
+        "draw_then_answer/exact_match_masked_image",
+        "draw_then_answer/masked_drop",
+    }
+    engine = evaluate_task(model, "draw_then_answer", samples, classifier=None)
+    assert out["draw_then_answer/exact_match_unmasked"] == engine["draw_then_answer/exact_match"]
