@@ -64,12 +64,14 @@ def janus_sized_tokenizer():
     return tokenizer
 
 
-def build(batch: int, response: int) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
+def build(batch: int, response: int, mixer_kernel: int) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
     tokenizer = janus_sized_tokenizer()
     codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=3)
     codec.fit(load_split("train").images[:100])
     torch.manual_seed(0)
-    config = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, max_positions=SEQ)
+    config = TinyModelConfig(
+        hidden_size=128, num_layers=2, num_heads=4, max_positions=SEQ, mixer_kernel=mixer_kernel
+    )
     model = TinyUnifiedModel(config, tokenizer, codec).eval()
     trajs = []
     for _ in range(batch):
@@ -179,9 +181,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--grad", action="store_true")
     parser.add_argument("--jsd", action="store_true")
+    parser.add_argument(
+        "--mixer-kernel",
+        type=int,
+        default=TinyModelConfig.mixer_kernel,
+        help="the tiny body's conv prior (0 = off, as before it existed)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, batch = build(args.batch, args.response)
+    model, batch = build(args.batch, args.response, args.mixer_kernel)
     records = [SamplingRecord(SamplingParams())] * len(batch)
     logits_mib = len(batch) * (SEQ - 1) * VOCAB * 4 / 2**20
     print(
