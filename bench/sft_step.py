@@ -8,6 +8,10 @@ fp32 matrix multiply measured in the same process (the baseline). Model FLOPs pe
 decoder's linear layers plus the heads at the scored positions.
 
     .venv/bin/python bench/sft_step.py [--steps 20] [--batch 32] [--threads 2]
+        [--deterministic on|off]
+
+`--deterministic` is `run.deterministic` (default on, as in `unirl train`): compare the
+two to see what deterministic kernels cost on this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train.build import set_determinism
 
 
 def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
@@ -57,8 +62,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--deterministic", choices=("on", "off"), default="on")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    set_determinism(args.deterministic == "on", torch.device("cpu"))
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
@@ -88,6 +95,7 @@ def main() -> None:
     peak = gemm_peak()
     flops = model_flops(model, batch, n_scored)
     tokens = int(batch.attention_mask.sum())
+    print(f"deterministic        {args.deterministic}")
     print(f"batch {len(batch)} rows, {tokens} tokens ({batch.max_length} padded length)")
     print(f"step time            {seconds * 1e3:8.1f} ms")
     print(f"tokens/s             {tokens / seconds:8.0f}")
