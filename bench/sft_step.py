@@ -10,7 +10,10 @@ of the decoder's linear layers plus the heads at the scored positions. Run it wi
 `--mixer-kernel 0` and with the default to read the prior's throughput cost.
 
     .venv/bin/python bench/sft_step.py [--steps 20] [--batch 32] [--threads 2]
-        [--mixer-kernel 4]
+        [--mixer-kernel 4] [--deterministic on|off]
+
+`--deterministic` is `run.deterministic` (default on, as in `unirl train`): compare the
+two to see what deterministic kernels cost on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train.build import set_determinism
 
 
 def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
@@ -62,8 +66,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mixer-kernel", type=int, default=TinyModelConfig.mixer_kernel)
+    parser.add_argument("--deterministic", choices=("on", "off"), default="on")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    set_determinism(args.deterministic == "on", torch.device("cpu"))
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
@@ -96,6 +102,7 @@ def main() -> None:
     flops = model_flops(model, batch, n_scored)
     tokens = int(batch.attention_mask.sum())
     print(f"mixer kernel {args.mixer_kernel} (0 = no sequence-mixing prior)")
+    print(f"deterministic        {args.deterministic}")
     print(f"batch {len(batch)} rows, {tokens} tokens ({batch.max_length} padded length)")
     print(f"step time            {seconds * 1e3:8.1f} ms")
     print(f"tokens/s             {tokens / seconds:8.0f}")

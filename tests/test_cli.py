@@ -76,7 +76,7 @@ BAD_CONFIGS = [
     ),
     (
         "override_unknown_key",
-        {"c.yaml": ""},
+        {"c.yaml": "run: {}\n"},
         ["c.yaml", "rollout.temprature=0.5"],
         ["<command line>: rollout.temprature: unknown key", "did you mean 'rollout.temperature'?"],
     ),

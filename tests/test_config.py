@@ -60,8 +60,12 @@ def test_every_field_has_type_default_and_description():
             assert info.annotation is not None
 
 
-def test_empty_file_is_the_default_config(tmp_path):
-    cfg = load_config(write(tmp_path / "empty.yaml", ""))
+def test_empty_file_is_refused_and_an_empty_section_is_the_default_config(tmp_path):
+    for text in ("", "# nothing\n", "---\n"):
+        with pytest.raises(ConfigError, match="empty config file") as err:
+            load_config(write(tmp_path / "empty.yaml", text))
+        assert str(err.value).startswith(str(tmp_path / "empty.yaml"))
+    cfg = load_config(write(tmp_path / "run.yaml", "run: {}\n"))
     assert cfg == UnirlConfig()
     assert cfg.run.output_dir == "runs/unirl"
     assert cfg.algorithm.name == "sft"
@@ -176,7 +180,7 @@ def test_override_picks_the_union_branch_from_the_given_name(tmp_path):
     ],
 )
 def test_override_errors_name_the_key(tmp_path, override, key, fragment):
-    path = write(tmp_path / "c.yaml", "")
+    path = write(tmp_path / "c.yaml", "run: {}\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, [override])
     err = info.value

@@ -41,7 +41,7 @@ from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
-from unirl.train.build import build_model, config_tokenizer, resolve_device
+from unirl.train.build import build_model, config_tokenizer, resolve_device, set_determinism
 from unirl.train.distributed import DistInfo
 from unirl.train.evaluate import CLASSIFIER_DIR
 from unirl.train.metrics import MetricsLogger
@@ -264,6 +264,22 @@ def _run_output_dir(kit):
 @probe("run.device")
 def _run_device(kit):
     differs(kit, lambda c: resolve_device(c.run.device), "run.device", "cpu", "cuda:1")
+
+
+@probe("run.deterministic")
+def _run_deterministic(kit):
+    """`unirl train` switches torch's deterministic kernels as the setting says (the bits
+    it buys are tested in tests/test_determinism.py)."""
+    before = torch.are_deterministic_algorithms_enabled()
+
+    def kernels(c):
+        set_determinism(c.run.deterministic, resolve_device(c.run.device))
+        return torch.are_deterministic_algorithms_enabled()
+
+    try:
+        differs(kit, kernels, "run.deterministic", True, False)
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 @probe(

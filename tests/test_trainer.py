@@ -23,7 +23,7 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.config import validate_config
+from unirl.config import resume_conflicts, validate_config
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.tokenizer import SpecialIds
 from unirl.forward import forward_interleaved
@@ -109,6 +109,31 @@ def test_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
     assert any(g.abs().sum() > 0 for g in grads[8].values())
 
 
+def test_a_resume_may_change_the_micro_batch_split(tmp_path, codec_dir):
+    """The invariance above is why `trainer.micro_batch_size` is on the resumable list:
+    a run stopped after 2 updates at micro-batch 8 and resumed at micro-batch 2 ends
+    where the uninterrupted micro-batch-8 run ends, to float rounding."""
+
+    def config(run: str, micro: int):
+        sections = {"trainer": {"micro_batch_size": micro, "total_updates": 4}}
+        return validate_config(tiny_config(tmp_path / run, codec_dir, **sections))
+
+    model = build_model(config("ref", 8))
+    reference = _trainer(config("ref", 8), tmp_path / "ref", copy.deepcopy(model))
+    list(reference.fit())
+    first = _trainer(config("cut", 8), tmp_path / "cut", copy.deepcopy(model))
+    for update, _ in first.fit():
+        if update == 2:
+            break
+    assert resume_conflicts(config("cut", 8), config("cut", 2)) == []
+    resumed = _trainer(config("cut", 2), tmp_path / "cut", copy.deepcopy(model))
+    assert [u for u, _ in resumed.fit()] == [3, 4]
+    for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        assert (a - b).abs().max() <= 1e-5, name
+    moved = reference.model.text_head.weight - model.text_head.weight
+    assert moved.abs().max() > 1e-3
+
+
 def test_two_process_gloo_run_matches_one_process(tmp_path, codec_dir):
     torchrun = Path(sys.executable).parent / "torchrun"
     results = {}
@@ -186,11 +211,13 @@ def test_resume_with_changed_config_names_the_keys(tmp_path, codec_dir):
     run_dir = tmp_path / "d"
     cfg = tiny_config(run_dir, codec_dir, trainer={"total_updates": 2})
     assert _train(write_config(tmp_path / "d.yaml", cfg)).returncode == 0
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
     cfg["trainer"]["optimizer"] = {"lr": 1e-2}
     refused = _train(write_config(tmp_path / "d2.yaml", cfg))
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "refusing to resume" in refused.stderr and "trainer.optimizer.lr" in refused.stderr
     assert refused.stderr.count("\n") == 1
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
 def test_non_finite_loss_stops_without_a_nan_checkpoint(tmp_path, codec_dir):

@@ -4,8 +4,8 @@ Each subcommand is a `Command`: a name, a one-line help, a function that adds it
 to its own parser, and a function `run(args) -> exit code`. To add one, write those two
 functions and append a `Command` to `COMMANDS`.
 
-Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`); 1 any other
-failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`
+Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
+a bad file it names, a refused resume); 1 any other failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`
 adds the traceback.
 """
 
@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from unirl import __version__
-from unirl.config import ConfigError, UnirlConfig, config_hash, load_config, to_yaml
+from unirl.config import (
+    ConfigError,
+    UnirlConfig,
+    config_hash,
+    key_source,
+    load_config,
+    to_yaml,
+)
 
 PROG = "unirl"
 
@@ -228,11 +235,22 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     try:
         return args.handler(args)
     except ConfigError as exc:
+        _locate(args, exc)
         return _fail(args, str(exc), 2)
     except KeyboardInterrupt:
         return _fail(args, "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback
         return _fail(args, f"{type(exc).__name__}: {exc}", 1)
+
+
+def _locate(args: argparse.Namespace, exc: ConfigError) -> None:
+    """A ConfigError raised after loading (model, data, rewards) names its key but no file:
+    point it at the config file or `<command line>` that set the key."""
+    if exc.source is None and exc.key and getattr(args, "config", None):
+        try:
+            exc.source = key_source(args.config, getattr(args, "overrides", []), exc.key)
+        except ConfigError:
+            return
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:

@@ -26,7 +26,7 @@ from unirl.config.hashing import (
     short_hash,
     to_yaml,
 )
-from unirl.config.loader import load_config
+from unirl.config.loader import key_source, load_config
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import (
     DIGITS_TASKS,
@@ -84,6 +84,7 @@ __all__ = [
     "config_hash",
     "diff_configs",
     "incompatible",
+    "key_source",
     "load_config",
     "parse_override",
     "read_config_tree",

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 INCOMPATIBLE = "incompatible"
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
+
+
+def _out_of_range(value: Any) -> str | None:
+    """Why a leaf value cannot reach the tensors (float32 / int64), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        return f"{value!r} overflows float32 (|x| <= {FLOAT32_MAX:.4g})"
+    if isinstance(value, int) and abs(value) > INT64_MAX:
+        return f"{value!r} overflows int64"
+    if isinstance(value, (list, tuple)):
+        return next((r for r in map(_out_of_range, value) if r), None)
+    if isinstance(value, dict):
+        return next((r for r in map(_out_of_range, value.values()) if r), None)
+    return None
 
 
 class StrictModel(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated (also the
-    defaults), NaN/inf floats are rejected, and instances are immutable (use
+    defaults), NaN/inf floats and numbers beyond float32 / int64 are rejected, and instances are immutable (use
     `model_copy(update=...)` or the loader's overrides to derive a changed config)."""
 
     model_config = ConfigDict(
@@ -19,6 +38,16 @@ class StrictModel(BaseModel):
         validate_default=True,
         allow_inf_nan=False,
     )
+
+    @model_validator(mode="after")
+    def _representable(self) -> Any:
+        """Every number fits the tensors it ends up in: |float| within float32, ints
+        within int64 (`lr=1e39` is a config error, not an overflow in the optimizer)."""
+        for name in type(self).model_fields:
+            problem = _out_of_range(getattr(self, name))
+            if problem:
+                raise incompatible(name, problem)
+        return self
 
 
 def incompatible(field: str, detail: str) -> PydanticCustomError:

@@ -13,14 +13,25 @@ from pydantic import BaseModel
 ConfigLike = BaseModel | Mapping[str, Any]
 
 SHORT_HASH_LEN = 12
-# Keys that never affect what is trained: changeable on any resume.
+# Keys that cannot alter the objective, changeable on any resume: where the run lives,
+# checkpoint cadence, logging and progress, and execution-only settings — how a global
+# batch is split into micro-batches (the objective is normalised by global counts; the
+# invariance tests in tests/test_trainer.py prove it), how many rows the rollout engine
+# decodes together (per-row seeds), activation recomputation and deterministic kernels.
+# These change how the numbers are computed, not what is computed: a resume under a
+# changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (
     "run.output_dir",
+    "run.deterministic",
     "checkpoint.every_updates",
     "checkpoint.every_minutes",
     "checkpoint.keep_last",
     "checkpoint.resume_mode",
     "logging",
+    "trainer.micro_batch_size",
+    "trainer.micro_token_budget",
+    "trainer.gradient_checkpointing",
+    "rollout.batch_size",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
 SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")
@@ -77,13 +88,20 @@ def resume_conflicts(saved: ConfigLike, current: BaseModel) -> list[str]:
     """Changed keys that forbid resuming a run saved with `saved` under `current`.
 
     `checkpoint.resume_mode` of `current` decides: `strict` allows only `ALWAYS_RESUMABLE`
-    keys to change (paths, checkpoint cadence, logging); `allow_schedule_changes` also
+    keys to change (paths, checkpoint cadence, logging, execution-only settings such as
+    the micro-batch size); `allow_schedule_changes` also
     allows `SCHEDULE_KEYS` (total_updates, the lr schedule, eval cadence).
     """
     allowed = ALWAYS_RESUMABLE
     if current.checkpoint.resume_mode == "allow_schedule_changes":  # type: ignore[attr-defined]
         allowed = ALWAYS_RESUMABLE + SCHEDULE_KEYS
     return [k for k in diff_configs(saved, current) if not _under(k, allowed)]
+
+
+def resumable_summary(mode: str) -> str:
+    """The keys `mode` lets change on resume, for messages."""
+    keys = ALWAYS_RESUMABLE + (SCHEDULE_KEYS if mode == "allow_schedule_changes" else ())
+    return ", ".join(keys)
 
 
 def to_yaml(cfg: ConfigLike) -> str:

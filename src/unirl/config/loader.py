@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import UnirlConfig
-from unirl.config.validation import validate_config
+from unirl.config.validation import source_of, validate_config
 from unirl.config.yaml_io import read_config_tree
 
 
@@ -27,3 +27,12 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     data, provenance = read_config_tree(path)
     apply_overrides(data, overrides, provenance)
     return validate_config(data, provenance, source=os.path.normpath(str(path)))
+
+
+def key_source(path: str | os.PathLike[str], overrides: Sequence[str], key: str) -> str:
+    """The file (or `<command line>`) that set dotted `key` of the config at `path` with
+    `overrides`, or that file itself when the key took its default: where an error found
+    after loading (a reward plugin, a model path) should point."""
+    data, provenance = read_config_tree(path)
+    apply_overrides(data, overrides, provenance)
+    return source_of(key, provenance, os.path.normpath(str(path)))

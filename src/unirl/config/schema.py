@@ -1,7 +1,7 @@
 """The run schema: `UnirlConfig` and its sections (one YAML section per model).
 
-Every field has a type, a default and a one-line description, so an empty YAML file is a
-valid config (the embedded tiny model, SFT on the digits t2i task). Cross-field checks
+Every field has a type, a default and a one-line description, so `run: {}` is a valid
+config (the embedded tiny model, SFT on the digits t2i task); an empty file is refused. Cross-field checks
 raise `incompatible(...)` naming the dotted key at fault.
 """
 
@@ -36,6 +36,13 @@ class RunConfig(StrictModel):
     )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
+    )
+    deterministic: bool = Field(
+        True,
+        description="Deterministic kernels (torch.use_deterministic_algorithms; on CUDA "
+        "also CUBLAS_WORKSPACE_CONFIG=:4096:8): the same command gives the same bits at "
+        "a fixed thread count and device. Off: faster, and runs (and resumes) agree only "
+        "to float rounding (~1e-7), which can grow over updates.",
     )
 
     @model_validator(mode="before")
@@ -276,6 +283,14 @@ class RewardConfig(StrictModel):
     on_error: Literal["raise", "zero"] = Field(
         "raise", description="A plugin exception or non-finite score: fail, or score 0 and count."
     )
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> RewardConfig:
+        if self.plugins and all(p.weight == 0 for p in self.plugins):
+            raise incompatible(
+                "plugins", "every plugin has weight 0: the total reward would always be 0"
+            )
+        return self
 
 
 class CheckpointConfig(StrictModel):

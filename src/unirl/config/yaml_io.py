@@ -129,7 +129,11 @@ def read_config_tree(
         raise ConfigError(f"cannot read file: {exc}", source=source) from exc
     data = parse_yaml(text, source)
     if data is None:
-        data = {}
+        raise ConfigError(
+            "empty config file",
+            source=source,
+            expected="a mapping of sections (write `run: {}` to mean all defaults)",
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"the top level must be a mapping of sections, got {type(data).__name__}",

@@ -10,6 +10,7 @@ BPE trained on the training rows' text, saved in `tokenizer_dir` and reused on r
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -27,6 +28,19 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def set_determinism(deterministic: bool, device: torch.device) -> None:
+    """`run.deterministic`: deterministic kernels (`torch.use_deterministic_algorithms`),
+    so the same command gives the same bits at a fixed thread count and device; on CUDA
+    also cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, set before the first CUDA
+    matmul; a value already in the environment is kept)."""
+    if deterministic and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def config_tokenizer(cfg: UnirlConfig, tokenizer_dir: Path | None = None):

@@ -6,15 +6,25 @@ RNG states and ``state.json`` (update counter, data cursor, config hash and a ma
 every file's size and SHA-256). It is written under a temporary name, every file and the
 directory are fsynced, and only then is it renamed into place; a directory without a
 valid manifest is never considered complete.
+
+Pruning keeps what can be resumed: `keep_last` counts verified checkpoints only, newest
+first; a corrupt one is moved aside to ``checkpoints/corrupt/`` with a warning (never
+counted, never the reason a good one is deleted), and a pruned checkpoint is first renamed
+``.prune-update-NNNNNN`` and then deleted, so a kill mid-delete leaves a name that
+`tidy_run_dir` removes at the next start, with the staging directories of interrupted
+checkpoint writes and the temporaries of interrupted atomic file and directory writes
+(`write_dir_atomic`, `write_text_atomic`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +36,17 @@ STATE = "state.json"
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
 PREFIX = "update-"
+STAGING = ".tmp-"
+PRUNING = ".prune-"
+CORRUPT = "corrupt"
+TMP_MARK = ".tmp"
+"""Names of temporaries in a run directory: ``.NAME.tmp`` files and ``.NAME.tmp-*`` /
+``.NAME.old.tmp`` directories (a leading dot and ``.tmp`` in the name)."""
+
+logger = logging.getLogger(__name__)
+# Checkpoints this process verified or wrote, with the (name, size, mtime) of their files:
+# unchanged files are not hashed again when pruning.
+_verified: dict[str, tuple] = {}
 
 
 class CheckpointError(RuntimeError):
@@ -89,7 +110,7 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 
 def staging_dir(run_dir: Path, update: int) -> Path:
     """The temporary directory every rank writes its part of checkpoint `update` into."""
-    return checkpoint_dir(run_dir) / f".tmp-{PREFIX}{update:06d}"
+    return checkpoint_dir(run_dir) / f"{STAGING}{PREFIX}{update:06d}"
 
 
 def write_rank_rng(staging: Path, rank: int) -> None:
@@ -133,16 +154,48 @@ def commit_checkpoint(
         shutil.rmtree(final)
     os.replace(staging, final)
     _fsync_dir(final.parent)
-    _prune(run_dir, keep_last)
+    _verified[str(final)] = _signature(final)
+    prune(run_dir, keep_last)
     return final
 
 
-def _prune(run_dir: Path, keep_last: int) -> None:
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Keep the `keep_last` newest *verified* checkpoints (0 = all); move corrupt ones
+    met on the way to ``checkpoints/corrupt/``; delete older ones (rename, then remove)."""
     if keep_last <= 0:
         return
-    complete = [c for c in _candidates(run_dir)]
-    for path in complete[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+    kept = 0
+    for path in reversed(_candidates(run_dir)):
+        if kept >= keep_last:
+            _remove(path)
+            continue
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            move_aside(path, str(exc))
+            continue
+        kept += 1
+
+
+def _remove(path: Path) -> None:
+    doomed = path.with_name(PRUNING + path.name)
+    os.replace(path, doomed)
+    _verified.pop(str(path), None)
+    shutil.rmtree(doomed)
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Move the corrupt checkpoint `path` to ``checkpoints/corrupt/`` (warns; returns
+    where it went; a name already there gets a ``-N`` suffix)."""
+    root = path.parent / CORRUPT
+    root.mkdir(exist_ok=True)
+    dest, n = root / path.name, 1
+    while dest.exists():
+        dest, n = root / f"{path.name}-{n}", n + 1
+    os.replace(path, dest)
+    _verified.pop(str(path), None)
+    warnings.warn(f"moved corrupt checkpoint aside to {dest}: {reason}", stacklevel=2)
+    return dest
 
 
 def _candidates(run_dir: Path) -> list[Path]:
@@ -153,6 +206,10 @@ def _candidates(run_dir: Path) -> list[Path]:
     return sorted(paths, key=lambda p: p.name)
 
 
+def _signature(path: Path) -> tuple:
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+
+
 def verify_checkpoint(path: Path) -> Checkpoint:
     """Check the manifest of `path` (sizes and hashes); raise CheckpointError if not intact."""
     state_file = path / STATE
@@ -160,25 +217,84 @@ def verify_checkpoint(path: Path) -> Checkpoint:
         state = json.loads(state_file.read_text())
         manifest = state["manifest"]
         update = int(state["update"])
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: unreadable {STATE} ({exc})") from exc
+    if _verified.get(str(path)) == _signature(path):
+        return Checkpoint(path=path, update=update, state=state)
     for name, entry in manifest.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != entry["size"]:
             raise CheckpointError(f"{path}: {name} is missing or truncated")
         if _sha256(file) != entry["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its checksum")
+    _verified[str(path)] = _signature(path)
     return Checkpoint(path=path, update=update, state=state)
+
+
+@dataclass
+class Scan:
+    """A read-only look at a run's checkpoints: the newest intact one, the corrupt ones
+    newer than it (path, reason), and how many checkpoint directories there are."""
+
+    latest: Checkpoint | None
+    corrupt: list[tuple[Path, str]]
+    n_candidates: int
+
+
+def scan_checkpoints(run_dir: Path) -> Scan:
+    """Verify checkpoints newest first until one is intact; changes nothing on disk."""
+    candidates = _candidates(run_dir)
+    corrupt: list[tuple[Path, str]] = []
+    for path in reversed(candidates):
+        try:
+            return Scan(verify_checkpoint(path), corrupt, len(candidates))
+        except CheckpointError as exc:
+            corrupt.append((path, str(exc)))
+    return Scan(None, corrupt, len(candidates))
 
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The newest intact checkpoint of a run; corrupt ones are skipped with a warning."""
-    for path in reversed(_candidates(run_dir)):
-        try:
-            return verify_checkpoint(path)
-        except CheckpointError as exc:
-            warnings.warn(f"skipping corrupt checkpoint: {exc}", stacklevel=2)
-    return None
+    scan = scan_checkpoints(run_dir)
+    for _path, reason in scan.corrupt:
+        warnings.warn(f"skipping corrupt checkpoint: {reason}", stacklevel=2)
+    return scan.latest
+
+
+def _is_temporary(path: Path) -> bool:
+    return path.name.startswith(".") and TMP_MARK in path.name
+
+
+def stale_temporaries(run_dir: Path) -> list[Path]:
+    """What interrupted writes leave behind: checkpoint staging directories, half-pruned
+    checkpoints, and the temporaries of atomic writes in the run directory."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.iterdir() if _is_temporary(p)] if run_dir.is_dir() else []
+    root = checkpoint_dir(run_dir)
+    if root.is_dir():
+        found += [p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING))]
+    return sorted(found)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def tidy_run_dir(run_dir: Path, scan: Scan | None = None) -> list[Path]:
+    """At the start of a run (rank 0, after the resume check accepted it): remove stale
+    temporaries and move aside the corrupt checkpoints newer than the one resumed, with
+    a log line each. Returns what was removed."""
+    removed = stale_temporaries(run_dir)
+    for path in removed:
+        _delete(path)
+        logger.warning("removed %s (left by an interrupted write)", path)
+    for path, reason in scan.corrupt if scan is not None else []:
+        if path.is_dir():
+            move_aside(path, reason)
+    return removed
 
 
 def clear_staging(run_dir: Path) -> None:
@@ -186,5 +302,46 @@ def clear_staging(run_dir: Path) -> None:
     root = checkpoint_dir(run_dir)
     if root.is_dir():
         for path in root.iterdir():
-            if path.name.startswith(".tmp-"):
+            if path.name.startswith(STAGING):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for sub in sorted(path.rglob("*")):
+        if sub.is_file():
+            _fsync_file(sub)
+    for sub in sorted([p for p in path.rglob("*") if p.is_dir()] + [path], reverse=True):
+        _fsync_dir(sub)
+
+
+def write_dir_atomic(run_dir: Path, name: str, write: Callable[[Path], None]) -> Path:
+    """Write directory `run_dir/name` whole or not at all: `write(tmp)` fills
+    ``.NAME.tmp-new``, which is fsynced and renamed into place (an old `name` is renamed
+    ``.NAME.old.tmp`` first and removed after). A kill leaves only temporaries, which
+    `tidy_run_dir` removes."""
+    run_dir = Path(run_dir)
+    final, staging, old = run_dir / name, run_dir / f".{name}.tmp-new", run_dir / f".{name}.old.tmp"
+    for path in (staging, old):
+        if path.exists():
+            _delete(path)
+    write(staging)
+    _fsync_tree(staging)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(run_dir)
+    if old.exists():
+        _delete(old)
+    return final
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (``.NAME.tmp``, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)

@@ -12,53 +12,76 @@ Layout of a run directory::
 
 Re-running the same command on the same directory resumes from the latest intact
 checkpoint (see `unirl.train.checkpoint`).
+
+Order of a run: everything it reads is validated first (`unirl.train.preflight`); only
+then is the run directory created or opened. An existing run's newest intact checkpoint
+is checked against the config (a refused resume is a `ConfigError` naming the keys and
+changes nothing on disk); once accepted, stale temporaries are removed, corrupt
+checkpoints moved aside, and the run's record (`config.yaml`, `config_hash`) written
+atomically — once, and only when it changed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from unirl.config import UnirlConfig, config_hash, to_yaml
+from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.loader import load_dataset
-from unirl.models import check_model_config
 from unirl.models.base import UnifiedModel
+from unirl.train import checkpoint as ckpt
 from unirl.train.build import (
     adapter_state,
     apply_lora,
     build_model,
     merged_state_dict,
     resolve_device,
+    set_determinism,
 )
+from unirl.train.checkpoint import write_text_atomic
 from unirl.train.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
 from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
 from unirl.train.evaluate_masked import TASK as MASKED_TASK
 from unirl.train.evaluate_masked import evaluate_masked_answer
 from unirl.train.grpo import build_grpo_job
 from unirl.train.metrics import plot_metrics
+from unirl.train.preflight import preflight
 from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import BatchSource, Objective, Trainer
+from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
+
+_write_atomic = write_text_atomic
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _record(path: Path, text: str) -> None:
+    if not path.is_file() or path.read_text() != text:
+        write_text_atomic(path, text)
 
 
 def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
-    """Create the run directory and record the resolved config and its hash (rank 0)."""
+    """Open the run directory (module docstring): check that its newest intact checkpoint
+    may be resumed under `cfg` (ConfigError otherwise, nothing changed), then create it,
+    tidy it and record the resolved config and its hash (rank 0)."""
     run_dir = Path(cfg.run.output_dir)
+    scan = ckpt.scan_checkpoints(run_dir)
+    if scan.latest is not None:
+        check_resume(scan.latest, cfg)
+    elif scan.n_candidates:
+        raise ConfigError(
+            f"no intact checkpoint among {scan.n_candidates} in {ckpt.checkpoint_dir(run_dir)} "
+            f"({scan.corrupt[0][1]}); move them away to start this run over",
+            source=str(run_dir),
+        )
+    barrier(info)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-        _write_atomic(run_dir / "config_hash", config_hash(cfg) + "\n")
+        ckpt.tidy_run_dir(run_dir, scan)
+        _record(run_dir / "config.yaml", to_yaml(cfg))
+        _record(run_dir / "config_hash", config_hash(cfg) + "\n")
     barrier(info)
     return run_dir
 
@@ -116,12 +139,9 @@ JOBS: dict[str, JobBuilder] = {"sft": build_sft_job, "grpo": build_grpo_job}
 def run_train(cfg: UnirlConfig) -> Path:
     """Train as the config says (resuming if the run directory has a checkpoint); return
     the run directory."""
-    if cfg.algorithm.name not in JOBS:
-        raise NotImplementedError(
-            f"unirl train: algorithm {cfg.algorithm.name} is not available yet"
-        )
-    check_model_config(cfg.model)
+    preflight(cfg, JOBS)
     device = resolve_device(cfg.run.device)
+    set_determinism(cfg.run.deterministic, device)
     info = init_distributed(str(device))
     try:
         run_dir = prepare_run_dir(cfg, info)
@@ -169,7 +189,12 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
 
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
     """Export the final model, evaluate it on the test split, plot the curves (rank 0)."""
-    model.save_pretrained(run_dir / "model", state_dict=merged_state_dict(model))
+
+    def export(path: Path) -> None:
+        model.save_pretrained(path, state_dict=merged_state_dict(model))
+        _inject_fault("model_write", cfg.trainer.total_updates)
+
+    ckpt.write_dir_atomic(run_dir, "model", export)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if _digits_tasks(cfg) and cfg.data.test_size > 0:
         classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from unirl.config import UnirlConfig, config_hash, resume_conflicts
+from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
+from unirl.config.hashing import resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -109,8 +110,25 @@ def autocast(cfg: TrainerConfig, device: torch.device):
     return nullcontext()
 
 
+def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
+    """ConfigError (a usage error) naming the changed keys when the config `found` was
+    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`)."""
+    if found.state.get("config_hash") == config_hash(cfg):
+        return
+    refused = resume_conflicts(found.state.get("config", {}), cfg)
+    if refused:
+        mode = cfg.checkpoint.resume_mode
+        raise ConfigError(
+            f"refusing to resume: the config changed at {', '.join(refused)} "
+            f"(checkpoint.resume_mode={mode} allows only {resumable_summary(mode)} to "
+            "change); use a new run.output_dir for a new run",
+            source=str(found.path),
+        )
+
+
 def _inject_fault(point: str, update: int) -> None:
-    """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point."""
+    """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
+    (points: rollout, after_update, checkpoint_write, model_write)."""
     spec = os.environ.get(FAULT_ENV, "")
     if spec and spec == f"{point}:{update}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -193,13 +211,16 @@ class Trainer:
 
     def resume(self) -> bool:
         """Load the latest intact checkpoint, if any; return whether one was found."""
-        if self.dist.is_main:
-            ckpt.clear_staging(self.run_dir)
+        scan = ckpt.scan_checkpoints(self.run_dir)
+        if scan.latest is not None:
+            self._check_config(scan.latest)
         barrier(self.dist)
-        found = ckpt.latest_checkpoint(self.run_dir)
+        if self.dist.is_main:
+            ckpt.tidy_run_dir(self.run_dir, scan)
+        barrier(self.dist)
+        found = scan.latest
         if found is None:
             return False
-        self._check_config(found)
         missing, unexpected = self.model.load_state_dict(found.model_state(), strict=False)
         if unexpected or (missing and self._trainable_state == self._full_state):
             raise TrainingError(
@@ -220,12 +241,7 @@ class Trainer:
     def _check_config(self, found: ckpt.Checkpoint) -> None:
         if found.state.get("config_hash") == self.config_hash:
             return
-        refused = resume_conflicts(found.state.get("config", {}), self.cfg)
-        if refused:
-            raise TrainingError(
-                f"refusing to resume {found.path}: the config changed at "
-                f"{', '.join(refused)} (checkpoint.resume_mode does not allow it)"
-            )
+        check_resume(found, self.cfg)
 
     # -- one update ----------------------------------------------------------------
     def accumulate(self) -> dict[str, float]:

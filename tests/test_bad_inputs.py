@@ -1,0 +1,578 @@
+"""Every mistake is one line naming its culprit, and touches nothing (issue 18).
+
+Each case runs the real CLI (`python -m unirl train ...`) in its own scratch directory
+and asserts: the exit code; stderr is exactly one line `unirl: error: ...` holding the
+culprit's fragments (file, file:line, dotted key); no traceback; and then either, for a
+fresh `run.output_dir`, that nothing was created (the output directory does not exist
+and the scratch directory holds only the inputs the case wrote), or, for an existing
+run (a private copy of one short checkpointed run made once for the module), that every
+file of the run is byte-for-byte unchanged (config.yaml, config_hash, checkpoints,
+metrics, model). The subprocesses run a few at a time; almost all fail in the preflight
+before any model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+from trainer_helpers import fit_small_codec, run_cli
+
+from unirl.config import validate_config
+from unirl.train.build import build_model
+
+WORKERS = 3
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file (and '<dir>' for every directory) under root."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        out[rel] = "<dir>" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def tiny(out: Path, w: SimpleNamespace, **sections) -> dict:
+    """A small valid SFT config on the pre-fitted codec, with `sections` merged in."""
+    cfg = {
+        "run": {"name": "bad", "seed": 1, "output_dir": str(out), "device": "cpu"},
+        "model": {
+            "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+            "codec": {"path": str(w.codec), "codebook_size": 16},
+        },
+        "data": {"tasks": ["t2i"], "train_size": 4, "val_size": 0, "test_size": 0},
+        "trainer": {"total_updates": 2, "global_batch_size": 4, "micro_batch_size": 2},
+        "checkpoint": {"every_updates": 1, "keep_last": 0},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def row(word: str, **extra) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"say {word}"},
+            {"role": "assistant", "content": word},
+        ],
+        "task": "say",
+        **extra,
+    }
+
+
+GOOD_ROWS = [row(w) for w in ("one", "two", "three", "four")]
+
+
+def image_row(path: str) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "path": path}, {"type": "text", "text": "?"}]},
+            {"role": "assistant", "content": "seven"},
+        ],
+        "task": "say",
+    }  # fmt: skip
+
+
+def rows_file(d: Path, bad: dict | str, name: str = "rows.jsonl") -> Path:
+    """GOOD_ROWS with `bad` as the third line (a dict is dumped as JSON, a str kept)."""
+    lines = [json.dumps(r) for r in GOOD_ROWS]
+    lines.insert(2, bad if isinstance(bad, str) else json.dumps(bad))
+    path = d / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def own(out: Path, w: SimpleNamespace, path: Path | str, **data) -> dict:
+    return tiny(out, w, data={"path": str(path), "tasks": ["say"], "train_size": 0, **data})
+
+
+def write(d: Path, cfg: dict | str, name: str = "c.yaml") -> str:
+    path = d / name
+    path.write_text(cfg if isinstance(cfg, str) else yaml.safe_dump(cfg))
+    return name
+
+
+GRPO = {
+    "data": {"tasks": ["i2t_mc"], "train_size": 4},
+    "rollout": {"max_new_tokens": 3},
+    "algorithm": {"name": "grpo", "group_size": 2},
+    "reward": {"plugins": [{"name": "mc_exact"}]},
+}
+
+
+def grpo(out: Path, w: SimpleNamespace, **reward) -> dict:
+    return tiny(out, w, **{**GRPO, "reward": {**GRPO["reward"], **reward}})
+
+
+@dataclass(frozen=True)
+class Case:
+    """`make(d, out, w)` writes the case's inputs into scratch dir `d` and returns the
+    arguments after `unirl train`; `out` is the run directory to name."""
+
+    id: str
+    culprit: tuple[str, ...]
+    make: Callable[[Path, Path, SimpleNamespace], list[str]]
+    code: int = 2
+    existing: bool = False
+
+
+def cfg_case(id: str, culprit: tuple[str, ...], build: Callable, *over: str, **kw) -> Case:
+    """A case whose input is one config file `c.yaml` (`build(out, w)`) and overrides."""
+    return Case(id, culprit, lambda d, out, w: [write(d, build(out, w)), *over], **kw)
+
+
+def _dir_config(d: Path, out: Path, w) -> list[str]:
+    (d / "conf").mkdir()
+    return ["conf"]
+
+
+def _base_missing(d: Path, out: Path, w) -> list[str]:
+    return [write(d, {"defaults": "base.yaml", **tiny(out, w)})]
+
+
+def _output_is_file(d: Path, out: Path, w) -> list[str]:
+    (d / "taken").write_text("not a directory\n")
+    return [write(d, tiny(d / "taken", w))]
+
+
+def _rows_case(bad: dict | str, **data) -> Callable:
+    def make(d: Path, out: Path, w) -> list[str]:
+        return [write(d, own(out, w, rows_file(d, bad), **data))]
+
+    return make
+
+
+def _empty_rows(d: Path, out: Path, w) -> list[str]:
+    (d / "rows.jsonl").write_text("\n\n")
+    return [write(d, own(out, w, d / "rows.jsonl"))]
+
+
+def _csv_rows(d: Path, out: Path, w) -> list[str]:
+    (d / "rows.csv").write_text("a,b\n")
+    return [write(d, own(out, w, d / "rows.csv"))]
+
+
+def _empty_shard_dir(d: Path, out: Path, w) -> list[str]:
+    (d / "shards").mkdir()
+    (d / "shards" / "notes.txt").write_text("no rows here\n")
+    return [write(d, own(out, w, d / "shards"))]
+
+
+def _bad_second_shard(d: Path, out: Path, w) -> list[str]:
+    (d / "shards").mkdir()
+    (d / "shards" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GOOD_ROWS))
+    (d / "shards" / "b.jsonl").write_text(json.dumps(row("five")) + "\n" + '{"messages": 3}\n')
+    return [write(d, own(out, w, d / "shards"))]
+
+
+def _bad_val_file(d: Path, out: Path, w) -> list[str]:
+    rows_file(d, row("five"))
+    (d / "val.jsonl").write_text(json.dumps(row("six", split="train")) + "\n")
+    return [write(d, own(out, w, d / "rows.jsonl", val_path=str(d / "val.jsonl")))]
+
+
+def _image_case(kind: str) -> Callable:
+    def make(d: Path, out: Path, w) -> list[str]:
+        (d / "img").mkdir()
+        if kind == "big":
+            Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(d / "img" / "x.png")
+        elif kind == "garbage":
+            (d / "img" / "x.png").write_text("not a png")
+        return [write(d, own(out, w, rows_file(d, image_row("img/x.png"))))]
+
+    return make
+
+
+def _model_path(kind: str) -> Callable:
+    def make(d: Path, out: Path, w) -> list[str]:
+        model = d / "model"
+        if kind == "truncated":
+            shutil.copytree(w.saved, model)
+            weights = model / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:-100])
+        elif kind == "header":
+            shutil.copytree(w.saved, model)
+            weights = model / "model.safetensors"
+            weights.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+        elif kind == "no_kind":
+            model.mkdir()
+            (model / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+        cfg = tiny(out, w, model={"path": str(model)})
+        return [write(d, cfg)]
+
+    return make
+
+
+def _codec_truncated(d: Path, out: Path, w) -> list[str]:
+    shutil.copytree(w.codec, d / "codec")
+    weights = next((d / "codec").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:40])
+    cfg = tiny(out, w)
+    cfg["model"]["codec"]["path"] = str(d / "codec")
+    return [write(d, cfg)]
+
+
+def _corrupt_all_checkpoints(d: Path, out: Path, w) -> list[str]:
+    for weights in (out / "checkpoints").glob("update-*/model.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:-8])
+    return [write(d, tiny(out, w))]
+
+
+def _overrides(*over: str) -> Callable:
+    return lambda d, out, w: [write(d, tiny(out, w)), *over]
+
+
+def _no_config(d: Path, out: Path, w) -> list[str]:
+    return []
+
+
+CASES: list[Case] = [
+    # -- the config file ---------------------------------------------------------------
+    cfg_case("empty_file", ("c.yaml", "empty config file"), lambda out, w: ""),
+    cfg_case("comment_only_file", ("c.yaml", "empty config file"), lambda out, w: "# hi\n"),
+    cfg_case(
+        "yaml_syntax", ("c.yaml:3:1", "YAML syntax error"), lambda out, w: "run:\n  - [1, 2\n"
+    ),
+    cfg_case("top_level_list", ("c.yaml", "top level must be a mapping"), lambda o, w: "- 1\n"),
+    cfg_case("duplicate_key", ("c.yaml", "duplicate key 'run'"), lambda o, w: "run: {}\nrun: {}\n"),
+    cfg_case(
+        "unknown_key",
+        ("c.yaml", "trainer.lerning_rate", "unknown key"),
+        lambda out, w: tiny(out, w, trainer={"lerning_rate": 1e-3}),
+    ),
+    cfg_case(
+        "wrong_type",
+        ("c.yaml", "trainer.total_updates"),
+        lambda out, w: tiny(out, w, trainer={"total_updates": "many"}),
+    ),
+    cfg_case(
+        "negative_updates",
+        ("c.yaml", "trainer.total_updates"),
+        lambda out, w: tiny(out, w, trainer={"total_updates": -1}),
+    ),
+    cfg_case(
+        "micro_batch_does_not_divide",
+        ("c.yaml", "trainer.micro_batch_size", "does not divide"),
+        lambda out, w: tiny(out, w, trainer={"micro_batch_size": 3}),
+    ),
+    cfg_case(
+        "unknown_algorithm",
+        ("c.yaml", "algorithm.name", "did you mean 'grpo'"),
+        lambda out, w: tiny(out, w, algorithm={"name": "grpoo"}),
+    ),
+    cfg_case(
+        "algorithm_not_built",
+        ("c.yaml", "algorithm.name", "not implemented yet"),
+        lambda out, w: tiny(out, w, algorithm={"name": "opd"}),
+    ),
+    cfg_case(
+        "unknown_model_kind",
+        ("c.yaml", "model.kind", "unknown model kind"),
+        lambda out, w: tiny(out, w, model={"kind": "gpt9"}),
+    ),
+    cfg_case(
+        "kind_needs_a_path",
+        ("c.yaml", "model.path", "loads a local checkpoint"),
+        lambda out, w: tiny(out, w, model={"kind": "janus_pro"}),
+    ),
+    cfg_case(
+        "bad_device", ("c.yaml", "run.device"), lambda out, w: tiny(out, w, run={"device": "tpu"})
+    ),
+    Case("base_file_missing", ("c.yaml", "defaults", "base file not found"), _base_missing),
+    Case("output_dir_is_a_file", ("c.yaml", "run.output_dir", "not a directory"), _output_is_file),
+    # -- numbers that cannot reach the tensors ------------------------------------------
+    cfg_case(
+        "lr_overflows_float32",
+        ("c.yaml", "trainer.optimizer.lr", "overflows float32"),
+        lambda out, w: tiny(out, w, trainer={"optimizer": {"lr": 1e39}}),
+    ),
+    cfg_case(
+        "lr_nan",
+        ("c.yaml", "trainer.optimizer.lr"),
+        lambda out, w: "trainer:\n  optimizer:\n    lr: .nan\n",
+    ),
+    cfg_case(
+        "eps_infinite",
+        ("c.yaml", "trainer.optimizer.eps"),
+        lambda out, w: "trainer:\n  optimizer:\n    eps: .inf\n",
+    ),
+    cfg_case(
+        "seed_overflows_int64",
+        ("c.yaml", "run.seed", "overflows int64"),
+        lambda out, w: tiny(out, w, run={"seed": 2**70}),
+    ),
+    cfg_case(
+        "reward_weight_overflows",
+        ("c.yaml", "reward.plugins.0.weight", "overflows float32"),
+        lambda out, w: grpo(out, w, plugins=[{"name": "mc_exact", "weight": 1e300}]),
+    ),
+    # -- the command line ---------------------------------------------------------------
+    Case("no_config_argument", ("the following arguments are required",), _no_config),
+    Case("missing_config_file", ("nope.yaml", "file not found"), lambda d, o, w: ["nope.yaml"]),
+    Case("config_is_a_directory", ("conf", "is a directory"), _dir_config),
+    Case("unknown_flag", ("unrecognized arguments: --fast",), _overrides("--fast")),
+    Case("override_without_equals", ("<command line>", "no '='"), _overrides("trainer.lr")),
+    Case(
+        "override_unknown_key",
+        ("<command line>", "rollout.temprature", "did you mean 'rollout.temperature'"),
+        _overrides("rollout.temprature=0.5"),
+    ),
+    Case(
+        "override_wrong_type",
+        ("<command line>", "trainer.total_updates"),
+        _overrides("trainer.total_updates=abc"),
+    ),
+    Case(
+        "override_lr_overflow",
+        ("<command line>", "trainer.optimizer.lr", "overflows float32"),
+        _overrides("trainer.optimizer.lr=1e39"),
+    ),
+    Case(
+        "override_lr_nan",
+        ("<command line>", "trainer.optimizer.lr"),
+        _overrides("trainer.optimizer.lr=nan"),
+    ),  # fmt: skip
+    # -- dataset files and rows ---------------------------------------------------------
+    Case(
+        "dataset_missing",
+        ("nope.jsonl", "dataset file not found", "data.path"),
+        lambda d, out, w: [write(d, own(out, w, d / "nope.jsonl"))],
+    ),
+    Case("dataset_wrong_suffix", ("rows.csv", "unsupported dataset file"), _csv_rows),
+    Case("dataset_empty", ("rows.jsonl", "empty dataset"), _empty_rows),
+    Case("shard_dir_without_rows", ("shards", "holds no"), _empty_shard_dir),
+    Case("bad_row_in_second_shard", ("b.jsonl:2", "messages"), _bad_second_shard),
+    Case("row_not_json", ("rows.jsonl:3",), _rows_case("{not json")),
+    Case("row_without_messages", ("rows.jsonl:3", "messages"), _rows_case({"task": "say"})),
+    Case(
+        "row_bad_role",
+        ("rows.jsonl:3", "role", "robot"),
+        _rows_case({"messages": [{"role": "robot", "content": "x"}], "task": "say"}),
+    ),
+    Case("row_unknown_field", ("rows.jsonl:3", "colour"), _rows_case(row("five", colour="red"))),
+    Case(
+        "row_duplicate_id",
+        ("rows.jsonl:3", "duplicate id"),
+        lambda d, out, w: [write(d, own(out, w, rows_file(d, row("x", id="rows-1"))))],
+    ),
+    Case(
+        "row_without_task",
+        ("rows.jsonl:3", "task", "default_task"),
+        _rows_case({k: v for k, v in row("five").items() if k != "task"}),
+    ),
+    Case(
+        "row_without_assistant_turn",
+        ("rows.jsonl:3", "no assistant turn"),
+        _rows_case({"messages": [{"role": "user", "content": "hi"}], "task": "say"}),
+    ),
+    Case(
+        "no_rows_of_a_task",
+        ("rows.jsonl", "no train rows of task 'draw'"),
+        lambda d, out, w: [write(d, own(out, w, rows_file(d, row("5")), tasks=["say", "draw"]))],
+    ),
+    Case("val_file_with_a_train_row", ("val.jsonl:1", "split"), _bad_val_file),
+    # -- images -------------------------------------------------------------------------
+    Case("image_missing", ("rows.jsonl:3", "img/x.png", "not found"), _image_case("missing")),
+    Case("image_unreadable", ("rows.jsonl:3", "cannot read image"), _image_case("garbage")),
+    Case("image_wrong_size", ("rows.jsonl:3", "16"), _image_case("big")),
+    # -- model and codec weights --------------------------------------------------------
+    Case(
+        "model_path_missing",
+        ("model.path", "not found"),
+        lambda d, out, w: [write(d, tiny(out, w, model={"path": str(d / "gone")}))],
+    ),
+    Case(
+        "model_weights_truncated",
+        ("model/model.safetensors", "truncated", "model.path"),
+        _model_path("truncated"),
+    ),
+    Case(
+        "model_header_too_long",
+        ("model/model.safetensors", "truncated", "model.path"),
+        _model_path("header"),
+    ),
+    Case(
+        "model_dir_without_kind", ("model", "not a unirl model directory"), _model_path("no_kind")
+    ),
+    Case("codec_weights_truncated", ("codec", "safetensors", "model.codec.path"), _codec_truncated),
+    # -- reward settings ----------------------------------------------------------------
+    cfg_case(
+        "misspelt_reward_plugin",
+        ("c.yaml", "reward.plugins.0.name", "did you mean 'mc_exact'"),
+        lambda out, w: grpo(out, w, plugins=[{"name": "mc_exakt"}]),
+    ),
+    cfg_case(
+        "all_reward_weights_zero",
+        ("c.yaml", "reward.plugins", "weight 0"),
+        lambda out, w: grpo(out, w, plugins=[{"name": "mc_exact", "weight": 0}]),
+    ),
+    cfg_case(
+        "unknown_plugin_option",
+        ("c.yaml", "reward.plugins.0.kwargs.strict"),
+        lambda out, w: grpo(out, w, plugins=[{"name": "mc_exact", "kwargs": {"strict": True}}]),
+    ),
+    cfg_case(
+        "plugin_path_missing",
+        ("gone: not found", "reward.plugins.0.path in c.yaml"),
+        lambda out, w: grpo(out, w, plugins=[{"name": "digit_classifier", "path": "gone"}]),
+    ),
+    cfg_case(
+        "grpo_without_plugins",
+        ("c.yaml", "reward.plugins", "at least one"),
+        lambda out, w: grpo(out, w, plugins=[]),
+    ),
+    Case(
+        "plugin_override_misspelt",
+        ("<command line>", "reward.plugins.0.name"),
+        lambda d, out, w: [write(d, grpo(out, w)), "reward.plugins.0.name=mc_exakt"],
+    ),
+    # -- an existing run: refused resumes and bad inputs leave it as it was -------------
+    Case(
+        "resume_with_changed_lr",
+        ("refusing to resume", "trainer.optimizer.lr", "checkpoints/update-000002"),
+        lambda d, out, w: [write(d, tiny(out, w)), "trainer.optimizer.lr=0.5"],
+        existing=True,
+    ),
+    Case(
+        "resume_with_changed_model",
+        ("refusing to resume", "model.tiny.hidden_size"),
+        lambda d, out, w: [write(d, tiny(out, w)), "model.tiny.hidden_size=32"],
+        existing=True,
+    ),
+    Case(
+        "resume_with_more_updates_under_strict",
+        ("refusing to resume", "trainer.total_updates", "resume_mode=strict"),
+        lambda d, out, w: [write(d, tiny(out, w)), "trainer.total_updates=3"],
+        existing=True,
+    ),
+    Case(
+        "resume_with_a_bad_row",
+        ("rows.jsonl:3", "messages"),
+        lambda d, out, w: [write(d, own(out, w, rows_file(d, {"task": "say"})))],
+        existing=True,
+    ),
+    Case(
+        "resume_with_a_misspelt_plugin",
+        ("c.yaml", "reward.plugins.0.name"),
+        lambda d, out, w: [write(d, grpo(out, w, plugins=[{"name": "mc_exakt"}]))],
+        existing=True,
+    ),
+    Case(
+        "resume_with_overflowing_lr",
+        ("<command line>", "trainer.optimizer.lr"),
+        lambda d, out, w: [write(d, tiny(out, w)), "trainer.optimizer.lr=1e39"],
+        existing=True,
+    ),
+    Case(
+        "resume_with_a_truncated_model_path",
+        ("model/model.safetensors", "truncated"),
+        _model_path("truncated"),
+        existing=True,
+    ),
+    Case(
+        "resume_with_every_checkpoint_corrupt",
+        ("no intact checkpoint", "checkpoints"),
+        _corrupt_all_checkpoints,
+        existing=True,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    w = SimpleNamespace(root=root, codec=fit_small_codec(root / "codec"))
+    w.saved = root / "saved"
+    build_model(validate_config(tiny(root / "unused", w))).save_pretrained(w.saved)
+    w.run = root / "run"
+    (root / "run.yaml").write_text(yaml.safe_dump(tiny(w.run, w)))
+    done = run_cli(["train", str(root / "run.yaml")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (w.run / "checkpoints" / "update-000002").is_dir()
+    return w
+
+
+def _run_case(case: Case, w: SimpleNamespace) -> dict:
+    d = w.root / "cases" / case.id
+    d.mkdir(parents=True)
+    out = d / "run" if case.existing else d / "out"
+    if case.existing:
+        shutil.copytree(w.run, out)
+    args = case.make(d, out, w)
+    before = snapshot(out) if case.existing else None
+    inputs = snapshot(d)
+    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "unirl", "train", *args],
+        cwd=d,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    return {
+        "done": done,
+        "out": out,
+        "before": before,
+        "after": snapshot(out) if out.exists() else None,
+        "inputs": inputs,
+        "now": snapshot(d),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(world) -> dict[str, dict]:
+    with ThreadPoolExecutor(WORKERS) as pool:
+        futures = {c.id: pool.submit(_run_case, c, world) for c in CASES}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_there_are_at_least_forty_cases():
+    assert len(CASES) >= 40
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, results):
+    r = results[case.id]
+    done = r["done"]
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    assert done.returncode == case.code, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unirl: error: "), done.stderr
+    for fragment in case.culprit:
+        assert fragment in lines[0], (fragment, lines[0])
+    if case.existing:
+        assert r["after"] == r["before"], lines[0]
+    else:
+        assert not r["out"].exists(), lines[0]
+        assert r["now"] == r["inputs"], lines[0]
+
+
+def test_a_valid_rerun_of_a_copied_run_is_accepted(world, tmp_path):
+    """The existing-run cases are refused for their mistake, not for being a copy: the
+    same config at the copy's path resumes (run.output_dir may change) and finishes."""
+    out = tmp_path / "copy"
+    shutil.copytree(world.run, out)
+    cfg = copy.deepcopy(tiny(out, world))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    done = run_cli(["train", str(tmp_path / "c.yaml")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "DONE").read_text()) == {"updates": 2}
