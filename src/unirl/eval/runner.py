@@ -34,15 +34,14 @@ from unirl.config import ConfigError, UnirlConfig, config_hash
 from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
-from unirl.data.images import processor_for
-from unirl.data.rows import answer_image_grid, split_rows
+from unirl.data.rows import answer_image_grid
 from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardService, build_responses, build_reward_service
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
-from unirl.train.build import build_model, resolve_device
+from unirl.train.build import build_model, dataset_rows, resolve_device
 from unirl.train.evaluate import load_or_fit_classifier
 
 Rollout = Callable[[Sequence[RolloutRequest]], list]
@@ -59,9 +58,7 @@ def eval_samples(cfg: UnirlConfig, model: UnifiedModel) -> list[Sample]:
     """The rows to evaluate (module docstring)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
-        size = tuple(model.codec.image_size)
-        processor = processor_for(cfg.model.kind, size, cfg.data.image_resize)
-        samples = split_rows(cfg.data, split, processor, tuple(model.codec.grid)).samples
+        samples = dataset_rows(cfg, model, split).samples
     else:
         n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
         if n[split] == 0:

@@ -17,6 +17,8 @@ import torch
 
 from unirl.config.schema import UnirlConfig
 from unirl.core.sample import TextPart
+from unirl.data.images import processor_for
+from unirl.data.loader import Rows
 from unirl.data.rows import check_targets, split_rows
 from unirl.data.tokenizer import build_tokenizer, load_or_train_bpe
 from unirl.models import UnifiedModel, check_model_config, load_model
@@ -35,7 +37,10 @@ def config_tokenizer(cfg: UnirlConfig, tokenizer_dir: Path | None = None):
     `DatasetError` names file:line)."""
     if cfg.data.path is None:
         return build_tokenizer()
-    rows = split_rows(cfg.data, "train")
+    # Only the rows' text is read here (the codec, and so its grid, comes later): a
+    # generate_image item without a size gets a placeholder (1, 1); dataset_rows reads
+    # the rows again on the model's grid.
+    rows = split_rows(cfg.data, "train", image_grid=(1, 1))
     if cfg.data.uses_bpe:
         texts = [p.text for s in rows.samples for p in s.parts if isinstance(p, TextPart)]
         tokenizer = load_or_train_bpe(tokenizer_dir, texts, cfg.data.bpe_vocab_size)
@@ -43,6 +48,14 @@ def config_tokenizer(cfg: UnirlConfig, tokenizer_dir: Path | None = None):
         tokenizer = build_tokenizer()
     check_targets(rows, tokenizer)
     return tokenizer
+
+
+def dataset_rows(cfg: UnirlConfig, model: UnifiedModel, split: str) -> Rows:
+    """The `data.path` rows of `split` as `model` sees them: images through the model's
+    processor (`processor_for(model.kind, codec.image_size, data.image_resize)`: greyscale
+    for tiny, RGB for colour models), generate_image items on the codec's grid."""
+    processor = processor_for(cfg.model.kind, tuple(model.codec.image_size), cfg.data.image_resize)
+    return split_rows(cfg.data, split, processor, tuple(model.codec.grid))
 
 
 def build_model(

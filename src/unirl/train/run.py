@@ -26,13 +26,13 @@ import torch
 from unirl.config import UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
-from unirl.data.loader import load_dataset
 from unirl.models import check_model_config
 from unirl.models.base import UnifiedModel
 from unirl.train.build import (
     adapter_state,
     apply_lora,
     build_model,
+    dataset_rows,
     merged_state_dict,
     resolve_device,
 )
@@ -74,9 +74,11 @@ def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
 
 
 def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
-    """Serialised SFT rows: `data.path` (JSONL/parquet) or the built-in digits tasks."""
+    """Serialised SFT rows of `split`: the `data.path` rows of that split and of the
+    `data.tasks` (`dataset_rows`: images through the model's processor), or
+    `n_per_task` rows of each built-in digits task."""
     if cfg.data.path:
-        samples = load_dataset(cfg.data.path, image_size=tuple(model.codec.image_size))
+        samples = dataset_rows(cfg, model, split).samples
     else:
         samples = [
             s
