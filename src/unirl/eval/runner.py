@@ -38,11 +38,11 @@ from unirl.data.rows import answer_image_grid
 from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
+from unirl.models.build import build_model, dataset_rows, resolve_device
 from unirl.rewards import RewardService, build_responses, build_reward_service
+from unirl.rewards.digit_classifier import load_or_fit_classifier
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
-from unirl.train.build import build_model, dataset_rows, resolve_device
-from unirl.train.evaluate import load_or_fit_classifier
 
 Rollout = Callable[[Sequence[RolloutRequest]], list]
 
@@ -54,11 +54,20 @@ def engine_rollout(model: UnifiedModel) -> Rollout:
     return engine.generate
 
 
-def eval_samples(cfg: UnirlConfig, model: UnifiedModel) -> list[Sample]:
-    """The rows to evaluate (module docstring)."""
+def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> list[Sample]:
+    """The rows to evaluate (module docstring); with `per_task` > 0, only the first
+    `per_task` rows of each task (validation during training: `data.val_size`)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
         samples = dataset_rows(cfg, model, split).samples
+        if per_task:
+            seen: dict[str | None, int] = {}
+            kept = []
+            for s in samples:
+                seen[s.task] = seen.get(s.task, 0) + 1
+                if seen[s.task] <= per_task:
+                    kept.append(s)
+            samples = kept
     else:
         n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
         if n[split] == 0:
@@ -182,11 +191,22 @@ def _check_hash(out: Path, cfg: UnirlConfig) -> None:
     path.write_text(digest + "\n")
 
 
+def split_config(cfg: UnirlConfig, split: str) -> UnirlConfig:
+    """`cfg` evaluating `split` (training's validation and test evaluations)."""
+    evaluation = cfg.evaluation.model_copy(update={"split": split})
+    return cfg.model_copy(update={"evaluation": evaluation})
+
+
 def evaluate(
-    cfg: UnirlConfig, model: UnifiedModel, out: Path, rollout: Rollout | None = None
+    cfg: UnirlConfig,
+    model: UnifiedModel,
+    out: Path,
+    rollout: Rollout | None = None,
+    per_task: int = 0,
 ) -> dict[str, Any]:
-    """Evaluate `model` as `cfg` says into `out` (module docstring); the summary."""
-    samples = eval_samples(cfg, model)
+    """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
+    `per_task` > 0 keeps the first rows of each task (`eval_samples`)."""
+    samples = eval_samples(cfg, model, per_task)
     out.mkdir(parents=True, exist_ok=True)
     _check_hash(out, cfg)
     log = ResultLog(out)

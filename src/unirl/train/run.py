@@ -8,6 +8,7 @@ Layout of a run directory::
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
+    eval-val/update-NNNNNN/, eval-test/   `unirl eval` results of data.path runs
     eval.json, report.md, curves.png
 
 Re-running the same command on the same directory resumes from the latest intact
@@ -17,6 +18,7 @@ checkpoint (see `unirl.train.checkpoint`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,8 @@ import torch
 from unirl.config import UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
+from unirl.data.rows import has_split
+from unirl.eval.runner import evaluate, split_config
 from unirl.models import check_model_config
 from unirl.models.base import UnifiedModel
 from unirl.train.build import (
@@ -42,6 +46,8 @@ from unirl.train.grpo import build_grpo_job
 from unirl.train.metrics import plot_metrics
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer
+
+logger = logging.getLogger(__name__)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -152,29 +158,76 @@ def _digits_tasks(cfg: UnirlConfig) -> bool:
     return cfg.model.kind == "tiny" and cfg.data.path is None
 
 
+def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:
+    """Whether a `data.path` run evaluates `split` (`data.<split>_size` > 0 and the split
+    has rows); logs why not when the split has none."""
+    if cfg.data.path is None or size == 0:
+        return False
+    if has_split(cfg.data, split):
+        return True
+    logger.warning(
+        "no %s rows (neither data.%s_path nor data.path rows with split: %s): no %s "
+        "evaluation (set data.%s_size=0 to silence this)",
+        split,
+        split,
+        split,
+        "validation" if split == "val" else "test",
+        split,
+    )
+    return False
+
+
+def dataset_evaluation(
+    cfg: UnirlConfig, model: UnifiedModel, split: str, out: Path, per_task: int
+) -> dict[str, float]:
+    """`unirl eval` of `model` on the first `per_task` rows per task of `split` into
+    `out`: per task t and summary statistic k (mean@n, pass@n, <plugin>/mean,
+    finish_<reason>_frac, n_samples, n_rollouts; `unirl.eval.report`), `t/k`."""
+    summary = evaluate(split_config(cfg, split), model, out, per_task=per_task)
+    return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
+
+
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
-    """Validation metrics (`val/<task>/<metric>`) on the digits val split, if configured."""
-    if not _digits_tasks(cfg) or cfg.data.val_size == 0:
+    """Validation metrics `val/<task>/<metric>` every `trainer.eval_every` updates: the
+    digits val split (`data.val_size` rows per task), or, with `data.path`, the
+    `unirl eval` evaluator on the val rows (the first `data.val_size` per task; results
+    in `<run_dir>/eval-val/update-NNNNNN`)."""
+    if _digits_tasks(cfg) and cfg.data.val_size > 0:
+        classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
+
+        def evaluate_val(update: int) -> dict[str, float]:
+            out = evaluate_digits(
+                model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
+            )
+            return {f"val/{k}": v for k, v in out.items()}
+
+        return evaluate_val
+    if not _rows_of(cfg, "val", cfg.data.val_size):
         return None
-    classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
 
-    def evaluate(update: int) -> dict[str, float]:
-        out = evaluate_digits(
-            model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
-        )
-        return {f"val/{k}": v for k, v in out.items()}
+    def evaluate_rows(update: int) -> dict[str, float]:
+        out = run_dir / "eval-val" / f"update-{update:06d}"
+        metrics = dataset_evaluation(cfg, model, "val", out, cfg.data.val_size)
+        return {f"val/{k}": v for k, v in metrics.items()}
 
-    return evaluate
+    return evaluate_rows
 
 
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
-    """Export the final model, evaluate it on the test split, plot the curves (rank 0)."""
+    """Export the final model, evaluate it on the test split (`data.test_size` rows per
+    task: the digits evaluator, or with `data.path` the `unirl eval` evaluator into
+    `<run_dir>/eval-test`) into eval.json, plot the curves (rank 0)."""
     model.save_pretrained(run_dir / "model", state_dict=merged_state_dict(model))
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    results = None
     if _digits_tasks(cfg) and cfg.data.test_size > 0:
         classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
         results = evaluate_digits(
             model, list(cfg.data.tasks), "test", cfg.data.test_size, classifier, cfg.data.seed
         )
+    elif _rows_of(cfg, "test", cfg.data.test_size):
+        out = run_dir / "eval-test"
+        results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
+    if results is not None:
         _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
     _write_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
