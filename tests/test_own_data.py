@@ -283,3 +283,55 @@ def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
     samples, requests = source.requests(0)
     grids = {(s.task, r.image_grid) for s, r in zip(samples, requests)}
     assert grids == {("colour_qa", None), ("t2i", None), ("paint", tuple(model.codec.grid))}
+
+
+def test_a_verifier_needs_the_answer_of_every_row_it_scores(tmp_path):
+    from unirl.rewards import check_answers, check_dataset_answers
+
+    no_answer = {k: v for k, v in qa(1).items() if k != "answer"}
+    other = {k: v for k, v in qa(2, task="free").items() if k != "answer"}
+    path = write_rows(tmp_path / "d.jsonl", [qa(0), no_answer, other])
+    base = f"algorithm: {{name: grpo}}\ndata: {{path: {path}, tasks: [angle_mc, free]}}\n"
+    routed = "reward: {plugins: [{name: text_exact, tasks: [angle_mc]}, {name: jigsaw, tasks: [free]}]}\n"
+    cfg = load_config(write_config(tmp_path, base + routed))
+    rows = split_rows(cfg.data, "train")
+    with pytest.raises(DatasetError) as info:
+        check_answers(cfg.reward, rows)
+    assert str(info.value) == (
+        f"{path}:2: answer: missing; reward.plugins.0 (text_exact) compares the responses "
+        "of task 'angle_mc' with the row's answer"
+    )
+    with pytest.raises(DatasetError, match=rf"^{path}:2: answer: missing"):
+        check_dataset_answers(cfg)
+    check_answers(cfg.reward, rows.select([True, False, True]))  # jigsaw reads meta only
+    every = load_config(
+        write_config(tmp_path, base + "reward: {plugins: [{name: exact_answer}]}\n")
+    )
+    with pytest.raises(DatasetError, match=rf"^{path}:3: answer: missing; reward.plugins.0"):
+        check_answers(every.reward, rows.select([True, False, True]))
+    mc = load_config(write_config(tmp_path, base + "reward: {plugins: [{name: mc_exact}]}\n"))
+    with pytest.raises(
+        DatasetError, match=rf"^{path}:1: answer: 'Angle théta 0' is not a letter A-D"
+    ):
+        check_answers(mc.reward, rows)
+
+
+def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
+    import subprocess
+    import sys
+
+    from test_eval import make_dataset
+    from test_eval import write_config as eval_config
+
+    data = make_dataset(tmp_path / "data", 4)
+    lines = data.read_text().splitlines()
+    row = json.loads(lines[3])
+    del row["answer"]
+    data.write_text("\n".join(lines[:3] + [json.dumps(row)]) + "\n")
+    out = tmp_path / "out"
+    config = eval_config(tmp_path, data, f"evaluation: {{output_dir: {out}}}\n")
+    cmd = [sys.executable, "-m", "unirl", "eval", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not out.exists()
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{data}:4: answer: missing; reward.plugins.0 (text_exact)" in last

@@ -2,8 +2,10 @@
 configured reward plugins; resumable records, `summary.json` and `index.html`.
 
 Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, images
-through the model's processor), or the digits tasks' rows of that split
-(`data.<split>_size` per task); the first `evaluation.max_samples` (0 = all).
+through the model's processor; a row a verifier would score without the answer it
+needs is a DatasetError naming its file:line, `check_answers`), or the digits tasks'
+rows of that split (`data.<split>_size` per task); the first `evaluation.max_samples`
+(0 = all).
 
 Each row i is rolled out n = `evaluation.rollouts_per_sample` times; member m draws with
 the stateless seed `seed_for(run.seed, 0, i, m)`, so two checkpoints evaluated on the
@@ -39,7 +41,7 @@ from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
 from unirl.models.build import build_model, dataset_rows, resolve_device
-from unirl.rewards import RewardService, build_responses, build_reward_service
+from unirl.rewards import RewardService, build_responses, build_reward_service, check_answers
 from unirl.rewards.digit_classifier import load_or_fit_classifier
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
@@ -59,7 +61,9 @@ def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> li
     `per_task` rows of each task (validation during training: `data.val_size`)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
-        samples = dataset_rows(cfg, model, split).samples
+        rows = dataset_rows(cfg, model, split)
+        check_answers(cfg.reward, rows)
+        samples = rows.samples
         if per_task:
             seen: dict[str | None, int] = {}
             kept = []

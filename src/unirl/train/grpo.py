@@ -60,7 +60,7 @@ from unirl.data.digits_images import load_split
 from unirl.forward import scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
-from unirl.rewards import build_reward_service
+from unirl.rewards import build_reward_service, check_answers
 from unirl.rollout import SamplingRecord
 from unirl.train import grpo_jsd as lean
 from unirl.train.build import dataset_rows, set_adapters_enabled
@@ -266,12 +266,14 @@ class GRPOObjective:
 
 def prompt_pools(cfg: UnirlConfig, model: UnifiedModel) -> dict[str, list[Sample]]:
     """Training prompts per task: the train-split `data.path` rows of each task
-    (`dataset_rows`: images through the model's processor), or the built-in digits tasks
+    (`dataset_rows`: images through the model's processor; a row a verifier would score
+    without its answer is a DatasetError naming its file:line, `check_answers`), or the built-in digits tasks
     on the train split (`data.train_size` per task, 0 = one per train image)."""
     tasks = list(cfg.data.tasks)
     if cfg.data.path:
-        rows = dataset_rows(cfg, model, "train").samples
-        return {t: [s for s in rows if s.task == t] for t in tasks}
+        rows = dataset_rows(cfg, model, "train")
+        check_answers(cfg.reward, rows)
+        return {t: [s for s in rows.samples if s.task == t] for t in tasks}
     n = cfg.data.train_size or len(load_split("train"))
     return {t: make_task_samples(t, "train", n, seed=cfg.data.seed) for t in tasks}
 
