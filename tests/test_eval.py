@@ -187,13 +187,16 @@ def test_training_validates_and_tests_with_the_evaluator(tmp_path):
     run_dir = run_train(cfg)
     logged = {m["update"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").open())}
     for update in (1, 2):
-        out = run_dir / "eval-val" / f"update-{update:06d}"
+        out = run_dir / "evals" / f"val-update-{update:06d}"
         records = [json.loads(line) for line in (out / "results.jsonl").open()]
         assert [r["id"] for r in records] == ["sq1"]  # val rows sq1, sq5; val_size 1
         assert logged[update]["val/colour_qa/mean@n"] == records[0]["total"]
         assert logged[update]["val/colour_qa/pass@n"] == float(records[0]["total"] >= 1.0)
     results = json.loads((run_dir / "eval.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "eval-test" / "results.jsonl").open()]
+    records = [
+        json.loads(line)
+        for line in (run_dir / "evals" / "test-update-000002" / "results.jsonl").open()
+    ]
     assert sorted(r["id"] for r in records) == ["sq3", "sq7"]
     assert results["colour_qa/mean@n"] == pytest.approx(np.mean([r["total"] for r in records]))
     assert results["colour_qa/n_samples"] == 2.0

@@ -8,7 +8,8 @@ Layout of a run directory::
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
-    eval-val/update-NNNNNN/, eval-test/   `unirl eval` results of data.path runs
+    evals/<split>-update-NNNNNN/   `unirl eval` results of data.path runs' validation
+                         (val) and final test evaluation (test)
     eval.json, report.md, curves.png
 
 Re-running the same command on the same directory resumes from the latest intact
@@ -48,6 +49,7 @@ from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer
 
 logger = logging.getLogger(__name__)
+EVALS = "evals"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -191,7 +193,7 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     """Validation metrics `val/<task>/<metric>` every `trainer.eval_every` updates: the
     digits val split (`data.val_size` rows per task), or, with `data.path`, the
     `unirl eval` evaluator on the val rows (the first `data.val_size` per task; results
-    in `<run_dir>/eval-val/update-NNNNNN`)."""
+    in `<run_dir>/evals/val-update-NNNNNN`)."""
     if _digits_tasks(cfg) and cfg.data.val_size > 0:
         classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
 
@@ -206,7 +208,7 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
         return None
 
     def evaluate_rows(update: int) -> dict[str, float]:
-        out = run_dir / "eval-val" / f"update-{update:06d}"
+        out = run_dir / EVALS / f"val-update-{update:06d}"
         metrics = dataset_evaluation(cfg, model, "val", out, cfg.data.val_size)
         return {f"val/{k}": v for k, v in metrics.items()}
 
@@ -216,7 +218,7 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
     """Export the final model, evaluate it on the test split (`data.test_size` rows per
     task: the digits evaluator, or with `data.path` the `unirl eval` evaluator into
-    `<run_dir>/eval-test`) into eval.json, plot the curves (rank 0)."""
+    `<run_dir>/evals/test-update-NNNNNN`) into eval.json, plot the curves (rank 0)."""
     model.save_pretrained(run_dir / "model", state_dict=merged_state_dict(model))
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     results = None
@@ -226,7 +228,7 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
             model, list(cfg.data.tasks), "test", cfg.data.test_size, classifier, cfg.data.seed
         )
     elif _rows_of(cfg, "test", cfg.data.test_size):
-        out = run_dir / "eval-test"
+        out = run_dir / EVALS / f"test-update-{cfg.trainer.total_updates:06d}"
         results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
     if results is not None:
         _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
