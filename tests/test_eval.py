@@ -168,3 +168,35 @@ def test_eval_refuses_another_config_in_the_same_directory(tmp_path):
     other = load_config(write_config(tmp_path, data), ["evaluation.pass_threshold=0.5"])
     with pytest.raises(Exception, match="evaluation.output_dir"):
         evaluate(other, model, tmp_path / "out")
+
+
+def test_training_validates_and_tests_with_the_evaluator(tmp_path):
+    """data.path runs: `val/<task>/*` every eval_every updates and eval.json at the end
+    come from the `unirl eval` evaluator (first data.<split>_size rows per task)."""
+    from unirl.train.run import run_train
+
+    data = make_dataset(tmp_path / "data", 8)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["split"] = ("train", "val", "train", "test")[i % 4]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = (
+        "trainer: {total_updates: 2, eval_every: 1, global_batch_size: 2, micro_batch_size: 2}\n"
+    )
+    cfg = load_config(write_config(tmp_path, data, extra), ["data.val_size=1"])
+    run_dir = run_train(cfg)
+    logged = {m["update"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").open())}
+    for update in (1, 2):
+        out = run_dir / "evals" / f"val-update-{update:06d}"
+        records = [json.loads(line) for line in (out / "results.jsonl").open()]
+        assert [r["id"] for r in records] == ["sq1"]  # val rows sq1, sq5; val_size 1
+        assert logged[update]["val/colour_qa/mean@n"] == records[0]["total"]
+        assert logged[update]["val/colour_qa/pass@n"] == float(records[0]["total"] >= 1.0)
+    results = json.loads((run_dir / "eval.json").read_text())
+    records = [
+        json.loads(line)
+        for line in (run_dir / "evals" / "test-update-000002" / "results.jsonl").open()
+    ]
+    assert sorted(r["id"] for r in records) == ["sq3", "sq7"]
+    assert results["colour_qa/mean@n"] == pytest.approx(np.mean([r["total"] for r in records]))
+    assert results["colour_qa/n_samples"] == 2.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples, vocabulary_texts
-from unirl.data.loader import DatasetError, load_dataset
+from unirl.data.images import processor_for
+from unirl.data.loader import DatasetError, load_rows
 from unirl.data.tokenizer import build_tokenizer as build_digits_tokenizer
 from unirl.models import check_model_config, load_model
 from unirl.models.janus_pro import JanusProModel
@@ -496,14 +498,12 @@ def test_bad_images_and_unfillable_t2i_requests_fail_clearly(model, tmp_path):
         model.prompt_trajectory(wrong)
     Image.fromarray(np.zeros((12, 16, 3), np.uint8)).save(tmp_path / "small.png")
     (tmp_path / "broken.png").write_bytes(b"not a png")
-    for name, match in (
-        ("small.png", "is 12x16; the model takes 16x16"),
-        ("broken.png", "cannot read"),
-    ):
+    cases = (("small.png", "is 12x16; the model takes 16x16"), ("broken.png", "cannot read"))
+    for name, match in cases:
         row = {"messages": [{"role": "user", "content": [{"type": "image", "path": name}]}]}
         (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
         with pytest.raises(DatasetError, match=match):
-            load_dataset(tmp_path / "rows.jsonl", image_size=model.image_size)
+            load_rows(tmp_path / "rows.jsonl", processor_for("janus_pro", model.image_size))
     engine = RolloutEngine(model)
     short = SamplingParams(max_new_tokens=15, length_semantics="exact")
     with pytest.raises(ValueError, match="max_new_tokens == H\\*W = 16"):
@@ -517,3 +517,116 @@ def test_bad_images_and_unfillable_t2i_requests_fail_clearly(model, tmp_path):
     batch = TrajectoryBatch.collate([imageless], model.tokens.pad)
     with pytest.raises(ValueError, match="carries 0 image"):
         model.embed(model.prepare(batch))
+
+
+# ---- colour ---------------------------------------------------------------------------
+
+MEAN, STD = [0.48, 0.46, 0.41], [0.27, 0.26, 0.28]  # distinct per channel (CLIP-like)
+
+
+def _colour_png(path: Path, seed: int) -> np.ndarray:
+    """A 16x16 colour PNG (R, G and B differ everywhere); its uint8 pixels."""
+    rng = np.random.default_rng(seed)
+    rgb = rng.integers(0, 256, (16, 16, 3)).astype(np.uint8)
+    rgb[..., 1] = 255 - rgb[..., 0]
+    rgb[..., 2] = (rgb[..., 0] // 2 + 100).astype(np.uint8)
+    Image.fromarray(rgb).save(path)
+    return rgb
+
+
+def test_colour_images_reach_the_vision_tower_in_colour(ckpt, tmp_path):
+    path = _copy(ckpt, tmp_path)
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((path / "preprocessor_config.json").read_text()),
+                "image_mean": MEAN,
+                "image_std": STD,
+            }
+        )
+    )
+    model = JanusProModel.from_pretrained(path).eval()
+    rgb = _colour_png(tmp_path / "c.png", 7)
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "path": "c.png"}, {"type": "text", "text": "a"}],
+            },
+            {"role": "assistant", "content": "B"},
+        ]
+    }
+    (tmp_path / "c.jsonl").write_text(json.dumps(row) + "\n")
+    (sample,) = load_rows(
+        tmp_path / "c.jsonl", processor_for("janus_pro", model.image_size)
+    ).samples
+    grey = Sample("g", [ImagePart(pixels=rgb[..., 0].astype(np.float32) / 255), TextPart("a")])
+    seen: list[torch.Tensor] = []
+    hook = model.model.vision_model.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].detach().clone())
+    )
+    try:
+        for s in (sample, grey):
+            traj = model.prompt_trajectory(s)
+            batch = TrajectoryBatch.collate([traj], model.tokens.pad)
+            with torch.no_grad():
+                model.hidden(model.prepare(batch))
+    finally:
+        hook.remove()
+    colour, grey_in = seen[0][0].double(), seen[1][0].double()
+    pixels = rgb.astype(np.float64) / 255.0
+    expected = np.stack([(pixels[..., c] - MEAN[c]) / STD[c] for c in range(3)])
+    np.testing.assert_allclose(colour.numpy(), expected, atol=1e-5)
+    assert colour.shape == (3, 16, 16)
+    assert not torch.allclose(colour[0], colour[1]) and not torch.allclose(colour[1], colour[2])
+    red = pixels[..., 0]
+    expected_grey = np.stack([(red - MEAN[c]) / STD[c] for c in range(3)])
+    np.testing.assert_allclose(grey_in.numpy(), expected_grey, atol=1e-5)
+
+
+def test_unirl_eval_end_to_end_on_a_colour_dataset(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    rows = []
+    for i, word in enumerate(["red", "green", "blue", "red"]):
+        _colour_png(tmp_path / f"{i}.png", i)
+        content = [{"type": "image", "path": f"{i}.png"}, {"type": "text", "text": "a dog"}]
+        rows.append(
+            {
+                "id": f"c{i}",
+                "messages": [{"role": "user", "content": content}],
+                "answer": word,
+                "task": "colour_name",
+                "split": "test",
+            }
+        )
+    (tmp_path / "colours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eval"
+    (tmp_path / "c.yaml").write_text(
+        f"run: {{output_dir: {tmp_path / 'run'}, device: cpu}}\n"
+        f"model: {{kind: janus_pro, visual_head: vq, path: {ckpt}}}\n"
+        f"data: {{path: {tmp_path / 'colours.jsonl'}, tasks: [colour_name]}}\n"
+        "rollout: {max_new_tokens: 3, batch_size: 4}\n"
+        "reward: {plugins: [{name: text_exact}], truncated_reward: keep}\n"
+        f"evaluation: {{output_dir: {out}}}\n"
+    )
+    cmd = [sys.executable, "-m", "unirl", "eval", str(tmp_path / "c.yaml")]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CI": "true"}
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (out / "results.jsonl").open()]
+    assert sorted(r["id"] for r in records) == ["c0", "c1", "c2", "c3"]
+    for r in records:
+        assert r["scores"].keys() == {"text_exact"}
+        assert r["total"] == float(r["response"].strip() == r["answer"])
+        i = int(r["id"][1])
+        with Image.open(out / r["prompt_images"][0]) as im:
+            assert im.mode == "RGB"  # saved as the model saw it: in colour
+            np.testing.assert_array_equal(
+                np.asarray(im), np.asarray(Image.open(tmp_path / f"{i}.png"))
+            )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tasks"]["colour_name"]["n_samples"] == 4.0
+    assert (out / "index.html").is_file()

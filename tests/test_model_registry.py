@@ -92,6 +92,6 @@ def test_cli_refuses_a_planned_kind_before_creating_anything(tmp_path, capsys):
     for command in ("inspect", "train"):
         assert cli.main([command, str(config), f"run.output_dir={out}"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("unirl: error: <config>: model.kind: kind 'uniar'"), err
+        assert err.startswith(f"unirl: error: {config}: model.kind: kind 'uniar'"), err
         assert "not implemented yet" in err and len(err.splitlines()) == 1
     assert not out.exists()

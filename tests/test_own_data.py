@@ -13,7 +13,7 @@ from PIL import Image
 
 from unirl.config import ConfigError, load_config
 from unirl.config.schema import DataConfig
-from unirl.core.sample import GenerationRequest, TextPart
+from unirl.core.sample import GenerationRequest, ImagePart, TextPart
 from unirl.data.images import GreyscaleProcessor, RGBProcessor, read_rgb
 from unirl.data.loader import DatasetError, load_rows
 from unirl.data.rows import check_targets, generates_image, split_rows
@@ -214,3 +214,124 @@ def test_image_generation_comes_from_the_row_not_the_task():
     renamed = Sample("x", list(t2i.parts), task="anything")
     assert answer_image_grid(renamed, (2, 3)) == (2, 3)
     assert isinstance(renamed.parts[-1], ImagePart)
+
+
+def _rows_model(tmp_path: Path, extra: str = ""):
+    """A tiny model on a colour-square dataset (train rows sq0, sq2, ...; test rows odd)
+    plus a `t2i`-labelled text row and a `paint` row that asks for an image."""
+    from test_eval import make_dataset, write_config
+
+    from unirl.train.build import build_model
+
+    data = make_dataset(tmp_path / "data", 6)
+    paint = {
+        "id": "paint0",
+        "messages": [
+            {"role": "user", "content": "paint the square"},
+            {"role": "assistant", "content": [{"type": "generate_image"}]},
+        ],
+        "answer": "square",
+        "task": "paint",
+        "split": "train",
+    }
+    renamed = {**qa(9, task="t2i", split="train"), "answer": "Angle 9"}
+    renamed["messages"][1]["content"] = "Angle 9"
+    with data.open("a") as f:
+        f.write(json.dumps(paint) + "\n" + json.dumps(renamed) + "\n")
+    config = write_config(tmp_path, data, extra)
+    text = config.read_text().replace("tasks: [colour_qa]", "tasks: [colour_qa, paint, t2i]")
+    config.write_text(
+        text.replace(
+            "plugins: [{name: text_exact, tasks: [colour_qa]}]", "plugins: [{name: text_exact}]"
+        )
+    )
+    cfg = load_config(config)
+    return cfg, build_model(cfg), data
+
+
+def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
+    from unirl.train.grpo import prompt_pools
+    from unirl.train.run import sft_trajectories
+
+    cfg, model, data = _rows_model(tmp_path)
+    trajs = sft_trajectories(cfg, model, "train", 0)
+    train = ["sq0", "sq2", "sq4", "paint0", "q9"]
+    assert [t.sample_id for t in trajs] == train
+    assert [t.sample_id for t in sft_trajectories(cfg, model, "test", 0)] == ["sq1", "sq3", "sq5"]
+    pools = prompt_pools(cfg, model)
+    assert {t: [s.id for s in p] for t, p in pools.items()} == {
+        "colour_qa": ["sq0", "sq2", "sq4"],
+        "paint": ["paint0"],
+        "t2i": ["q9"],
+    }
+    png = np.asarray(Image.open(data.parent / "img" / "2.png").convert("RGB"), np.float64) / 255
+    luma = png @ np.array([0.299, 0.587, 0.114])
+    image = next(p for p in pools["colour_qa"][1].parts if isinstance(p, ImagePart))
+    np.testing.assert_allclose(image.pixels, luma, atol=1e-6)  # the tiny model's grey view
+
+
+def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
+    from unirl.train.distributed import DistInfo
+    from unirl.train.grpo import build_grpo_job
+
+    extra = (
+        "algorithm: {name: grpo, group_size: 2}\n"
+        "trainer: {global_batch_size: 6, micro_batch_size: 6, total_updates: 1}\n"
+    )
+    cfg, model, _ = _rows_model(tmp_path, extra)
+    source, _ = build_grpo_job(cfg, model, tmp_path / "run", DistInfo())
+    samples, requests = source.requests(0)
+    grids = {(s.task, r.image_grid) for s, r in zip(samples, requests)}
+    assert grids == {("colour_qa", None), ("t2i", None), ("paint", tuple(model.codec.grid))}
+
+
+def test_a_verifier_needs_the_answer_of_every_row_it_scores(tmp_path):
+    from unirl.rewards import check_answers, check_dataset_answers
+
+    no_answer = {k: v for k, v in qa(1).items() if k != "answer"}
+    other = {k: v for k, v in qa(2, task="free").items() if k != "answer"}
+    path = write_rows(tmp_path / "d.jsonl", [qa(0), no_answer, other])
+    base = f"algorithm: {{name: grpo}}\ndata: {{path: {path}, tasks: [angle_mc, free]}}\n"
+    routed = "reward: {plugins: [{name: text_exact, tasks: [angle_mc]}, {name: jigsaw, tasks: [free]}]}\n"
+    cfg = load_config(write_config(tmp_path, base + routed))
+    rows = split_rows(cfg.data, "train")
+    with pytest.raises(DatasetError) as info:
+        check_answers(cfg.reward, rows)
+    assert str(info.value) == (
+        f"{path}:2: answer: missing; reward.plugins.0 (text_exact) compares the responses "
+        "of task 'angle_mc' with the row's answer"
+    )
+    with pytest.raises(DatasetError, match=rf"^{path}:2: answer: missing"):
+        check_dataset_answers(cfg)
+    check_answers(cfg.reward, rows.select([True, False, True]))  # jigsaw reads meta only
+    every = load_config(
+        write_config(tmp_path, base + "reward: {plugins: [{name: exact_answer}]}\n")
+    )
+    with pytest.raises(DatasetError, match=rf"^{path}:3: answer: missing; reward.plugins.0"):
+        check_answers(every.reward, rows.select([True, False, True]))
+    mc = load_config(write_config(tmp_path, base + "reward: {plugins: [{name: mc_exact}]}\n"))
+    with pytest.raises(
+        DatasetError, match=rf"^{path}:1: answer: 'Angle théta 0' is not a letter A-D"
+    ):
+        check_answers(mc.reward, rows)
+
+
+def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
+    import subprocess
+    import sys
+
+    from test_eval import make_dataset
+    from test_eval import write_config as eval_config
+
+    data = make_dataset(tmp_path / "data", 4)
+    lines = data.read_text().splitlines()
+    row = json.loads(lines[3])
+    del row["answer"]
+    data.write_text("\n".join(lines[:3] + [json.dumps(row)]) + "\n")
+    out = tmp_path / "out"
+    config = eval_config(tmp_path, data, f"evaluation: {{output_dir: {out}}}\n")
+    cmd = [sys.executable, "-m", "unirl", "eval", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not out.exists()
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{data}:4: answer: missing; reward.plugins.0 (text_exact)" in last

@@ -171,8 +171,18 @@ class DataConfig(StrictModel):
     train_size: int = Field(
         0, ge=0, description="Training samples per task (0 = one per train-split image)."
     )
-    val_size: int = Field(64, ge=0, description="Validation samples per evaluation (0 = none).")
-    test_size: int = Field(64, ge=0, description="Test samples for final evaluation (0 = none).")
+    val_size: int = Field(
+        64,
+        ge=0,
+        description="Validation rows per task per evaluation (data.path: the first N val "
+        "rows of each task; 0 = none).",
+    )
+    test_size: int = Field(
+        64,
+        ge=0,
+        description="Test rows per task of the final evaluation (data.path: the first N "
+        "test rows of each task; 0 = none).",
+    )
     seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
     shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
 

@@ -75,6 +75,17 @@ def split_rows(
     return rows
 
 
+def has_split(data: DataConfig, split: str) -> bool:
+    """Whether `split` has rows of its own: `data.<split>_path` is set, or some
+    `data.path` row's split field names it (train always has rows)."""
+    if data.path is None:
+        raise ValueError("has_split reads data.path rows; the digits tasks are built in")
+    if split == "train" or {"val": data.val_path, "test": data.test_path}.get(split):
+        return True
+    rows = load_rows(data.path, None, (1, 1), data.default_task)
+    return split in rows.splits.values()
+
+
 def generates_image(sample: Sample) -> bool:
     """Whether the model's answer to `sample` holds an image (module docstring)."""
     return any(

@@ -2,8 +2,10 @@
 configured reward plugins; resumable records, `summary.json` and `index.html`.
 
 Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, images
-through the model's processor), or the digits tasks' rows of that split
-(`data.<split>_size` per task); the first `evaluation.max_samples` (0 = all).
+through the model's processor; a row a verifier would score without the answer it
+needs is a DatasetError naming its file:line, `check_answers`), or the digits tasks'
+rows of that split (`data.<split>_size` per task); the first `evaluation.max_samples`
+(0 = all).
 
 Each row i is rolled out n = `evaluation.rollouts_per_sample` times; member m draws with
 the stateless seed `seed_for(run.seed, 0, i, m)`, so two checkpoints evaluated on the
@@ -34,16 +36,15 @@ from unirl.config import ConfigError, UnirlConfig, config_hash
 from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
-from unirl.data.images import processor_for
-from unirl.data.rows import answer_image_grid, split_rows
+from unirl.data.rows import answer_image_grid
 from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
-from unirl.rewards import RewardService, build_responses, build_reward_service
+from unirl.models.build import build_model, dataset_rows, resolve_device
+from unirl.rewards import RewardService, build_responses, build_reward_service, check_answers
+from unirl.rewards.digit_classifier import load_or_fit_classifier
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
-from unirl.train.build import build_model, resolve_device
-from unirl.train.evaluate import load_or_fit_classifier
 
 Rollout = Callable[[Sequence[RolloutRequest]], list]
 
@@ -55,13 +56,22 @@ def engine_rollout(model: UnifiedModel) -> Rollout:
     return engine.generate
 
 
-def eval_samples(cfg: UnirlConfig, model: UnifiedModel) -> list[Sample]:
-    """The rows to evaluate (module docstring)."""
+def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> list[Sample]:
+    """The rows to evaluate (module docstring); with `per_task` > 0, only the first
+    `per_task` rows of each task (validation during training: `data.val_size`)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
-        size = tuple(model.codec.image_size)
-        processor = processor_for(cfg.model.kind, size, cfg.data.image_resize)
-        samples = split_rows(cfg.data, split, processor, tuple(model.codec.grid)).samples
+        rows = dataset_rows(cfg, model, split)
+        check_answers(cfg.reward, rows)
+        samples = rows.samples
+        if per_task:
+            seen: dict[str | None, int] = {}
+            kept = []
+            for s in samples:
+                seen[s.task] = seen.get(s.task, 0) + 1
+                if seen[s.task] <= per_task:
+                    kept.append(s)
+            samples = kept
     else:
         n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
         if n[split] == 0:
@@ -185,11 +195,22 @@ def _check_hash(out: Path, cfg: UnirlConfig) -> None:
     path.write_text(digest + "\n")
 
 
+def split_config(cfg: UnirlConfig, split: str) -> UnirlConfig:
+    """`cfg` evaluating `split` (training's validation and test evaluations)."""
+    evaluation = cfg.evaluation.model_copy(update={"split": split})
+    return cfg.model_copy(update={"evaluation": evaluation})
+
+
 def evaluate(
-    cfg: UnirlConfig, model: UnifiedModel, out: Path, rollout: Rollout | None = None
+    cfg: UnirlConfig,
+    model: UnifiedModel,
+    out: Path,
+    rollout: Rollout | None = None,
+    per_task: int = 0,
 ) -> dict[str, Any]:
-    """Evaluate `model` as `cfg` says into `out` (module docstring); the summary."""
-    samples = eval_samples(cfg, model)
+    """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
+    `per_task` > 0 keeps the first rows of each task (`eval_samples`)."""
+    samples = eval_samples(cfg, model, per_task)
     out.mkdir(parents=True, exist_ok=True)
     _check_hash(out, cfg)
     log = ResultLog(out)

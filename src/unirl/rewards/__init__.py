@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from unirl.rewards.answers import check_answers, check_dataset_answers
 from unirl.rewards.plugins import (
     PLUGINS,
     DecodeImages,
@@ -45,6 +46,8 @@ __all__ = [
     "build_plugin",
     "build_responses",
     "build_reward_service",
+    "check_answers",
+    "check_dataset_answers",
     "parse_response",
     "response_parts",
 ]

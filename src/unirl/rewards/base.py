@@ -64,11 +64,20 @@ class RewardPlugin(ABC):
 
     `invalid_format` flags rows whose response does not have the expected format (they
     also score 0). Plugins that read pixels set `needs_images` (the service then needs a
-    `decode_images`). Raising, returning non-finite or too few/many scores are errors.
+    `decode_images`); plugins that read `Sample.answer` set `requires_answer`.
+    Raising, returning non-finite or too few/many scores are errors.
     """
 
     name: ClassVar[str]
     needs_images: bool = False
+    requires_answer: ClassVar[bool] = False
+    """Whether `score` compares responses with `Sample.answer` (every row it scores
+    must carry one; `unirl.rewards.answers.check_answers`)."""
+
+    @classmethod
+    def answer_problem(cls, answer: str) -> str | None:
+        """Why `answer` cannot be verified by this plugin (None: it can)."""
+        return None
 
     @abstractmethod
     def score(

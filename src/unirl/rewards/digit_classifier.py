@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from unirl.codecs.base import ArrayLike, as_pixels, as_tensor, train_minibatches
+from unirl.data.digits_images import load_split
 
 CONFIG_NAME = "classifier.json"
 WEIGHTS_NAME = "classifier.safetensors"
@@ -172,3 +173,15 @@ class DigitClassifier:
         model.net.eval()
         model.fitted = True
         return model
+
+
+def load_or_fit_classifier(directory: Path | None, seed: int = 0) -> DigitClassifier:
+    """The digits classifier saved in `directory`, or one fitted on the train split (and
+    saved there when a directory is given)."""
+    if directory is not None and (directory / "classifier.json").is_file():
+        return DigitClassifier.from_pretrained(directory)
+    train = load_split("train")
+    classifier = DigitClassifier().fit(train.images, train.labels, seed=seed)
+    if directory is not None:
+        classifier.save_pretrained(directory)
+    return classifier

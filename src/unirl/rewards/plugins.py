@@ -112,6 +112,11 @@ class MultipleChoiceExact(RewardPlugin):
     """Strict A–D verifier: 1 if the response is exactly the answer letter, else 0."""
 
     name = "mc_exact"
+    requires_answer = True
+
+    @classmethod
+    def answer_problem(cls, answer: str) -> str | None:
+        return None if answer in tuple(LETTERS) else f"{answer!r} is not a letter A-D"
 
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
         out = []
@@ -133,6 +138,7 @@ class TextExact(RewardPlugin):
     """Open text answer: 1 if the text-only response, stripped, equals the answer."""
 
     name = "text_exact"
+    requires_answer = True
 
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
         return answer_matches(samples, responses, self._text)
@@ -208,6 +214,7 @@ class ExactAnswer(RewardPlugin):
     """
 
     name = "exact_answer"
+    requires_answer = True
 
     def __init__(
         self, require_image_class: bool = False, classifier: DigitClassifier | None = None

@@ -1,33 +1,31 @@
-"""Build the pieces of a run from its config: device, tokenizer, codec, model, LoRA.
+"""The training side of a run's model: LoRA adapters (inject, switch, merge, save).
 
-Nothing here runs before the config is fully validated; a model directory given as
-`model.path` is loaded as is (its tokenizer and codec travel with it), otherwise the kind's
-registered builder makes one from the config (the tiny default: from scratch with the run
-seed, its codec fitted on the digits train split or loaded from `model.codec.path`, and
-its tokenizer as `data.tokenizer` says: the digits WordLevel tokenizer, or a byte-level
-BPE trained on the training rows' text, saved in `tokenizer_dir` and reused on resume).
+The model itself, its device, tokenizer and dataset rows are built by
+`unirl.models.build` (re-exported here).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import torch
 
 from unirl.config.schema import UnirlConfig
-from unirl.core.sample import TextPart
-from unirl.data.rows import check_targets, split_rows
-from unirl.data.tokenizer import build_tokenizer, load_or_train_bpe
-from unirl.models import UnifiedModel, check_model_config, load_model
+from unirl.models import UnifiedModel
+from unirl.models.build import build_model, config_tokenizer, dataset_rows, resolve_device
 
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+__all__ = [
+    "adapter_state",
+    "apply_lora",
+    "build_model",
+    "config_tokenizer",
+    "dataset_rows",
+    "merged_state_dict",
+    "resolve_device",
+    "set_adapters_enabled",
+    "set_determinism",
+]
 
 
 CUBLAS_WORKSPACE = ":4096:8"
@@ -41,43 +39,6 @@ def set_determinism(deterministic: bool, device: torch.device) -> None:
     if deterministic and device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(deterministic)
-
-
-def config_tokenizer(cfg: UnirlConfig, tokenizer_dir: Path | None = None):
-    """The tokenizer of a model built from the config (module docstring). With
-    `data.path`, every assistant text of the training rows must map to known ids (a
-    `DatasetError` names file:line)."""
-    if cfg.data.path is None:
-        return build_tokenizer()
-    rows = split_rows(cfg.data, "train")
-    if cfg.data.uses_bpe:
-        texts = [p.text for s in rows.samples for p in s.parts if isinstance(p, TextPart)]
-        tokenizer = load_or_train_bpe(tokenizer_dir, texts, cfg.data.bpe_vocab_size)
-    else:
-        tokenizer = build_tokenizer()
-    check_targets(rows, tokenizer)
-    return tokenizer
-
-
-def build_model(
-    cfg: UnirlConfig, codec_dir: Path | None = None, tokenizer_dir: Path | None = None
-) -> UnifiedModel:
-    """The model a run starts from (before LoRA): `model.path` loaded as is, or the kind
-    built from the config by its registered builder (the tiny model: initialised from the
-    run seed, its codec fitted or loaded as `unirl.models.tiny.build` says, its tokenizer
-    from `config_tokenizer`). The `model` section is checked against the kind's
-    registration first (`check_model_config`)."""
-    spec = check_model_config(cfg.model)
-    if cfg.model.path is None:
-        tokenizer = config_tokenizer(cfg, tokenizer_dir)
-        return spec.build(cfg.model, cfg.run.seed, codec_dir, tokenizer)
-    model = load_model(cfg.model.path)
-    if model.visual_head != cfg.model.visual_head:
-        raise ValueError(
-            f"model.path={cfg.model.path} has a {model.visual_head} head but "
-            f"model.visual_head={cfg.model.visual_head}"
-        )
-    return model
 
 
 def apply_lora(model: UnifiedModel, cfg: UnirlConfig) -> list[str]:

@@ -16,16 +16,14 @@ Also reported: the fraction of rows per finish reason and of invalid-format resp
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 from unirl.core.sample import Sample
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
 from unirl.models.base import UnifiedModel
-from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.digit_classifier import DigitClassifier, load_or_fit_classifier
 from unirl.rewards.plugins import (
     DigitClassifierReward,
     ExactAnswer,
@@ -45,18 +43,7 @@ METRIC = {
     "i2t_open": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
-
-
-def load_or_fit_classifier(directory: Path | None, seed: int = 0) -> DigitClassifier:
-    """The digits classifier saved in `directory`, or one fitted on the train split (and
-    saved there when a directory is given)."""
-    if directory is not None and (directory / "classifier.json").is_file():
-        return DigitClassifier.from_pretrained(directory)
-    train = load_split("train")
-    classifier = DigitClassifier().fit(train.images, train.labels, seed=seed)
-    if directory is not None:
-        classifier.save_pretrained(directory)
-    return classifier
+__all__ = ["CLASSIFIER_DIR", "evaluate_digits", "evaluate_task", "load_or_fit_classifier"]
 
 
 def _plugin(task: str, classifier: DigitClassifier):

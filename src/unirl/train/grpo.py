@@ -57,14 +57,13 @@ from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
-from unirl.data.loader import load_dataset
 from unirl.forward import scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
-from unirl.rewards import build_reward_service
+from unirl.rewards import build_reward_service, check_answers
 from unirl.rollout import SamplingRecord
 from unirl.train import grpo_jsd as lean
-from unirl.train.build import set_adapters_enabled
+from unirl.train.build import dataset_rows, set_adapters_enabled
 from unirl.train.distributed import DistInfo, barrier
 from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
 from unirl.train.grpo_metrics import finalize_loss_stats
@@ -265,14 +264,16 @@ class GRPOObjective:
         return finalize_loss_stats(sums)
 
 
-def prompt_pools(cfg: UnirlConfig, image_size: tuple[int, int] = (8, 8)) -> dict[str, list[Sample]]:
-    """Training prompts per task: `data.path` rows of each task (images must have the
-    model's `image_size`), or the built-in digits tasks on the train split
-    (`data.train_size` per task, 0 = one per train image)."""
+def prompt_pools(cfg: UnirlConfig, model: UnifiedModel) -> dict[str, list[Sample]]:
+    """Training prompts per task: the train-split `data.path` rows of each task
+    (`dataset_rows`: images through the model's processor; a row a verifier would score
+    without its answer is a DatasetError naming its file:line, `check_answers`), or the built-in digits tasks
+    on the train split (`data.train_size` per task, 0 = one per train image)."""
     tasks = list(cfg.data.tasks)
     if cfg.data.path:
-        rows = load_dataset(cfg.data.path, image_size=image_size)
-        return {t: [s for s in rows if s.task == t] for t in tasks}
+        rows = dataset_rows(cfg, model, "train")
+        check_answers(cfg.reward, rows)
+        return {t: [s for s in rows.samples if s.task == t] for t in tasks}
     n = cfg.data.train_size or len(load_split("train"))
     return {t: make_task_samples(t, "train", n, seed=cfg.data.seed) for t in tasks}
 
@@ -325,8 +326,7 @@ def build_grpo_job(
     rewards = build_reward_service(
         cfg.reward, decode_images=model.codec.decode, resources=resources
     )
-    image_size = tuple(getattr(model.codec, "image_size", (8, 8)))
-    sampler = PromptSampler(prompt_pools(cfg, image_size), cfg.data.task_weights, cfg.data.seed)
+    sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     anchor = None
     if algo.updates_per_batch > 1:
         anchor = partial(anchor_old_logprobs, model, cfg, info)

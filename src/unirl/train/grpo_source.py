@@ -11,8 +11,9 @@ at its first update; see `GRPOSource`):
    epoch), so prompts are fresh every update and none repeats within an epoch. Prompt i
    of the update gets id `prompt-i` (its dataset id is kept in meta["source_id"]).
 2. Groups: each prompt is forked into G members `prompt-i/m` (`Sample.fork`), rolled out
-   with the stateless seed `seed_for(run.seed, u, i, m)`; t2i prompts force an image of
-   the codec's grid (with `rollout.length_semantics: exact` such a row ends
+   with the stateless seed `seed_for(run.seed, u, i, m)`; a prompt whose whole answer is
+   one image (`answer_image_grid`, read from the row, never from its task name) forces
+   an image of that grid (with `rollout.length_semantics: exact` such a row ends
    `length_exact` and is never shaped).
 3. Rewards: the reward service scores every row (truncation shaping from finish_reason;
    invalid, wrong and truncated rows stay in their group).
@@ -37,7 +38,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ from unirl.algorithms.grpo import group_advantages
 from unirl.config import ConfigError, UnirlConfig
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
+from unirl.data.rows import answer_image_grid
 from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardError, RewardService
 from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
@@ -225,12 +227,21 @@ class GRPOSource:
                 member = prompt.fork(m)
                 seed = seed_for(self.run_seed, r, i, m)
                 samples.append(member)
-                if member.task == "t2i":
-                    req = RolloutRequest(member, seed, self.params, image_grid=self.grid)
-                else:
-                    req = RolloutRequest(member, seed, self.params)
-                requests.append(req)
+                requests.append(self._request(member, seed))
         return samples, requests
+
+    def _request(self, member: Sample, seed: int) -> RolloutRequest:
+        """A row whose whole answer is one image (`answer_image_grid`: a target image or a
+        generate_image item, never a task name) is forced into an image of that grid
+        (under `length_semantics: exact`, of exactly H*W positions); any other row is a
+        text request under the `rollout:` settings."""
+        grid = answer_image_grid(member, self.grid)
+        if grid is None:
+            return RolloutRequest(member, seed, self.params)
+        params = self.params
+        if params.length_semantics == "exact" and grid != self.grid:
+            params = replace(params, max_new_tokens=grid[0] * grid[1])
+        return RolloutRequest(member, seed, params, image_grid=grid)
 
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()

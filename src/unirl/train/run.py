@@ -8,6 +8,8 @@ Layout of a run directory::
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
+    evals/<split>-update-NNNNNN/   `unirl eval` results of data.path runs' validation
+                         (val) and final test evaluation (test)
     eval.json, report.md, curves.png
 
 Re-running the same command on the same directory resumes from the latest intact
@@ -24,6 +26,7 @@ atomically — once, and only when it changed.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,13 +35,15 @@ import torch
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
-from unirl.data.loader import load_dataset
+from unirl.data.rows import has_split
+from unirl.eval.runner import evaluate, split_config
 from unirl.models.base import UnifiedModel
 from unirl.train import checkpoint as ckpt
 from unirl.train.build import (
     adapter_state,
     apply_lora,
     build_model,
+    dataset_rows,
     merged_state_dict,
     resolve_device,
     set_determinism,
@@ -55,6 +60,9 @@ from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
 
 _write_atomic = write_text_atomic
+
+logger = logging.getLogger(__name__)
+EVALS = "evals"
 
 
 def _record(path: Path, text: str) -> None:
@@ -99,9 +107,11 @@ def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
 
 
 def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
-    """Serialised SFT rows: `data.path` (JSONL/parquet) or the built-in digits tasks."""
+    """Serialised SFT rows of `split`: the `data.path` rows of that split and of the
+    `data.tasks` (`dataset_rows`: images through the model's processor), or
+    `n_per_task` rows of each built-in digits task."""
     if cfg.data.path:
-        samples = load_dataset(cfg.data.path, image_size=tuple(model.codec.image_size))
+        samples = dataset_rows(cfg, model, split).samples
     else:
         samples = [
             s
@@ -172,23 +182,66 @@ def _digits_tasks(cfg: UnirlConfig) -> bool:
     return cfg.model.kind == "tiny" and cfg.data.path is None
 
 
+def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:
+    """Whether a `data.path` run evaluates `split` (`data.<split>_size` > 0 and the split
+    has rows); logs why not when the split has none."""
+    if cfg.data.path is None or size == 0:
+        return False
+    if has_split(cfg.data, split):
+        return True
+    logger.warning(
+        "no %s rows (neither data.%s_path nor data.path rows with split: %s): no %s "
+        "evaluation (set data.%s_size=0 to silence this)",
+        split,
+        split,
+        split,
+        "validation" if split == "val" else "test",
+        split,
+    )
+    return False
+
+
+def dataset_evaluation(
+    cfg: UnirlConfig, model: UnifiedModel, split: str, out: Path, per_task: int
+) -> dict[str, float]:
+    """`unirl eval` of `model` on the first `per_task` rows per task of `split` into
+    `out`: per task t and summary statistic k (mean@n, pass@n, <plugin>/mean,
+    finish_<reason>_frac, n_samples, n_rollouts; `unirl.eval.report`), `t/k`."""
+    summary = evaluate(split_config(cfg, split), model, out, per_task=per_task)
+    return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
+
+
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
-    """Validation metrics (`val/<task>/<metric>`) on the digits val split, if configured."""
-    if not _digits_tasks(cfg) or cfg.data.val_size == 0:
+    """Validation metrics `val/<task>/<metric>` every `trainer.eval_every` updates: the
+    digits val split (`data.val_size` rows per task), or, with `data.path`, the
+    `unirl eval` evaluator on the val rows (the first `data.val_size` per task; results
+    in `<run_dir>/evals/val-update-NNNNNN`)."""
+    if _digits_tasks(cfg) and cfg.data.val_size > 0:
+        classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
+
+        def evaluate_val(update: int) -> dict[str, float]:
+            out = evaluate_digits(
+                model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
+            )
+            return {f"val/{k}": v for k, v in out.items()}
+
+        return evaluate_val
+    if not _rows_of(cfg, "val", cfg.data.val_size):
         return None
-    classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
 
-    def evaluate(update: int) -> dict[str, float]:
-        out = evaluate_digits(
-            model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
-        )
-        return {f"val/{k}": v for k, v in out.items()}
+    def evaluate_rows(update: int) -> dict[str, float]:
+        out = run_dir / EVALS / f"val-update-{update:06d}"
+        metrics = dataset_evaluation(cfg, model, "val", out, cfg.data.val_size)
+        return {f"val/{k}": v for k, v in metrics.items()}
 
-    return evaluate
+    return evaluate_rows
 
 
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
-    """Export the final model, evaluate it on the test split, plot the curves (rank 0)."""
+    """Export the final model (atomically), evaluate it on the test split
+    (`data.test_size` rows per task: the digits evaluator, or with `data.path` the
+    `unirl eval` evaluator into `<run_dir>/evals/test-update-NNNNNN`) into eval.json, plot
+    the curves (rank 0)."""
 
     def export(path: Path) -> None:
         model.save_pretrained(path, state_dict=merged_state_dict(model))
@@ -196,6 +249,7 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
 
     ckpt.write_dir_atomic(run_dir, "model", export)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
+    results = None
     if _digits_tasks(cfg) and cfg.data.test_size > 0:
         classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
         results = evaluate_digits(
@@ -204,5 +258,9 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
         if MASKED_TASK in cfg.data.tasks:  # does the answer read the drawn image?
             samples = make_task_samples(MASKED_TASK, "test", cfg.data.test_size, cfg.data.seed)
             results.update(evaluate_masked_answer(model, samples, seed=cfg.data.seed))
+    elif _rows_of(cfg, "test", cfg.data.test_size):
+        out = run_dir / EVALS / f"test-update-{cfg.trainer.total_updates:06d}"
+        results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
+    if results is not None:
         _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
     _write_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")

@@ -1,10 +1,13 @@
 """Janus-Pro images: input checks and normalisation, and the VQ-16 tokenizer as a unirl
 codec.
 
-Pixels are float [H, W] (grey, repeated to RGB) or [H, W, 3] in [0, 1] of exactly the
-processor's size (384 x 384 for Janus-Pro; nothing is resized). Both the SigLIP tower and
-the VQ encoder read them normalised with the processor's mean and std,
-x' = (x - mean) / std; VQ decoding inverts that, x = clip(x' * std + mean, 0, 1), as
+Pixels are float RGB [H, W, 3] in [0, 1], kept in colour (dataset images arrive so from
+`unirl.data.images.RGBProcessor`), or grey [H, W], whose value is copied into each of R, G
+and B; nothing is ever converted to grey. They must have exactly the processor's size
+(384 x 384 for Janus-Pro; the dataset loader resizes only under
+`data.image_resize=resize`). Both the SigLIP tower and the VQ encoder read them
+normalised per channel c with the processor's mean and std, x'_c = (x_c - mean_c) / std_c;
+VQ decoding inverts that, x = clip(x' * std + mean, 0, 1), as
 `JanusImageProcessor.postprocess` does.
 """
 
@@ -26,11 +29,12 @@ class PixelSpec:
         self.std = torch.tensor([float(s) for s in std]).view(3, 1, 1)
 
     def check(self, pixels: np.ndarray, where: str) -> np.ndarray:
-        """float32 [S, S, 3] in [0, 1]; ValueError naming `where` for any other image."""
+        """float32 RGB [S, S, 3] in [0, 1] (grey [S, S] copied into three channels);
+        ValueError naming `where` for any other image."""
         px = np.asarray(pixels)
         s = self.size
-        if px.ndim == 2:
-            px = np.repeat(px[:, :, None], 3, axis=2)
+        if px.ndim == 2:  # grey: the same value in R, G and B
+            px = np.stack([px, px, px], axis=-1)
         if px.ndim != 3 or px.shape[2] != 3:
             raise ValueError(
                 f"{where}: expected an image [H, W] or [H, W, 3], got shape {tuple(px.shape)}"
@@ -47,9 +51,10 @@ class PixelSpec:
         return px.astype(np.float32, copy=False)
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, S, S, 3] (or [N, S, S]) in [0, 1] -> normalised [N, 3, S, S]."""
+        """RGB [N, S, S, 3] (or grey [N, S, S], copied into three channels) in [0, 1]
+        -> normalised [N, 3, S, S], per channel (module docstring)."""
         if pixels.dim() == 3:
-            pixels = pixels.unsqueeze(-1).expand(*pixels.shape, 3)
+            pixels = torch.stack([pixels, pixels, pixels], dim=-1)
         x = pixels.permute(0, 3, 1, 2).float()
         return (x - self.mean.to(x.device)) / self.std.to(x.device)
 
