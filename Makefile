@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := src tests $(wildcard bench)
 
-.PHONY: venv test lint format demo clean
+.PHONY: venv test test-full lint format demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 
 test: lint
+	CI=true $(BIN)/python -m pytest -m "not slow"
+
+test-full: lint
 	CI=true $(BIN)/python -m pytest
 
 demo: $(STAMP)

@@ -239,6 +239,20 @@ def _overrides(*over: str) -> Callable:
     return lambda d, out, w: [write(d, tiny(out, w)), *over]
 
 
+def _grpo_row_without_answer(d: Path, out: Path, w) -> list[str]:
+    """GRPO on own rows scored by text_exact, whose third row has no `answer`."""
+    lines = [json.dumps(row(word, answer=word)) for word in ("one", "two", "four")]
+    lines.insert(2, json.dumps(row("three")))
+    (d / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = own(out, w, d / "rows.jsonl")
+    cfg.update(
+        algorithm={"name": "grpo", "group_size": 2},
+        reward={"plugins": [{"name": "text_exact"}]},
+        rollout={"max_new_tokens": 3},
+    )
+    return [write(d, cfg)]
+
+
 def _no_config(d: Path, out: Path, w) -> list[str]:
     return []
 
@@ -438,6 +452,7 @@ CASES: list[Case] = [
         ("c.yaml", "reward.plugins", "at least one"),
         lambda out, w: grpo(out, w, plugins=[]),
     ),
+    Case("grpo_row_without_answer", ("rows.jsonl:3", "answer"), _grpo_row_without_answer),
     Case(
         "plugin_override_misspelt",
         ("<command line>", "reward.plugins.0.name"),

@@ -69,9 +69,9 @@ def test_every_task_text_is_in_vocabulary(tok):
 
 
 def test_pieces_newline_numbers_and_unknown_words(tok):
-    ids = tok.encode("What is 3 + 4?\nDraw 12 zebras", add_special_tokens=False)
+    ids = tok.encode("Which is 3 + 4?\nDraw 12 zebras", add_special_tokens=False)
     tokens = tok.convert_ids_to_tokens(ids)
-    assert tokens == ["What", "is", "3", "+", "4", "?", "\n", "Draw", "12", "<unk>"]
+    assert tokens == ["Which", "is", "3", "+", "4", "?", "\n", "Draw", "12", "<unk>"]
     assert tok.encode("<|im_start|>user\n", add_special_tokens=False) == [
         tok.convert_tokens_to_ids("<|im_start|>"),
         tok.convert_tokens_to_ids("user"),
@@ -82,7 +82,7 @@ def test_pieces_newline_numbers_and_unknown_words(tok):
 
 
 def test_normalized_text(tok):
-    assert normalize_text("What is 3 + 4?\nDraw it.", tok) == "What is 3 + 4 ?\nDraw it ."
+    assert normalize_text("Which is 3 + 4?\nDraw it.", tok) == "Which is 3 + 4 ?\nDraw it ."
     assert normalize_text("  A)   3\n\n B ", tok) == "A ) 3\n\nB"
     assert normalize_text("B", tok) == "B"
     text = "Which digit is shown ? A ) 3 B ) 7 C ) 1 D ) 9 ."

@@ -18,7 +18,7 @@ separates pieces and is dropped. Case is kept (answers like "B" round-trip exact
 "\\n" is an ordinary vocabulary token, so ChatML's newlines are real positions.
 
 Decoding joins pieces with one space, except that no space is put next to a newline:
-`decode(encode("What is 3 + 4?\\nDraw"))` == "What is 3 + 4 ?\\nDraw". This is the
+`decode(encode("Which is 3 + 4?\\nDraw"))` == "Which is 3 + 4 ?\\nDraw". This is the
 *normalised* form of a text (`normalize_text`), and what `template.parse` returns.
 
 Vocabulary (deterministic): the special tokens first, in `SPECIAL_TOKENS` order (so

@@ -34,6 +34,7 @@ from unirl.data.loader import DatasetError, Rows, load_rows
 from unirl.data.rows import check_targets, split_rows
 from unirl.data.tokenizer import build_tokenizer
 from unirl.models import check_model_config
+from unirl.rewards.answers import check_dataset_answers
 from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 
@@ -158,6 +159,8 @@ def check_rows(cfg: UnirlConfig) -> Rows:
         for split, path in (("val", data.val_path), ("test", data.test_path)):
             if path is not None:
                 split_rows(data, split, processor, grid)
+        if cfg.algorithm.name == "grpo":  # rows a verifier scores need their answers
+            check_dataset_answers(cfg, ("train", "val", "test"))
     except DatasetError as err:
         raise _as_input_error(err, "data.path") from None
     if cfg.algorithm.name == "sft":
