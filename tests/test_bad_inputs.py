@@ -8,7 +8,8 @@ and the scratch directory holds only the inputs the case wrote), or, for an exis
 run (a private copy of one short checkpointed run made once for the module), that every
 file of the run is byte-for-byte unchanged (config.yaml, config_hash, checkpoints,
 metrics, model). The subprocesses run a few at a time; almost all fail in the preflight
-before any model is built.
+before any model is built. The matrix is marked slow (67 CLI processes, ~5 minutes on two
+cores): `make test-full` runs it, `make test` does not.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from unirl.config import validate_config
 from unirl.train.build import build_model
 
 WORKERS = 3
+
+pytestmark = pytest.mark.slow
 
 
 def snapshot(root: Path) -> dict[str, str]:
