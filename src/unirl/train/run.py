@@ -59,8 +59,6 @@ from unirl.train.preflight import preflight
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
 
-_write_atomic = write_text_atomic
-
 logger = logging.getLogger(__name__)
 EVALS = "evals"
 
@@ -262,5 +260,7 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
         out = run_dir / EVALS / f"test-update-{cfg.trainer.total_updates:06d}"
         results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
     if results is not None:
-        _write_atomic(run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
-    _write_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
+        write_text_atomic(
+            run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n"
+        )
+    write_text_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
