@@ -485,12 +485,42 @@ def _bitflip(kit):
             algorithm__bitflip__probability=0.3, **bsq)  # fmt: skip
 
 
-@probe("algorithm[sft].information_gain.weight", *(f"algorithm[opd].{k}" for k in (
+IG = "algorithm.information_gain."
+
+
+def ig_step(cfg: UnirlConfig) -> tuple[float, ...]:
+    """The first update's loss and IG metrics on the interleaved task."""
+    m = make_trainer(cfg).step()
+    keys = ("loss", "ig/loss", "ig/rows", "ig/blind_calls", "ig/visual_to_text/events",
+            "ig/visual_to_text/blind", "ig/visual_to_text/gate")  # fmt: skip
+    return tuple(m.get(k, float("nan")) for k in keys)
+
+
+@probe(*(f"algorithm[sft].information_gain.{k}" for k in (
+    "weight", "formulation", "temperature", "eps", "text_to_visual_weight",
+    "visual_to_text_weight", "event_selection", "blind_view_chunk_size")))  # fmt: skip
+def _information_gain(kit):
+    on = {"data__tasks": ["draw_then_answer"], "trainer__total_updates": 1,
+          IG.replace(".", "__") + "weight": 1.0}  # fmt: skip
+    differs(
+        kit, ig_step, IG + "weight", 0.0, 1.0, **{k: v for k, v in on.items() if "weight" not in k}
+    )
+    differs(kit, ig_step, IG + "formulation", "absolute", "relative_per_unit", **on)
+    differs(kit, ig_step, IG + "temperature", 0.25, 1.0, **on)
+    differs(kit, ig_step, IG + "eps", 1e-4, 10.0, **on)
+    differs(kit, ig_step, IG + "text_to_visual_weight", 1.0, 0.0, **on)
+    differs(kit, ig_step, IG + "visual_to_text_weight", 1.0, 0.0, **on)
+    differs(kit, ig_step, IG + "event_selection", "cycle", "all", **on)
+    differs(kit, ig_step, IG + "blind_view_chunk_size", 8, 1, **on)
+    with pytest.raises(ConfigError, match="information_gain.weight: .* both direction weights 0"):
+        config(kit, {IG + "weight": 1.0, IG + "text_to_visual_weight": 0.0,
+                     IG + "visual_to_text_weight": 0.0})  # fmt: skip
+
+
+@probe(*(f"algorithm[opd].{k}" for k in (
     "name", "teacher_path", "beta", "top_k", "retained_mass_min", "chunk_size")))  # fmt: skip
 def _not_implemented(kit):
     """Features that do not exist yet are refused at config time, naming the section."""
-    with pytest.raises(ConfigError, match="information_gain.weight: not implemented yet"):
-        config(kit, {"algorithm": {"name": "sft", "information_gain": {"weight": 1.0}}})
     with pytest.raises(ConfigError, match="algorithm.name: opd .* not implemented yet"):
         config(kit, {"algorithm": {"name": "opd", "teacher_path": str(kit.saved)}})
 

@@ -48,21 +48,6 @@ class SFTTerms:
     n_visual: int
 
 
-def sft_terms(
-    text_logits: torch.Tensor,
-    text_targets: torch.Tensor,
-    visual_logits: torch.Tensor,
-    visual_targets: torch.Tensor,
-) -> SFTTerms:
-    """Sums of per-position text and visual cross-entropies for one micro-batch."""
-    return SFTTerms(
-        text_sum=text_ce(text_logits, text_targets).sum(),
-        visual_sum=visual_ce(visual_logits, visual_targets).sum(),
-        n_text=int(text_targets.shape[0]),
-        n_visual=int(visual_targets.shape[0]),
-    )
-
-
 def sft_loss(terms: SFTTerms, lambda_visual: float, n_global: int) -> torch.Tensor:
     """(Σ text CE + λ_visual · Σ visual CE) / N_global (see module docstring)."""
     if n_global <= 0:

@@ -30,22 +30,45 @@ NOT_IMPLEMENTED = "not implemented yet"
 
 
 class InformationGainConfig(StrictModel):
-    """Information Gain term: reward answers that need the image (full vs blind view).
+    """Information Gain term: reward target blocks that use their source block (full vs
+    blind view; NUMERICS.md "Information Gain", `unirl.algorithms.information_gain`).
 
-    Not implemented yet: any weight other than 0 is refused at config time.
+    The loss added to SFT is `weight` · L_IG; weight 0 switches IG off (no blind views).
     """
 
-    weight: float = Field(
-        0.0, ge=0.0, description="Weight of the information-gain loss (0 = off; only 0 for now)."
+    weight: float = Field(0.0, ge=0.0, description="Weight of the IG loss (0 = off).")
+    formulation: Literal["absolute", "relative_per_unit"] = Field(
+        "relative_per_unit",
+        description="absolute: -gain; relative_per_unit: tau*softplus(-margin/tau), "
+        "margin = gain / (|blind score| + eps).",
+    )
+    temperature: float = Field(
+        0.25, gt=0.0, description="tau of the relative_per_unit gate (UniAR: 0.25)."
+    )
+    eps: float = Field(
+        1e-4, gt=0.0, description="Added to |blind score| in the relative margin's denominator."
+    )
+    text_to_visual_weight: float = Field(
+        1.0, ge=0.0, description="w_dir of text->visual events (a drawing reads its text)."
+    )
+    visual_to_text_weight: float = Field(
+        1.0, ge=0.0, description="w_dir of visual->text events (text reads the image before it)."
+    )
+    event_selection: Literal["cycle", "all"] = Field(
+        "cycle",
+        description="cycle: one event per trajectory and direction, cycling with the update "
+        "number (validation pins index 0); all: every event.",
+    )
+    blind_view_chunk_size: int = Field(
+        8, gt=0, description="Blind views (events) per forward of the detached blind pass."
     )
 
     @model_validator(mode="after")
-    def _not_implemented(self) -> InformationGainConfig:
-        if self.weight != 0:
+    def _check(self) -> InformationGainConfig:
+        if self.weight > 0 and self.text_to_visual_weight == 0 and self.visual_to_text_weight == 0:
             raise incompatible(
                 "weight",
-                f"{NOT_IMPLEMENTED}: the information-gain loss does not exist; "
-                f"got weight={self.weight}, leave it at 0",
+                f"weight={self.weight} has no effect with both direction weights 0",
             )
         return self
 

@@ -69,15 +69,38 @@ def run_decoder(
     cache: Any = None,
 ) -> BodyOutput:
     """Run a transformers decoder (LlamaModel-like) on input embeddings; the cache is
-    used and returned only when one is passed."""
+    used and returned only when one is passed. `attention_mask` is the key-padding mask
+    [B, T_past + T], or a full query × key mask [B, T, T] (`query_key_mask`)."""
     out = decoder(
         inputs_embeds=embeds,
-        attention_mask=attention_mask.long(),
+        attention_mask=query_key_mask(decoder, attention_mask, embeds.dtype, cache),
         position_ids=position_ids,
         cache=cache,
         use_cache=cache is not None,
     )
     return BodyOutput(hidden=out.last_hidden_state, cache=out.cache)
+
+
+def query_key_mask(
+    decoder: nn.Module, attention_mask: torch.Tensor, dtype: torch.dtype, cache: Any = None
+) -> torch.Tensor:
+    """What a transformers decoder takes for `attention_mask`: a key-padding mask [B, T]
+    as long (the decoder adds causality), or a bool query × key mask [B, T, T] (causality
+    already in it; a full forward, no cache) as the 4-D mask the decoder uses as-is —
+    bool for SDPA, additive (0 / dtype min) for eager attention."""
+    if attention_mask.dim() == 2:
+        return attention_mask.long()
+    if attention_mask.dim() != 3 or cache is not None:
+        raise ValueError(
+            f"attention_mask: expected [B, T] or, without a cache, [B, T, T]; got "
+            f"{tuple(attention_mask.shape)}{' with a cache' if cache is not None else ''}"
+        )
+    mask = attention_mask.bool()[:, None]
+    if getattr(decoder.config, "_attn_implementation", "sdpa") == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask
 
 
 @dataclass
@@ -94,7 +117,9 @@ class ModelInputs:
 
     `token_ids`, `modality` long [B, T]; `visual_codes` VQ long [B, T] / BSQ float [B, T, L]
     (the *input* codes: BitFlip may perturb them); `attention_mask` bool [B, T_past + T]
-    (cached positions included when decoding); `position_ids` in the model's own shape
+    (cached positions included when decoding), or, for a full forward without a cache, a
+    bool query × key mask [B, T, T] with causality in it (Information Gain's blind views;
+    positions then come from the key-padding mask, unchanged); `position_ids` in the model's own shape
     (RoPE: long [B, T]; M-RoPE: [3, B, T]); `image_position` long [B, T]: raster index of
     each visual position within its image (0 elsewhere); `images[b]`: row b's
     understanding-image inputs in order (`Trajectory.images`; empty for decoding steps).

@@ -14,12 +14,21 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from unirl.algorithms.sft import bitflip, bitflip_rates, sft_loss, sft_terms
+from unirl.algorithms.sft import SFTTerms, bitflip, bitflip_rates, sft_loss, text_ce, visual_ce
 from unirl.config.algorithms import SFTConfig
 from unirl.core.seeding import seed_for
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.forward import forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
+from unirl.train.distributed import DistInfo, all_reduce_sum
+from unirl.train.information_gain import (
+    contributing_rows,
+    eval_mode,
+    finalize_sums,
+    full_logp,
+    has_dropout,
+    ig_terms,
+)
 
 
 class DatasetSource:
@@ -76,10 +85,31 @@ def _row_seed_index(sample_id: str) -> int:
 
 class SFTObjective:
     """Text CE + λ_visual · visual CE over the global count of scored positions, with
-    optional BitFlip noise on the visual inputs drawn from each row's seed."""
+    optional BitFlip noise on the visual inputs drawn from each row's seed, plus
+    `information_gain.weight` · L_IG (`unirl.algorithms.information_gain`).
+
+    IG: the full view is the SFT forward itself (one backbone call gives text CE, visual
+    CE and the full scores) when that forward is clean — no BitFlip, no active dropout;
+    otherwise the IG rows get their own clean eval-mode forward (with gradient). Blind
+    views are detached (`train.information_gain.blind_scores`). L_IG is the
+    trajectory-first mean over the *global* batch's contributing rows and the cycle index
+    is the update number, both set by `begin_update` (the trainer calls it before the
+    micro-batches), so neither depends on the split of the batch nor on a resume.
+    """
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
+        self.ig = cfg.information_gain
+        self.cycle_index = 0
+        self.ig_rows_global = 0
+
+    def begin_update(self, update: int, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
+        """Cycle index = `update`; the global count of rows contributing IG events."""
+        self.cycle_index = update
+        if self.ig.weight <= 0:
+            return
+        local = sum(contributing_rows(m, self.ig, update) for m in micros)
+        self.ig_rows_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
 
     def count(self, batch: TrajectoryBatch) -> int:
         text, visual = scored_indices(batch)
@@ -99,20 +129,42 @@ class SFTObjective:
     def loss(
         self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        out = forward_interleaved(model, micro, self._noisy_inputs(model, micro))
-        terms = sft_terms(out.text_logits, out.text_targets, out.visual_logits, out.visual_targets)
+        noisy = self._noisy_inputs(model, micro)
+        out = forward_interleaved(model, micro, noisy)
+        text_pos = text_ce(out.text_logits, out.text_targets)
+        visual_pos = visual_ce(out.visual_logits, out.visual_targets)
+        terms = SFTTerms(text_pos.sum(), visual_pos.sum(), len(text_pos), len(visual_pos))
         loss = sft_loss(terms, self.cfg.lambda_visual, n_global)
-        return loss, {
+        stats = {
             "text_ce_sum": float(terms.text_sum.detach()),
             "visual_ce_sum": float(terms.visual_sum.detach()),
             "n_text": float(terms.n_text),
             "n_visual": float(terms.n_visual),
         }
+        if self.ig.weight > 0:
+            if noisy is not None or (model.training and has_dropout(model)):
+                with eval_mode(model):
+                    out = forward_interleaved(model, micro)
+                text_pos = text_ce(out.text_logits, out.text_targets)
+                visual_pos = visual_ce(out.visual_logits, out.visual_targets)
+            logp = full_logp(out, text_pos, visual_pos)
+            ig = ig_terms(model, micro, logp, self.ig, self.cycle_index)
+            if ig.n_rows and self.ig_rows_global <= 0:
+                raise RuntimeError("information gain: begin_update was not called this update")
+            if ig.n_rows:
+                loss = loss + self.ig.weight * ig.loss_sum / self.ig_rows_global
+            stats.update(ig.sums)
+        return loss, stats
 
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
-        """The summed cross-entropies and counts, and the mean CE per modality."""
-        return {
-            **sums,
+        """The summed cross-entropies and counts, the mean CE per modality, and with IG
+        on its per-direction means (`train.information_gain.finalize_sums`)."""
+        ce = {k: v for k, v in sums.items() if not k.startswith("ig/")}
+        out = {
+            **ce,
             "text_ce": sums["text_ce_sum"] / max(sums["n_text"], 1.0),
             "visual_ce": sums["visual_ce_sum"] / max(sums["n_visual"], 1.0),
         }
+        if self.ig.weight > 0:
+            out.update(finalize_sums(sums))
+        return out

@@ -68,6 +68,11 @@ class Objective(Protocol):
         """The logged metrics of an update from its `loss` sums, added over every
         micro-batch and all-reduced over ranks."""
 
+    # Optional: `begin_update(update, micros, dist)`, called once per update before the
+    # micro-batches (on every rank, with this rank's micro-batches): an objective whose
+    # loss needs the update number or a global count besides `count` (SFT with
+    # Information Gain) sets them here.
+
 
 SAMPLES_PER_LOG = 4
 
@@ -256,6 +261,9 @@ class Trainer:
         micros = [TrajectoryBatch.collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
         n_global = int(all_reduce_sum(torch.tensor(float(local)), self.dist).item())
+        begin = getattr(self.objective, "begin_update", None)  # optional hook
+        if begin is not None:
+            begin(self.update, micros, self.dist)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, float] = {}

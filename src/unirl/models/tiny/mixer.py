@@ -16,6 +16,11 @@ Decoding: `MixCache` (a `DynamicCache`) carries each mixer's last k-1 (masked) i
 row; a call with T new positions mixes them with the carried ones, so the cached and the
 full forward agree, and `batch_select_indices` keeps the carried inputs of the kept rows.
 
+Query × key masks (Information Gain's blind views, full forwards only): with a bool
+[B, T, T] attention mask M, tap j of position p reads x_{p-j} only where M[b, p, p-j]
+(`mixer_taps`), so a query that may not attend to a key does not mix it in either. With
+M = causal & key-valid this equals the padding rule above at every real position.
+
 The mask and the cache reach the mixers through a `MixContext` that the model sets at
 every body call (the decoder layers' signatures carry neither the 2-D mask nor the cache).
 """
@@ -45,10 +50,22 @@ class MixCache(DynamicCache):
 @dataclass
 class MixContext:
     """What the mixers of one body call need: `valid` [B, T] (True at real positions of
-    the T new inputs) and the cache's states (None: a full forward with no cache)."""
+    the T new inputs), the cache's states (None: a full forward with no cache) and, under
+    a query × key mask, `taps` [B, T, k] (`mixer_taps`)."""
 
     valid: torch.Tensor | None = None
     states: dict[int, torch.Tensor] | None = field(default=None)
+    taps: torch.Tensor | None = None
+
+
+def mixer_taps(mask: torch.Tensor, kernel: int) -> torch.Tensor:
+    """bool [B, T, k] of a query × key mask [B, T, T]: tap j of query p reads p − j iff
+    mask[b, p, p − j] (never before position 0)."""
+    B, T, _ = mask.shape
+    out = torch.zeros(B, T, kernel, dtype=torch.bool, device=mask.device)
+    for j in range(min(kernel, T)):
+        out[:, j:, j] = mask.diagonal(offset=-j, dim1=1, dim2=2)
+    return out
 
 
 class CausalMixer(nn.Module):
@@ -68,6 +85,8 @@ class CausalMixer(nn.Module):
                 f"does not match the input {tuple(x.shape[:2])}"
             )
         k, t = self.kernel, x.shape[1]
+        if ctx.taps is not None:
+            return self._masked(x, ctx.taps)
         x_in = x * ctx.valid.unsqueeze(-1).to(x.dtype)
         if ctx.states is None or self.index not in ctx.states:
             past = x_in.new_zeros(x.shape[0], k - 1, x.shape[2])
@@ -79,6 +98,16 @@ class CausalMixer(nn.Module):
         out = x
         for j in range(k):
             out = out + self.weight[j] * padded[:, k - 1 - j : k - 1 - j + t]
+        return out
+
+    def _masked(self, x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        """The mix under a query × key mask: tap j of position p only where taps[b, p, j]."""
+        k, t = self.kernel, x.shape[1]
+        padded = torch.cat([x.new_zeros(x.shape[0], k - 1, x.shape[2]), x], dim=1)
+        out = x
+        for j in range(k):
+            tap = padded[:, k - 1 - j : k - 1 - j + t] * taps[..., j : j + 1].to(x.dtype)
+            out = out + self.weight[j] * tap
         return out
 
 

@@ -25,7 +25,7 @@ from unirl.codecs import ImageCodec, load_codec
 from unirl.core.types import Modality
 from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
 from unirl.models.registry import MODEL_CONFIG
-from unirl.models.tiny.mixer import MixCache, MixContext, install_mixers
+from unirl.models.tiny.mixer import MixCache, MixContext, install_mixers, mixer_taps
 
 WEIGHTS = "model.safetensors"
 
@@ -146,7 +146,14 @@ class TinyUnifiedModel(UnifiedModel):
                     f"the tiny model's mixers need a MixCache (model.new_cache()), "
                     f"got {type(cache).__name__}"
                 )
-            self._mix.valid = attention_mask[:, -embeds.shape[1] :].bool()
+            if attention_mask.dim() == 3:  # a query × key mask: full forward, no cache
+                if cache is not None:
+                    raise ValueError("a [B, T, T] attention mask is for full forwards only")
+                self._mix.taps = mixer_taps(attention_mask.bool(), self.config.mixer_kernel)
+                self._mix.valid = self._mix.taps[..., 0]
+            else:
+                self._mix.taps = None
+                self._mix.valid = attention_mask[:, -embeds.shape[1] :].bool()
             self._mix.states = None if cache is None else cache.mix_states
         return run_decoder(self.decoder, embeds, attention_mask, position_ids, cache)
 

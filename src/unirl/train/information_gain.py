@@ -1,0 +1,235 @@
+"""Information Gain views on a model: full scores from the SFT forward, detached blind
+views in chunks, the per-micro-batch IG loss numerator and its metric sums.
+
+Model-agnostic: the blind view is `model.prepare(batch)` (positions from the key-padding
+mask, so every view reuses the full positions, M-RoPE included) with its attention mask
+replaced by a bool query × key mask [B, T, T] (`UnifiedModel.hidden`, `run_decoder`); the
+tiny model's conv mixers obey the same mask (`models.tiny.mixer.mixer_taps`). Heads are
+applied only at the events' target positions. Blind views run in eval mode (no dropout)
+under `torch.no_grad`, on clean input codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from unirl.algorithms.information_gain import (
+    DIRECTIONS,
+    SATURATION_HIGH,
+    SATURATION_LOW,
+    Block,
+    Event,
+    batch_events,
+    blind_attention_mask,
+    direction_weights,
+    event_losses,
+    select_events,
+    trajectory_sum,
+    unit_scores,
+)
+from unirl.algorithms.sft import text_ce, visual_ce
+from unirl.config.algorithms import InformationGainConfig
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.types import Modality
+from unirl.forward import ForwardOutput
+from unirl.models.base import UnifiedModel
+
+STAT_KEYS = ("full", "blind", "gain", "margin", "gate", "gate_low", "gate_high", "events")
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) inside the block, its previous mode after."""
+    was = model.training
+    model.train(False)
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether a training-mode forward of `model` would drop anything (a dropout module with
+    p > 0, or an attention module with `attention_dropout` > 0)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        if float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
+            return True
+    return False
+
+
+def scored_events(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> list[Event]:
+    """The selected events of every row of `batch` (`event_selection`, cycle index)."""
+    scored = batch.policy_mask.clone()
+    scored[:, 0] = False
+    visual = batch.modality == Modality.VISUAL
+    per_row = batch_events(visual.cpu(), scored.cpu(), batch.lengths.cpu())
+    return [e for row in per_row for e in select_events(row, cfg.event_selection, cycle)]
+
+
+def full_logp(out: ForwardOutput, text_ce_pos: torch.Tensor, visual_ce_pos: torch.Tensor):
+    """[B, T] per-position log-probs of the scored targets of a forward (−CE; 0 elsewhere)."""
+    B, T = out.visual_mask.shape
+    dtype = text_ce_pos.dtype
+    logp = torch.zeros(B, T, dtype=dtype, device=text_ce_pos.device)
+    logp = logp.index_put((out.text_index.rows, out.text_index.cols), -text_ce_pos)
+    return logp.index_put((out.visual_index.rows, out.visual_index.cols), -visual_ce_pos.to(dtype))
+
+
+def source_blocks(event: Event) -> list[Block]:
+    """The blind view of an event hides its source block."""
+    return [event.source]
+
+
+@torch.no_grad()
+def blind_scores(
+    model: UnifiedModel,
+    batch: TrajectoryBatch,
+    events: Sequence[Event],
+    chunk_size: int,
+    hidden_blocks: Callable[[Event], list[Block]] = source_blocks,
+) -> tuple[torch.Tensor, int]:
+    """(S_blind [E] detached, number of forwards): the events' views with
+    `hidden_blocks(e)` blinded, `chunk_size` views per forward (a virtual batch of the
+    events' rows, each with its own query × key mask)."""
+    if not events:
+        return torch.zeros(0, device=model.device), 0
+    scores, calls = [], 0
+    with eval_mode(model):
+        for start in range(0, len(events), chunk_size):
+            part = list(events[start : start + chunk_size])
+            scores.append(_view_scores(model, batch, part, hidden_blocks))
+            calls += 1
+    return torch.cat(scores), calls
+
+
+def _view_scores(
+    model: UnifiedModel,
+    batch: TrajectoryBatch,
+    events: list[Event],
+    hidden_blocks: Callable[[Event], list[Block]],
+) -> torch.Tensor:
+    rows = [e.row for e in events]
+    sub = batch[rows]
+    T = sub.max_length
+    lengths = sub.lengths.tolist()
+    masks = torch.stack(
+        [
+            blind_attention_mask(lengths[j], T, hidden_blocks(e), e.target.end)
+            for j, e in enumerate(events)
+        ]
+    )
+    inputs = model.prepare(sub)
+    inputs = replace(inputs, attention_mask=masks.to(inputs.token_ids.device))
+    hidden = model.hidden(inputs).hidden
+    local = [replace(e, row=j) for j, e in enumerate(events)]
+    logp = torch.zeros(len(events), T, device=hidden.device)
+    for visual in (False, True):
+        chosen = [e for e in local if e.target.visual == visual]
+        if not chosen:
+            continue
+        r = torch.tensor([e.row for e in chosen for _ in e.targets], device=hidden.device)
+        c = torch.tensor([p for e in chosen for p in e.targets], device=hidden.device)
+        h = hidden[r, c - 1]
+        if visual:
+            codes = inputs.visual_codes[r, c]
+            values = -visual_ce(model.visual_logits(h), codes)
+        else:
+            values = -text_ce(model.text_logits(h), inputs.token_ids[r, c])
+        logp = logp.index_put((r, c), values.float())
+    return unit_scores(logp, local)
+
+
+@dataclass
+class IGTerms:
+    """One micro-batch's IG: Σ over contributing rows of mean_e w·ℓ_e (with gradient),
+    their number, and additive metric sums."""
+
+    loss_sum: torch.Tensor
+    n_rows: int
+    sums: dict[str, float]
+
+
+def ig_terms(
+    model: UnifiedModel,
+    batch: TrajectoryBatch,
+    logp: torch.Tensor,
+    cfg: InformationGainConfig,
+    cycle: int,
+) -> IGTerms:
+    """The IG terms of `batch` whose full-view per-position log-probs are `logp` [B, T]
+    (clean inputs, no dropout; with gradient), at cycle index `cycle`."""
+    events = scored_events(batch, cfg, cycle)
+    full = unit_scores(logp, events)
+    blind, calls = blind_scores(model, batch, events, cfg.blind_view_chunk_size)
+    el = event_losses(full, blind.to(full.dtype), cfg.formulation, cfg.temperature, cfg.eps)
+    weights = direction_weights(
+        events,
+        {
+            "text_to_visual": cfg.text_to_visual_weight,
+            "visual_to_text": cfg.visual_to_text_weight,
+        },
+    )
+    loss_sum, n_rows = trajectory_sum(el.loss, events, weights)
+    sums = event_sums(events, full.detach(), blind, el.margin, el.gate)
+    sums.update({"ig/loss_sum": float(loss_sum.detach()), "ig/rows": float(n_rows)})
+    sums["ig/blind_calls"] = float(calls)
+    return IGTerms(loss_sum=loss_sum, n_rows=n_rows, sums=sums)
+
+
+def event_sums(
+    events: Sequence[Event],
+    full: torch.Tensor,
+    blind: torch.Tensor,
+    margin: torch.Tensor,
+    gate: torch.Tensor,
+) -> dict[str, float]:
+    """Per direction d, sums over its events: `ig/d/{full,blind,gain,margin,gate}_sum`,
+    `ig/d/gate_low` (gate < 0.05), `ig/d/gate_high` (> 0.95), `ig/d/events`."""
+    out: dict[str, float] = {}
+    for d in DIRECTIONS:
+        sel = torch.tensor([e.direction == d for e in events], dtype=torch.bool)
+        sel = sel.to(full.device)
+        f, b, m, g = (x[sel].float() for x in (full, blind, margin, gate))
+        out[f"ig/{d}/full_sum"] = float(f.sum())
+        out[f"ig/{d}/blind_sum"] = float(b.sum())
+        out[f"ig/{d}/gain_sum"] = float((f - b).sum())
+        out[f"ig/{d}/margin_sum"] = float(m.sum())
+        out[f"ig/{d}/gate_sum"] = float(g.sum())
+        out[f"ig/{d}/gate_low"] = float((g < SATURATION_LOW).sum())
+        out[f"ig/{d}/gate_high"] = float((g > SATURATION_HIGH).sum())
+        out[f"ig/{d}/events"] = float(sel.sum())
+    return out
+
+
+def finalize_sums(sums: dict[str, float]) -> dict[str, float]:
+    """Means of the summed IG statistics: per direction `full`, `blind`, `gain`,
+    `margin`, `gate` (means over events), `saturation` (share of events with gate < 0.05
+    or > 0.95), `gate_low`/`gate_high` shares, `events`; and `ig/loss` (trajectory-first),
+    `ig/rows`, `ig/blind_calls`."""
+    out: dict[str, float] = {}
+    for d in DIRECTIONS:
+        n = sums.get(f"ig/{d}/events", 0.0)
+        per = max(n, 1.0)
+        for k in ("full", "blind", "gain", "margin", "gate"):
+            out[f"ig/{d}/{k}"] = sums.get(f"ig/{d}/{k}_sum", 0.0) / per
+        low, high = sums.get(f"ig/{d}/gate_low", 0.0), sums.get(f"ig/{d}/gate_high", 0.0)
+        out[f"ig/{d}/gate_low"] = low / per
+        out[f"ig/{d}/gate_high"] = high / per
+        out[f"ig/{d}/saturation"] = (low + high) / per
+        out[f"ig/{d}/events"] = n
+    out["ig/loss"] = sums.get("ig/loss_sum", 0.0) / max(sums.get("ig/rows", 0.0), 1.0)
+    out["ig/rows"] = sums.get("ig/rows", 0.0)
+    out["ig/blind_calls"] = sums.get("ig/blind_calls", 0.0)
+    return out
+
+
+def contributing_rows(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> int:
+    """Rows of `batch` with at least one selected event (the trajectory-first count)."""
+    return len({e.row for e in scored_events(batch, cfg, cycle)})

@@ -1,0 +1,322 @@
+"""Information Gain: events, the blind mask (exactly the source keys, conv mixer included),
+gains and losses against an independent computation, trajectory-first reduction, no
+gradient through the blind view, cycle selection deterministic across resume, Janus-Pro."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from rollout_fixtures import tiny_model, tokenizer
+from trainer_helpers import fit_small_codec, tiny_config
+
+from unirl.algorithms.information_gain import (
+    Block,
+    Event,
+    blind_attention_mask,
+    blocks,
+    event_losses,
+    row_events,
+    select_events,
+    trajectory_sum,
+    unit_scores,
+)
+from unirl.codecs.base import single_thread
+from unirl.config import validate_config
+from unirl.config.algorithms import InformationGainConfig
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.types import Modality, Owner
+from unirl.data.digits import make_task_samples
+from unirl.data.template import serialize
+from unirl.forward import forward_interleaved
+from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train.build import build_model
+from unirl.train.distributed import DistInfo
+from unirl.train.information_gain import blind_scores, full_logp, ig_terms, scored_events
+from unirl.train.run import sft_trajectories
+from unirl.train.sft import DatasetSource, SFTObjective
+from unirl.train.trainer import Trainer
+
+ALL = InformationGainConfig(weight=1.0, event_selection="all")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def _rows(model, n=3, task="draw_then_answer"):
+    bits = model.n_visual_outputs if model.visual_head == "bsq" else None
+    samples = make_task_samples(task, "val", n, seed=2)
+    return [serialize(s, tokenizer(), encode_image=model.codec.encode, bits=bits) for s in samples]
+
+
+def _batch(model, rows):
+    return TrajectoryBatch.collate(rows, model.special_ids.pad)
+
+
+def _full_scores(model, batch, events):
+    out = forward_interleaved(model, batch)
+    logp = full_logp(
+        out,
+        -torch.log_softmax(out.text_logits.float(), -1).gather(1, out.text_targets[:, None])[:, 0],
+        _visual_ce(out),
+    )
+    return unit_scores(logp, events)
+
+
+def _visual_ce(out):
+    if out.visual_targets.dim() == 2:  # BSQ: Σ_f −log p(b_f)
+        z, b = out.visual_logits.float(), out.visual_targets
+        return -(
+            b * torch.nn.functional.logsigmoid(z) + (1 - b) * torch.nn.functional.logsigmoid(-z)
+        ).sum(-1)
+    lp = torch.log_softmax(out.visual_logits.float(), -1)
+    return -lp.gather(1, out.visual_targets[:, None])[:, 0]
+
+
+# -- events and the mask ---------------------------------------------------------------
+
+
+def test_events_of_the_interleaved_task():
+    model = tiny_model("vq")
+    traj = _rows(model, 1)[0]
+    visual = (traj.modality == Modality.VISUAL).tolist()
+    scored = ((traj.owner == Owner.POLICY) & (torch.arange(len(traj)) > 0)).tolist()
+    bl = blocks(visual)
+    assert [b.visual for b in bl] == [False, True, False, True, False]
+    assert all(a.end == b.start for a, b in zip(bl, bl[1:])) and bl[-1].end == len(traj)
+    events = row_events(0, visual, scored)
+    # shown image -> response text, response text -> drawn image, drawn image -> answer
+    assert [e.direction for e in events] == ["visual_to_text", "text_to_visual", "visual_to_text"]
+    assert [e.target for e in events] == bl[2:]
+    for e in events:
+        assert set(e.targets) == {p for p in range(e.target.start, e.target.end) if scored[p]}
+    cyc = [select_events(events, "cycle", c) for c in range(3)]
+    assert cyc[0] == [events[0], events[1]] and cyc[1] == [events[1], events[2]]
+    assert cyc[2] == cyc[0] and select_events(events, "all", 5) == events
+
+
+def test_blind_mask_against_an_independent_construction():
+    T, length = 12, 10
+    s, t = Block(3, 6, True), Block(6, 9, False)
+    mask = blind_attention_mask(length, T, [s], query_end=t.end)
+    for q in range(T):
+        for k in range(T):
+            blinded = s.end - 1 <= q < t.end and s.start <= k < s.end and k != q
+            allowed = (k <= q and k < length and not blinded) or k == q
+            assert bool(mask[q, k]) == allowed, (q, k)
+
+
+@pytest.mark.parametrize("kind", ["vq", "bsq"])
+@pytest.mark.parametrize("mixer", [4, 0])
+def test_blind_view_hides_exactly_the_source(kind, mixer):
+    """Changing the source block's tokens leaves the blind scores unchanged (to float
+    rounding) and changes the full scores; the conv mixer is covered (mixer=4)."""
+    torch.manual_seed(0)
+    cfg = TinyModelConfig(kind, 64, 2, 4, 128, initializer_range=0.3, mixer_kernel=mixer)
+    model = TinyUnifiedModel(cfg, tokenizer(), tiny_model(kind).codec).eval()
+    rows = _rows(model, 3)
+    batch = _batch(model, rows)
+    events = [e for e in scored_events(batch, ALL, 0) if e.source.start > 0]
+    assert {e.direction for e in events} == {"visual_to_text", "text_to_visual"}
+    for e in events:
+        row = copy.deepcopy(rows[e.row])
+        src = slice(e.source.start, e.source.end - 1)  # s_end predicts t's first token
+        if e.source.visual:
+            codes = row.visual_codes
+            codes[src] = (1 - codes[src]) if kind == "bsq" else (codes[src] + 1) % 16
+        else:
+            row.token_ids[src] = torch.where(row.token_ids[src] == 0, 1, 0)
+        changed = list(rows)
+        changed[e.row] = row
+        other = TrajectoryBatch.collate(changed, model.special_ids.pad, validate=False)
+        b1, _ = blind_scores(model, batch, [e], 4)
+        b2, _ = blind_scores(model, other, [e], 4)
+        assert (b1 - b2).abs().max() <= 1e-5, e
+        with torch.no_grad():
+            f1, f2 = _full_scores(model, batch, [e]), _full_scores(model, other, [e])
+        assert (f1 - f2).abs().min() > 1e-4, e
+        assert (f1 - b1).abs().max() > 1e-4  # the blind view is not the full one
+
+
+def test_blind_scores_are_chunk_invariant_and_match_one_view_at_a_time():
+    model = tiny_model("bsq", init=0.3)
+    batch = _batch(model, _rows(model, 3))
+    events = scored_events(batch, ALL, 0)
+    together, calls = blind_scores(model, batch, events, 64)
+    assert calls == 1
+    one, calls_one = blind_scores(model, batch, events, 1)
+    assert calls_one == len(events)
+    assert (together - one).abs().max() <= 1e-5
+
+
+# -- numerics ---------------------------------------------------------------------------
+
+
+def _reference_loss(full, blind, formulation, tau, eps):
+    out = []
+    for f, b in zip(full, blind):
+        g = f - b
+        if formulation == "absolute":
+            out.append((g, -g, 1 / (1 + math.exp(g / (abs(b) + eps) / tau))))
+        else:
+            m = g / (abs(b) + eps)
+            out.append((g, tau * math.log1p(math.exp(-m / tau)), 1 / (1 + math.exp(m / tau))))
+    return out
+
+
+@pytest.mark.parametrize("formulation", ["absolute", "relative_per_unit"])
+def test_gains_losses_and_trajectory_first_reduction(formulation):
+    gen = torch.Generator().manual_seed(3)
+    full = -torch.rand(7, generator=gen) * 3
+    blind = -torch.rand(7, generator=gen) * 3
+    tau, eps = 0.25, 1e-4
+    el = event_losses(full, blind, formulation, tau, eps)
+    ref = _reference_loss(full.tolist(), blind.tolist(), formulation, tau, eps)
+    for k, (g, loss, gate) in enumerate(ref):
+        assert el.gain[k].item() == pytest.approx(g, abs=1e-6)
+        assert el.loss[k].item() == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        assert el.gate[k].item() == pytest.approx(gate, rel=1e-5, abs=1e-6)
+    # rows 0 (3 events), 2 (1 event), 5 (3 events); weights per event
+    rows = [0, 0, 0, 2, 5, 5, 5]
+    block = Block(0, 1, False)
+    events = [Event(r, block, block, (1,)) for r in rows]
+    weights = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 1.0, 0.0])
+    total, n = trajectory_sum(el.loss, events, weights)
+    per_row = {}
+    for r, w, (_, loss, _) in zip(rows, weights.tolist(), ref):
+        per_row.setdefault(r, []).append(w * loss)
+    expected = sum(sum(v) / len(v) for v in per_row.values())
+    assert n == 3 and total.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_relative_gate_is_the_slope_of_the_loss():
+    full = torch.tensor([-1.0, -2.0, -0.2], requires_grad=True)
+    blind = torch.tensor([-1.5, -1.0, -0.2])
+    el = event_losses(full, blind, "relative_per_unit", 0.25, 1e-4)
+    el.loss.sum().backward()
+    # dℓ/dS_full = −gate / (|S_blind| + ε)
+    assert torch.allclose(full.grad, -el.gate / (blind.abs() + 1e-4), atol=1e-6)
+
+
+def test_blind_scores_carry_no_gradient():
+    model = tiny_model("vq", init=0.3).train()
+    batch = _batch(model, _rows(model, 2))
+    events = scored_events(batch, ALL, 0)
+    blind, _ = blind_scores(model, batch, events, 8)
+    assert not blind.requires_grad
+    out = forward_interleaved(model, batch)
+    text = torch.nn.functional.cross_entropy(out.text_logits, out.text_targets, reduction="none")
+    logp = full_logp(out, text, _visual_ce(out))
+    terms = ig_terms(model, batch, logp, ALL, 0)
+    grads = torch.autograd.grad(
+        terms.loss_sum, list(model.parameters()), allow_unused=True, retain_graph=True
+    )
+    # the same loss with the blind scores as plain constants gives the same gradient
+    full = unit_scores(logp, events)
+    el = event_losses(full, blind.clone(), "relative_per_unit", 0.25, 1e-4)
+    loss, _ = trajectory_sum(el.loss, events, torch.ones(len(events)))
+    ref = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    for g, r in zip(grads, ref):
+        assert (g is None) == (r is None)
+        if g is not None:
+            assert torch.allclose(g, r, atol=1e-7)
+
+
+# -- in the trainer ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def codec_dir(tmp_path_factory):
+    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+
+
+def _trainer(cfg, run_dir, model):
+    trajs = sft_trajectories(cfg, model, "train", cfg.data.train_size)
+    source = DatasetSource(trajs, cfg.trainer.global_batch_size, cfg.data.seed, run_seed=3)
+    return Trainer(model, source, SFTObjective(cfg.algorithm), cfg, run_dir, DistInfo(),
+                   model.special_ids.pad)  # fmt: skip
+
+
+def test_cycle_is_deterministic_across_resume(tmp_path, codec_dir):
+    ig = {"weight": 0.5, "event_selection": "cycle", "blind_view_chunk_size": 3}
+    sections = {
+        "data": {"tasks": ["draw_then_answer", "i2t_mc"], "train_size": 4, "val_size": 0,
+                 "test_size": 0},
+        "algorithm": {"name": "sft", "information_gain": ig},
+        "trainer": {"total_updates": 4, "global_batch_size": 4, "micro_batch_size": 2},
+    }  # fmt: skip
+    cfg = validate_config(tiny_config(tmp_path / "ref", codec_dir, **sections))
+    model = build_model(cfg)
+    reference = [m for _, m in _trainer(cfg, tmp_path / "ref", copy.deepcopy(model)).fit()]
+    cut = validate_config(tiny_config(tmp_path / "cut", codec_dir, **sections))
+    first = _trainer(cut, tmp_path / "cut", copy.deepcopy(model))
+    seen = []
+    for update, m in first.fit():
+        seen.append(m)
+        if update == 2:
+            break
+    resumed = _trainer(cut, tmp_path / "cut", copy.deepcopy(model))
+    seen += [m for _, m in resumed.fit()]
+    assert len(seen) == 4
+    keys = ["loss", "ig/loss", "ig/visual_to_text/blind", "ig/text_to_visual/gain"]
+    for a, b in zip(reference, seen):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    # the cycle moves: updates 1 and 2 score different visual->text events
+    assert reference[0]["ig/visual_to_text/blind"] != reference[1]["ig/visual_to_text/blind"]
+    assert reference[0]["ig/visual_to_text/events"] == 4  # one per row and direction
+
+
+def test_ig_term_enters_the_loss_trajectory_first(tmp_path, codec_dir):
+    """loss(IG) − loss(no IG) = weight · L_IG for the same batch and weights."""
+    base = {"data": {"tasks": ["draw_then_answer"], "train_size": 4, "val_size": 0,
+                     "test_size": 0},
+            "trainer": {"total_updates": 1, "global_batch_size": 4, "micro_batch_size": 2}}  # fmt: skip
+    out = {}
+    for w in (0.0, 0.7):
+        sections = {**base, "algorithm": {"name": "sft", "information_gain": {"weight": w}}}
+        cfg = validate_config(tiny_config(tmp_path / f"w{w}", codec_dir, **sections))
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        out[w] = _trainer(cfg, tmp_path / f"w{w}", model).step()
+    assert out[0.7]["loss"] - out[0.0]["loss"] == pytest.approx(0.7 * out[0.7]["ig/loss"], rel=1e-4)
+    assert out[0.7]["ig/rows"] == 4
+
+
+def test_janus_pro_blind_view(tmp_path):
+    from unirl.core.sample import ImagePart, Sample, TextPart
+    from unirl.models.janus_pro import JanusProModel
+    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path, TinyJanusSpec(initializer_range=0.2), ["a b c d"])
+    model = JanusProModel.from_pretrained(ckpt).eval()
+    side = model.image_size[0]
+    gen = torch.Generator().manual_seed(0)
+    pixels = torch.rand(side, side, 3, generator=gen).numpy()
+    sample = Sample(
+        id="j",
+        parts=[TextPart("a b c d a b", "user"), ImagePart(pixels=pixels, role="assistant")],
+        answer="",
+    )
+    traj = model.prompt_trajectory(sample, add_generation_prompt=False)
+    batch = TrajectoryBatch.collate([traj], model.special_ids.pad)
+    events = scored_events(batch, ALL, 0)
+    # a Janus answer is text or one image: text-to-image rows hold one text->visual event
+    assert [e.direction for e in events] == ["text_to_visual"]
+    blind, _ = blind_scores(model, batch, events, 4)
+    ids = traj.token_ids.clone()
+    src = slice(1, events[0].source.end - 1)  # keep BOS and <begin_of_image>
+    ids[src] = torch.where(ids[src] == ids[2], ids[3], ids[2])
+    other = TrajectoryBatch.collate([dataclasses.replace(traj, token_ids=ids)],
+                                    model.special_ids.pad)  # fmt: skip
+    again, _ = blind_scores(model, other, events, 4)
+    assert (blind - again).abs().max() <= 1e-5
+    with torch.no_grad():
+        f1, f2 = _full_scores(model, batch, events), _full_scores(model, other, events)
+    assert (f1 - f2).abs().max() > 1e-5
