@@ -14,16 +14,25 @@ of the decoder's linear layers plus the heads at the scored positions. Run it wi
 
 `--deterministic` is `run.deterministic` (default on, as in `unirl train`): compare the
 two to see what deterministic kernels cost on this machine.
+
+`--ig` instead compares Information Gain against vanilla SFT on the same batch, both
+through `SFTObjective` (`algorithm.information_gain`: weight 1, `--ig-selection`,
+`--ig-chunk` blind views per forward): step time (IG / vanilla) and the peak memory of
+a step, each mode in its own fresh process (peak RSS during the steps minus the RSS
+after setup, `ru_maxrss`; both processes build the same model and batch).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import resource
 import time
 
 import torch
 
 from unirl.codecs import build_codec
+from unirl.config.algorithms import SFTConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.digits import TASKS, make_task_samples
 from unirl.data.digits_images import load_split
@@ -32,6 +41,8 @@ from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.train.build import set_determinism
+from unirl.train.distributed import DistInfo
+from unirl.train.sft import SFTObjective
 
 
 def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
@@ -67,7 +78,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mixer-kernel", type=int, default=TinyModelConfig.mixer_kernel)
     parser.add_argument("--deterministic", choices=("on", "off"), default="on")
+    parser.add_argument("--ig", action="store_true", help="IG vs vanilla SFT (see docstring)")
+    parser.add_argument("--ig-selection", choices=("cycle", "all"), default="cycle")
+    parser.add_argument("--ig-chunk", type=int, default=8)
     args = parser.parse_args()
+    if args.ig:
+        compare_ig(args)
+        return
     torch.set_num_threads(args.threads)
     set_determinism(args.deterministic == "on", torch.device("cpu"))
     torch.manual_seed(0)
@@ -109,6 +126,72 @@ def main() -> None:
     print(f"model GFLOP/s        {flops / seconds / 1e9:8.2f}")
     print(f"GEMM peak GFLOP/s    {peak / 1e9:8.2f}   (fp32 1024x1024 matmul, same process)")
     print(f"fraction of peak     {flops / seconds / peak:8.3f}")
+
+
+def _setup(args: argparse.Namespace) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
+    """The tiny model (width 128) and the default bench's mixed digits batch."""
+    torch.set_num_threads(args.threads)
+    set_determinism(args.deterministic == "on", torch.device("cpu"))
+    torch.manual_seed(0)
+    codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
+    tokenizer = build_tokenizer()
+    config = TinyModelConfig(hidden_size=128, mixer_kernel=args.mixer_kernel)
+    model = TinyUnifiedModel(config, tokenizer, codec).train()
+    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
+    trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
+    return model, TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _ig_mode(args: argparse.Namespace, weight: float, queue: mp.Queue) -> None:
+    """One mode in a fresh process: (seconds per step, peak step memory MiB)."""
+    model, batch = _setup(args)
+    cfg = SFTConfig(
+        information_gain={
+            "weight": weight,
+            "event_selection": args.ig_selection,
+            "blind_view_chunk_size": args.ig_chunk,
+        }
+    )
+    objective = SFTObjective(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = objective.count(batch)
+    base = _rss_mib()
+
+    def step(update: int) -> None:
+        objective.begin_update(update, [batch], DistInfo())
+        loss, _ = objective.loss(model, batch, n)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for u in range(3):
+        step(u)
+    t0 = time.perf_counter()
+    for u in range(args.steps):
+        step(3 + u)
+    queue.put(((time.perf_counter() - t0) / args.steps, _rss_mib() - base))
+
+
+def compare_ig(args: argparse.Namespace) -> None:
+    """Vanilla SFT, then SFT + IG, each in a fresh process; print times, memory, ratios."""
+    ctx = mp.get_context("spawn")
+    results = {}
+    for name, weight in (("vanilla", 0.0), ("ig", 1.0)):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_ig_mode, args=(args, weight, queue))
+        proc.start()
+        results[name] = queue.get()
+        proc.join()
+    (tv, mv), (ti, mi) = results["vanilla"], results["ig"]
+    print(f"IG: selection {args.ig_selection}, {args.ig_chunk} blind views per forward; "
+          f"batch {args.batch} mixed digits rows, {args.threads} threads")  # fmt: skip
+    print(f"step time  vanilla {tv * 1e3:8.1f} ms   IG {ti * 1e3:8.1f} ms   ratio {ti / tv:5.2f}")
+    print(f"peak step memory (RSS above setup) vanilla {mv:7.1f} MiB   IG {mi:7.1f} MiB   "
+          f"ratio {mi / max(mv, 1e-9):5.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
