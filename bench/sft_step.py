@@ -17,16 +17,19 @@ two to see what deterministic kernels cost on this machine.
 
 `--ig` instead compares Information Gain against vanilla SFT on the same batch, both
 through `SFTObjective` (`algorithm.information_gain`: weight 1, `--ig-selection`,
-`--ig-chunk` blind views per forward): step time (IG / vanilla) and the peak memory of
-a step, each mode in its own fresh process (peak RSS during the steps minus the RSS
-after setup, `ru_maxrss`; both processes build the same model and batch).
+`--ig-chunk` blind views per forward): the median step time of each, their steps
+alternating in one process on two copies of one model, and the peak memory of a step,
+each mode in its own fresh process (peak RSS during 3 steps minus the RSS after setup,
+`ru_maxrss`; both processes build the same model and batch).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import multiprocessing as mp
 import resource
+import statistics
 import time
 
 import torch
@@ -146,50 +149,62 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _ig_mode(args: argparse.Namespace, weight: float, queue: mp.Queue) -> None:
-    """One mode in a fresh process: (seconds per step, peak step memory MiB)."""
-    model, batch = _setup(args)
-    cfg = SFTConfig(
-        information_gain={
-            "weight": weight,
-            "event_selection": args.ig_selection,
-            "blind_view_chunk_size": args.ig_chunk,
-        }
-    )
-    objective = SFTObjective(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = objective.count(batch)
-    base = _rss_mib()
+class _Mode:
+    """One SFT objective (IG weight `weight`) on its own copy of the model."""
 
-    def step(update: int) -> None:
-        objective.begin_update(update, [batch], DistInfo())
-        loss, _ = objective.loss(model, batch, n)
-        opt.zero_grad()
+    def __init__(self, args: argparse.Namespace, model: TinyUnifiedModel, weight: float):
+        ig = {"weight": weight, "event_selection": args.ig_selection,
+              "blind_view_chunk_size": args.ig_chunk}  # fmt: skip
+        self.objective = SFTObjective(SFTConfig(information_gain=ig))
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(self, batch: TrajectoryBatch, update: int) -> float:
+        t0 = time.perf_counter()
+        self.objective.begin_update(update, [batch], DistInfo())
+        loss, _ = self.objective.loss(self.model, batch, self.objective.count(batch))
+        self.opt.zero_grad()
         loss.backward()
-        opt.step()
+        self.opt.step()
+        return time.perf_counter() - t0
 
+
+def _peak_memory(args: argparse.Namespace, weight: float, queue: mp.Queue) -> None:
+    """In a fresh process: the peak RSS of 3 steps above the RSS after setup (MiB)."""
+    model, batch = _setup(args)
+    mode = _Mode(args, model, weight)
+    base = _rss_mib()
     for u in range(3):
-        step(u)
-    t0 = time.perf_counter()
-    for u in range(args.steps):
-        step(3 + u)
-    queue.put(((time.perf_counter() - t0) / args.steps, _rss_mib() - base))
+        mode.step(batch, u)
+    queue.put(_rss_mib() - base)
 
 
 def compare_ig(args: argparse.Namespace) -> None:
-    """Vanilla SFT, then SFT + IG, each in a fresh process; print times, memory, ratios."""
+    """Step times of vanilla and IG, alternating on two copies of one model in this
+    process (so a busy machine slows both alike); peak step memory of each in a fresh
+    process. Prints medians, memory and the ratios."""
+    model, batch = _setup(args)
+    modes = {"vanilla": _Mode(args, copy.deepcopy(model), 0.0), "ig": _Mode(args, model, 1.0)}
+    times: dict[str, list[float]] = {"vanilla": [], "ig": []}
+    for u in range(3 + args.steps):
+        for name, mode in modes.items():
+            seconds = mode.step(batch, u)
+            if u >= 3:
+                times[name].append(seconds)
+    tv, ti = (statistics.median(times[k]) for k in ("vanilla", "ig"))
     ctx = mp.get_context("spawn")
-    results = {}
+    memory = {}
     for name, weight in (("vanilla", 0.0), ("ig", 1.0)):
         queue = ctx.Queue()
-        proc = ctx.Process(target=_ig_mode, args=(args, weight, queue))
+        proc = ctx.Process(target=_peak_memory, args=(args, weight, queue))
         proc.start()
-        results[name] = queue.get()
+        memory[name] = queue.get()
         proc.join()
-    (tv, mv), (ti, mi) = results["vanilla"], results["ig"]
+    mv, mi = memory["vanilla"], memory["ig"]
     print(f"IG: selection {args.ig_selection}, {args.ig_chunk} blind views per forward; "
-          f"batch {args.batch} mixed digits rows, {args.threads} threads")  # fmt: skip
-    print(f"step time  vanilla {tv * 1e3:8.1f} ms   IG {ti * 1e3:8.1f} ms   ratio {ti / tv:5.2f}")
+          f"{len(batch)} mixed digits rows, {args.threads} threads, {args.steps} steps each")  # fmt: skip
+    print(f"step time (median) vanilla {tv * 1e3:8.1f} ms   IG {ti * 1e3:8.1f} ms   "
+          f"ratio {ti / tv:5.2f}")  # fmt: skip
     print(f"peak step memory (RSS above setup) vanilla {mv:7.1f} MiB   IG {mi:7.1f} MiB   "
           f"ratio {mi / max(mv, 1e-9):5.2f}")  # fmt: skip
 

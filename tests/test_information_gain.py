@@ -320,3 +320,33 @@ def test_janus_pro_blind_view(tmp_path):
     with torch.no_grad():
         f1, f2 = _full_scores(model, batch, events), _full_scores(model, other, events)
     assert (f1 - f2).abs().max() > 1e-5
+
+
+def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_path, codec_dir):
+    import io
+
+    from unirl.train.ig_probe import run_probe
+    from unirl.train.information_gain import ig_evaluation
+
+    sections = {
+        "data": {"tasks": ["draw_then_answer"], "train_size": 4, "val_size": 2, "test_size": 0},
+        "algorithm": {"name": "sft", "information_gain": {"weight": 1.0}},
+    }
+    cfg = validate_config(tiny_config(tmp_path / "run", codec_dir, **sections))
+    model = build_model(cfg)
+    rows = sft_trajectories(cfg, model, "val", 2)
+    ig = cfg.algorithm.information_gain
+    first = ig_evaluation(model, rows, ig, model.special_ids.pad)
+    assert first == ig_evaluation(model, rows, ig, model.special_ids.pad)
+    assert first["ig/visual_to_text/events"] == 2 and first["ig/text_to_visual/events"] == 2
+    before = sorted(tmp_path.rglob("*"))
+    out = io.StringIO()
+    records = run_probe(cfg, 2, out)
+    assert sorted(tmp_path.rglob("*")) == before  # writes nothing
+    answers = [r for r in records if r["target"][1] == r["target"][0] + 3]
+    assert len(answers) == 2 and all("s00" in r for r in answers)
+    # S_10 hides v (the drawn image): it is the event's blind score; S_01 / S_00 differ
+    for r in answers:
+        assert r["s11"] == r["full"] and r["s10"] == r["blind"]
+        assert r["s01"] != r["s11"] and r["s00"] != r["s10"]
+    assert "necessity of v" in out.getvalue() and "mean visual_to_text" in out.getvalue()

@@ -168,6 +168,22 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_probe(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--n", type=_positive_int, default=4, help="validation rows per task (default 4)"
+    )
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
+    cfg = load_args_config(args)
+    from unirl.train.ig_probe import run_probe as probe
+
+    probe(cfg, args.n)
+    return 0
+
+
 COMMANDS: list[Command] = [
     Command(
         "inspect",
@@ -192,6 +208,12 @@ COMMANDS: list[Command] = [
         "evaluate a model on a data split with the reward plugins (resumable)",
         add_config_arguments,
         run_eval,
+    ),
+    Command(
+        "probe",
+        "print Information Gain full / blind / gain scores on val rows (CPU, writes nothing)",
+        configure_probe,
+        run_probe,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),

@@ -34,9 +34,9 @@ from unirl.algorithms.information_gain import (
 )
 from unirl.algorithms.sft import text_ce, visual_ce
 from unirl.config.algorithms import InformationGainConfig
-from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.forward import ForwardOutput
+from unirl.forward import ForwardOutput, forward_interleaved
 from unirl.models.base import UnifiedModel
 
 STAT_KEYS = ("full", "blind", "gain", "margin", "gate", "gate_low", "gate_high", "events")
@@ -233,3 +233,27 @@ def finalize_sums(sums: dict[str, float]) -> dict[str, float]:
 def contributing_rows(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> int:
     """Rows of `batch` with at least one selected event (the trajectory-first count)."""
     return len({e.row for e in scored_events(batch, cfg, cycle)})
+
+
+@torch.no_grad()
+def ig_evaluation(
+    model: UnifiedModel,
+    trajs: Sequence[Trajectory],
+    cfg: InformationGainConfig,
+    pad_id: int,
+    batch_size: int = 32,
+    cycle: int = 0,
+) -> dict[str, float]:
+    """IG metrics (`finalize_sums`) of fixed rows in eval mode, the cycle index pinned
+    (validation)."""
+    sums: dict[str, float] = {}
+    with eval_mode(model):
+        for start in range(0, len(trajs), batch_size):
+            batch = TrajectoryBatch.collate(trajs[start : start + batch_size], pad_id)
+            batch = batch.to(model.device)
+            out = forward_interleaved(model, batch)
+            text = text_ce(out.text_logits, out.text_targets)
+            logp = full_logp(out, text, visual_ce(out.visual_logits, out.visual_targets))
+            for k, v in ig_terms(model, batch, logp, cfg, cycle).sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+    return finalize_sums(sums)

@@ -54,6 +54,7 @@ from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_cl
 from unirl.train.evaluate_masked import TASK as MASKED_TASK
 from unirl.train.evaluate_masked import evaluate_masked_answer
 from unirl.train.grpo import build_grpo_job
+from unirl.train.information_gain import ig_evaluation
 from unirl.train.metrics import plot_metrics
 from unirl.train.preflight import preflight
 from unirl.train.sft import DatasetSource, SFTObjective
@@ -210,6 +211,25 @@ def dataset_evaluation(
 
 
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
+    """The task evaluator (`_task_evaluator`) and, for SFT with Information Gain on, the
+    IG metrics `val/ig/...` of the fixed val rows (cycle index pinned to 0)."""
+    tasks = _task_evaluator(cfg, model, run_dir)
+    ig = getattr(cfg.algorithm, "information_gain", None)
+    if ig is None or ig.weight <= 0 or cfg.data.val_size == 0:
+        return tasks
+    if not (_digits_tasks(cfg) or _rows_of(cfg, "val", cfg.data.val_size)):
+        return tasks
+    rows = sft_trajectories(cfg, model, "val", cfg.data.val_size)
+
+    def evaluate_val(update: int) -> dict[str, float]:
+        metrics = tasks(update) if tasks is not None else {}
+        gains = ig_evaluation(model, rows, ig, model.special_ids.pad)
+        return {**metrics, **{f"val/{k}": v for k, v in gains.items()}}
+
+    return evaluate_val
+
+
+def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     """Validation metrics `val/<task>/<metric>` every `trainer.eval_every` updates: the
     digits val split (`data.val_size` rows per task), or, with `data.path`, the
     `unirl eval` evaluator on the val rows (the first `data.val_size` per task; results

@@ -1,0 +1,115 @@
+"""`unirl probe`: Information Gain scores of a model on validation rows, printed.
+
+For every event (NUMERICS.md "Information Gain"; all events, no cycle) of the first N
+validation rows per task: the full score, the blind score (source block hidden) and the
+gain, per unit (mean log-prob per target position; BSQ summed over bits). Where the
+target block has two sources — v, the source block, and q, the block before it (the
+interleaved task's answer: v the drawn image, q the text before it) — also the four
+self-scores S_qv with 1 = visible, 0 = blinded: S_11 (full), S_10 (v hidden), S_01 (q
+hidden), S_00 (both), and the necessity of v, S_11 − S_10. CPU only; nothing is written.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+import torch
+
+from unirl.algorithms.information_gain import DIRECTIONS, Block, Event, blocks
+from unirl.algorithms.sft import text_ce, visual_ce
+from unirl.config import UnirlConfig
+from unirl.config.algorithms import InformationGainConfig
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.types import Modality
+from unirl.forward import forward_interleaved
+from unirl.models.base import UnifiedModel
+from unirl.train.build import build_model
+from unirl.train.information_gain import (
+    blind_scores,
+    eval_mode,
+    full_logp,
+    scored_events,
+    unit_scores,
+)
+from unirl.train.run import sft_trajectories
+
+ALL_EVENTS = InformationGainConfig(weight=1.0, event_selection="all")
+
+
+def _previous(batch: TrajectoryBatch, e: Event) -> Block | None:
+    """q: the block just before e's source block, if any."""
+    n = int(batch.lengths[e.row])
+    visual = (batch.modality[e.row, :n] == Modality.VISUAL).tolist()
+    before = [b for b in blocks(visual) if b.end == e.source.start]
+    return before[0] if before else None
+
+
+@torch.no_grad()
+def probe_rows(
+    model: UnifiedModel, batch: TrajectoryBatch, chunk: int = 16
+) -> list[dict[str, object]]:
+    """One record per event of `batch`: ids, direction, blocks, full / blind / gain, and
+    for two-source targets s11 / s10 / s01 / s00."""
+    with eval_mode(model):
+        events = scored_events(batch, ALL_EVENTS, 0)
+        out = forward_interleaved(model, batch)
+        text = text_ce(out.text_logits, out.text_targets)
+        logp = full_logp(out, text, visual_ce(out.visual_logits, out.visual_targets))
+        full = unit_scores(logp, events)
+        blind, _ = blind_scores(model, batch, events, chunk)
+        two = [(k, e, _previous(batch, e)) for k, e in enumerate(events)]
+        two = [(k, e, q) for k, e, q in two if q is not None]
+
+        def views(hide: Callable[[Event], list[Block]]) -> torch.Tensor:
+            return blind_scores(model, batch, [e for _, e, _ in two], chunk, hide)[0]
+
+        qs = {id(e): q for _, e, q in two}
+        s01 = views(lambda e: [qs[id(e)]])
+        s00 = views(lambda e: [qs[id(e)], e.source])
+    records = []
+    for k, e in enumerate(events):
+        records.append(
+            {
+                "id": batch.sample_ids[e.row],
+                "direction": e.direction,
+                "source": (e.source.start, e.source.end),
+                "target": (e.target.start, e.target.end),
+                "full": float(full[k]),
+                "blind": float(blind[k]),
+                "gain": float(full[k] - blind[k]),
+            }
+        )
+    for j, (k, _, _) in enumerate(two):
+        r = records[k]
+        r.update(s11=r["full"], s10=r["blind"], s01=float(s01[j]), s00=float(s00[j]))
+    return records
+
+
+def run_probe(cfg: UnirlConfig, n: int, out: TextIO = sys.stdout) -> list[dict[str, object]]:
+    """Build `cfg`'s model on the CPU (`model.path` to probe a trained one), score the
+    first `n` val rows per task, print the table and the per-direction means."""
+    model = build_model(cfg).to("cpu").eval()
+    trajs = sft_trajectories(cfg, model, "val", n)
+    records: list[dict[str, object]] = []
+    for start in range(0, len(trajs), 16):
+        batch = TrajectoryBatch.collate(trajs[start : start + 16], model.special_ids.pad)
+        records += probe_rows(model, batch)
+    out.write(f"{'sample':28s} {'direction':15s} {'source':>10s} {'target':>10s} "
+              f"{'full':>8s} {'blind':>8s} {'gain':>8s}\n")  # fmt: skip
+    for r in records:
+        src, tgt = "{}:{}".format(*r["source"]), "{}:{}".format(*r["target"])
+        out.write(f"{r['id']:28s} {r['direction']:15s} {src:>10s} {tgt:>10s} "
+                  f"{r['full']:8.3f} {r['blind']:8.3f} {r['gain']:8.3f}\n")  # fmt: skip
+        if "s11" in r:
+            out.write(f"{'':28s} two sources (q = block before v): S11 {r['s11']:.3f}  "
+                      f"S10 {r['s10']:.3f}  S01 {r['s01']:.3f}  S00 {r['s00']:.3f}  "
+                      f"necessity of v S11-S10 {r['s11'] - r['s10']:.3f}\n")  # fmt: skip
+    for d in DIRECTIONS:
+        sel = [r for r in records if r["direction"] == d]
+        if sel:
+            mean = {k: sum(float(r[k]) for r in sel) / len(sel) for k in ("full", "blind", "gain")}
+            out.write(f"mean {d:15s} events {len(sel):4d}  full {mean['full']:.3f}  "
+                      f"blind {mean['blind']:.3f}  gain {mean['gain']:.3f}\n")  # fmt: skip
+    return records
