@@ -103,10 +103,13 @@ BAD_CONFIGS = [
         ["c.yaml: algorithm.name: opd (on-policy distillation) is not implemented yet"],
     ),
     (
-        "information_gain_not_implemented",
-        {"c.yaml": "algorithm: {name: sft, information_gain: {weight: 1}}\n"},
+        "information_gain_without_directions",
+        {
+            "c.yaml": "algorithm: {name: sft, information_gain: {weight: 1, "
+            "text_to_visual_weight: 0, visual_to_text_weight: 0}}\n"
+        },
         ["c.yaml"],
-        ["c.yaml: algorithm.information_gain.weight: not implemented yet"],
+        ["c.yaml: algorithm.information_gain.weight: weight=1.0 has no effect"],
     ),
     (
         "negative_batch_size",

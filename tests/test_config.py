@@ -240,7 +240,16 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
         ({"trainer": {"lora": {"target_modules": "(q_proj"}}}, "trainer.lora.target_modules"),
         ({"algorithm": {"name": "opd", "teacher_path": "/t"}}, "algorithm.name"),
         (
-            {"algorithm": {"name": "sft", "information_gain": {"weight": 1.0}}},
+            {
+                "algorithm": {
+                    "name": "sft",
+                    "information_gain": {
+                        "weight": 1.0,
+                        "text_to_visual_weight": 0.0,
+                        "visual_to_text_weight": 0.0,
+                    },
+                }
+            },
             "algorithm.information_gain.weight",
         ),
         (
