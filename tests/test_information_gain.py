@@ -350,3 +350,29 @@ def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_pat
         assert r["s11"] == r["full"] and r["s10"] == r["blind"]
         assert r["s01"] != r["s11"] and r["s00"] != r["s10"]
     assert "necessity of v" in out.getvalue() and "mean visual_to_text" in out.getvalue()
+
+
+def test_ig_rows_use_clean_context_under_bitflip():
+    """With BitFlip on, the CE sees noisy input bits but the IG full view is clean: its
+    scores equal those of a clean forward, and differ from the noisy forward's."""
+    from unirl.config.algorithms import SFTConfig
+
+    model = tiny_model("bsq", init=0.3).train()
+    rows = [dataclasses.replace(r, seed=11 + k) for k, r in enumerate(_rows(model, 2))]
+    batch = _batch(model, rows)
+    ig = {"weight": 1.0, "event_selection": "all"}
+    objective = SFTObjective(SFTConfig(bitflip={"probability": 0.5}, information_gain=ig))
+    objective.begin_update(0, [batch], DistInfo())
+    _, stats = objective.loss(model, batch, objective.count(batch))
+    events = scored_events(batch, ALL, 0)
+    with torch.no_grad():
+        clean = _full_scores(model, batch, events)
+        out = forward_interleaved(model, batch, objective._noisy_inputs(model, batch))
+        text = torch.nn.functional.cross_entropy(
+            out.text_logits, out.text_targets, reduction="none"
+        )
+        noisy = unit_scores(full_logp(out, text, _visual_ce(out)), events)
+    for d in ("text_to_visual", "visual_to_text"):
+        sel = torch.tensor([e.direction == d for e in events])
+        assert stats[f"ig/{d}/full_sum"] == pytest.approx(float(clean[sel].sum()), rel=1e-5)
+    assert (clean - noisy).abs().max() > 1e-4
