@@ -376,3 +376,12 @@ def test_ig_rows_use_clean_context_under_bitflip():
         sel = torch.tensor([e.direction == d for e in events])
         assert stats[f"ig/{d}/full_sum"] == pytest.approx(float(clean[sel].sum()), rel=1e-5)
     assert (clean - noisy).abs().max() > 1e-4
+
+
+def test_a_direction_weighted_zero_is_not_scored():
+    model = tiny_model("vq")
+    batch = _batch(model, _rows(model, 2))
+    only = InformationGainConfig(weight=1.0, event_selection="all", text_to_visual_weight=0.0)
+    events = scored_events(batch, only, 0)
+    assert events and all(e.direction == "visual_to_text" for e in events)
+    assert events == [e for e in scored_events(batch, ALL, 0) if e.direction == "visual_to_text"]

@@ -64,13 +64,25 @@ def has_dropout(model: nn.Module) -> bool:
     return False
 
 
+def weights_of(cfg: InformationGainConfig) -> dict[str, float]:
+    """{direction: w_dir}."""
+    return {
+        "text_to_visual": cfg.text_to_visual_weight,
+        "visual_to_text": cfg.visual_to_text_weight,
+    }
+
+
 def scored_events(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> list[Event]:
-    """The selected events of every row of `batch` (`event_selection`, cycle index)."""
+    """The selected events of every row of `batch` (`event_selection`, cycle index) in
+    the directions whose weight is not 0 (a direction weighted 0 is not scored at all:
+    no blind views, no metrics, its rows do not count as contributing)."""
     scored = batch.policy_mask.clone()
     scored[:, 0] = False
     visual = batch.modality == Modality.VISUAL
     per_row = batch_events(visual.cpu(), scored.cpu(), batch.lengths.cpu())
-    return [e for row in per_row for e in select_events(row, cfg.event_selection, cycle)]
+    weights = weights_of(cfg)
+    kept = [[e for e in row if weights[e.direction] > 0] for row in per_row]
+    return [e for row in kept for e in select_events(row, cfg.event_selection, cycle)]
 
 
 def full_logp(out: ForwardOutput, text_ce_pos: torch.Tensor, visual_ce_pos: torch.Tensor):
@@ -169,13 +181,7 @@ def ig_terms(
     full = unit_scores(logp, events)
     blind, calls = blind_scores(model, batch, events, cfg.blind_view_chunk_size)
     el = event_losses(full, blind.to(full.dtype), cfg.formulation, cfg.temperature, cfg.eps)
-    weights = direction_weights(
-        events,
-        {
-            "text_to_visual": cfg.text_to_visual_weight,
-            "visual_to_text": cfg.visual_to_text_weight,
-        },
-    )
+    weights = direction_weights(events, weights_of(cfg))
     loss_sum, n_rows = trajectory_sum(el.loss, events, weights)
     sums = event_sums(events, full.detach(), blind, el.margin, el.gate)
     sums.update({"ig/loss_sum": float(loss_sum.detach()), "ig/rows": float(n_rows)})
