@@ -26,7 +26,6 @@ from unirl.core.distributions import jsd_from_logp
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import SpecialIds
 from unirl.forward import forward_interleaved
 from unirl.replay import replay_distributions
 from unirl.rewards.digit_classifier import DigitClassifier
@@ -87,7 +86,7 @@ def make_trainer(cfg: dict) -> Trainer:
     run_dir = Path(cfg.run.output_dir)
     model = build_model(cfg).train()
     source, objective = build_opd_job(cfg, model, run_dir, DistInfo())
-    pad = SpecialIds.from_tokenizer(model.tokenizer).pad
+    pad = model.special_ids.pad
     return Trainer(
         model, source, objective, cfg, run_dir, DistInfo(), pad, identity=objective.identity
     )
@@ -336,3 +335,42 @@ def test_resume_against_a_changed_teacher_is_refused(tmp_path, assets):
     with pytest.raises(TrainingError, match="refusing to resume .* trained against"):
         for _ in make_trainer(cfg).fit():
             pass
+
+
+def test_janus_pro_student_and_teacher_run_one_update(tmp_path):
+    """A tiny random Janus-Pro student and a same-family teacher (another seed and width,
+    the same tokenizer, image grid and codebook size) run one OPD update on t2i and
+    i2t_mc rows; the loss equals the independent computation, the student moves and
+    the teacher does not."""
+    from unirl.data.digits import vocabulary_texts
+    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+
+    texts = vocabulary_texts()
+    student = write_tiny_checkpoint(tmp_path / "student", TinyJanusSpec(grid=2), texts)
+    teacher = write_tiny_checkpoint(
+        tmp_path / "teacher", TinyJanusSpec(grid=2, hidden_size=48, seed=1), texts
+    )
+    cfg = {
+        "run": {"name": "j", "seed": 0, "output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "model": {"kind": "janus_pro", "path": str(student)},
+        "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 8, "val_size": 0, "test_size": 0},
+        "rollout": {"batch_size": 16, "max_new_tokens": 6},
+        "algorithm": {"name": "opd", "teacher": {"path": str(teacher)}},
+        "trainer": {"total_updates": 1, "global_batch_size": 4, "micro_batch_size": 4},
+        "checkpoint": {"every_updates": 0},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
+    trainer = make_trainer(cfg)
+    micro = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+    n = trainer.objective.count(micro)
+    loss, stats = trainer.objective.loss(trainer.model, micro, n)
+    assert loss.item() == pytest.approx(
+        reference_loss(trainer.objective, trainer.model, micro), rel=1e-4
+    )
+    assert stats["n_visual"] > 0 and stats["n_text"] > 0
+    t_before = [p.clone() for p in trainer.objective.teacher.parameters()]
+    s_before = [p.detach().clone() for p in trainer.model.parameters()]
+    (_, m), *_ = list(trainer.fit())
+    assert m["opd/jsd_visual"] > 0 and m["opd/jsd_text"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(s_before, trainer.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(t_before, trainer.objective.teacher.parameters()))
