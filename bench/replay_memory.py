@@ -31,7 +31,7 @@ to the full vocabulary; the row is measured with `--retained-mass-min` 0 (pure u
 and with the default 0.95 (every position falls back: chunked full vocabulary). Target:
 OPD's peak <= 0.2x the naive one.
 
-    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad] [--jsd] [--opd]
+    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad] [--jsd] [--opd | --opd-only]
 """
 
 from __future__ import annotations
@@ -258,6 +258,7 @@ def main() -> None:
     parser.add_argument("--grad", action="store_true")
     parser.add_argument("--jsd", action="store_true")
     parser.add_argument("--opd", action="store_true")
+    parser.add_argument("--opd-only", action="store_true", help="only the OPD row")
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--retained-mass-min", type=float, default=0.95)
     parser.add_argument(
@@ -275,6 +276,10 @@ def main() -> None:
         f"vocab {VOCAB}, batch {len(batch)} x {SEQ} positions, {batch.n_scored()} scored, "
         f"chunk {args.chunk_size}; one fp32 [B, T, V] logits tensor = {logits_mib:.0f} MiB"
     )
+
+    if args.opd_only:
+        opd_row(model, batch, args)
+        return
 
     def replay() -> torch.Tensor:
         return replay_logprobs(model, batch, records, chunk_size=args.chunk_size).logp
