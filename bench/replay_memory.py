@@ -21,7 +21,17 @@ frozen, perturbed copy of the model at every scored position), forward + backwar
 against plain replay's forward + backward. The reference's distributions are rebuilt per
 chunk from its hidden states, so its peak should stay within 1.2x of plain replay's.
 
-    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad] [--jsd]
+`--opd` adds on-policy distillation's loss (`unirl.train.opd.OPDObjective`, teacher = a
+frozen perturbed copy, top-K `--top-k` union with a tail, forward + backward) against
+computing the full distributions of both models at once: [B, T, V] student log-probs with
+gradient and [B, T, V] teacher log-probs, the dense generalised JSD (core's
+`jsd_from_logp`) at the scored positions, backward. The teacher here is nearly uniform
+over 102,400 ids (a random model), so the retained-mass guard would send every position
+to the full vocabulary; the row is measured with `--retained-mass-min` 0 (pure union)
+and with the default 0.95 (every position falls back: chunked full vocabulary). Target:
+OPD's peak <= 0.2x the naive one.
+
+    .venv/bin/python bench/replay_memory.py [--batch 4] [--grad] [--jsd] [--opd | --opd-only]
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ from collections.abc import Callable
 import torch
 
 from unirl.codecs import build_codec
-from unirl.config.algorithms import GRPOConfig
+from unirl.config.algorithms import GRPOConfig, OPDConfig
+from unirl.core.distributions import jsd_from_logp
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Owner
 from unirl.data.digits_images import load_split
@@ -49,6 +60,8 @@ from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
 from unirl.train.grpo import GRPOObjective, Reference, scored_mask
+from unirl.train.opd import OPDObjective
+from unirl.train.opd_source import DistillRecord
 
 VOCAB = 102_400
 SEQ = 512
@@ -172,6 +185,69 @@ def jsd_row(model: TinyUnifiedModel, batch: TrajectoryBatch, chunk: int, repeats
     print(f"  ratio JSD / plain replay time:        {sec['jsd'] / sec['plain']:.3f}x")
 
 
+def perturbed_copy(model: TinyUnifiedModel) -> TinyUnifiedModel:
+    """A frozen copy of `model` with N(0, 0.02) added to every weight (a teacher)."""
+    teacher = copy.deepcopy(model).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+            p.requires_grad_(False)
+    return teacher
+
+
+def opd_row(model: TinyUnifiedModel, batch: TrajectoryBatch, args: argparse.Namespace) -> None:
+    """Peak memory and time of the OPD loss vs both models' full distributions at once,
+    forward + backward (module docstring)."""
+    teacher = perturbed_copy(model)
+    rows = copy.copy(batch)
+    rows.sampling = [DistillRecord(SamplingParams())] * len(batch)
+    rows.finish_reasons = ["eos"] * len(batch)
+    scored = scored_mask(rows)
+
+    def naive() -> None:
+        model.zero_grad(set_to_none=True)
+        hidden = body_hidden(model, batch)
+        logp = torch.log_softmax(model.text_logits(hidden[:, :-1]).float(), -1)
+        with torch.no_grad():
+            logq = torch.log_softmax(teacher.text_logits(body_hidden(teacher, batch)[:, :-1]), -1)
+        mask = scored[:, 1:]
+        jsd_from_logp(logp[mask], logq[mask], 0.5).sum().backward()
+
+    mem = {"naive": peak_bytes(naive)}
+    sec = {"naive": median_seconds(naive, args.repeats)}
+    print(f"\n[OPD: top-{args.top_k} union vs both models' full distributions, forward + backward]")
+    print(
+        f"  {'both full':22s} peak {mem['naive'] / 2**20:8.1f} MiB   time {sec['naive'] * 1e3:8.1f} ms"
+    )
+    for floor in (0.0, args.retained_mass_min):
+        algo = OPDConfig(teacher={"path": "bench"}, top_k=args.top_k, retained_mass_min=floor,
+                         chunk_size=args.chunk_size)  # fmt: skip
+        objective = OPDObjective(algo, teacher, {})
+        n = objective.count(rows)
+        stats: dict[str, float] = {}
+
+        def opd(objective=objective, n=n, stats=stats) -> None:
+            model.zero_grad(set_to_none=True)
+            loss, s = objective.loss(model, rows, n)
+            loss.backward()
+            stats.update(s)
+
+        peak = max(peak_bytes(opd), peak_bytes(opd))
+        t = median_seconds(opd, args.repeats)
+        label = f"OPD guard {floor:.2f}"
+        fallback = stats["fallback_sum"] / max(stats["n_categorical"], 1.0)
+        print(f"  {label:22s} peak {peak / 2**20:8.1f} MiB   time {t * 1e3:8.1f} ms   "
+              f"fallback {fallback:.2f}, retained {stats['retained_sum'] / n_pos(stats):.3f}")  # fmt: skip
+        print(
+            f"  ratio OPD (guard {floor:.2f}) / both full peak memory: {peak / mem['naive']:.3f}x"
+        )
+
+
+def n_pos(stats: dict[str, float]) -> float:
+    return max(stats["n_categorical"], 1.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -181,6 +257,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--grad", action="store_true")
     parser.add_argument("--jsd", action="store_true")
+    parser.add_argument("--opd", action="store_true")
+    parser.add_argument("--opd-only", action="store_true", help="only the OPD row")
+    parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--retained-mass-min", type=float, default=0.95)
     parser.add_argument(
         "--mixer-kernel",
         type=int,
@@ -196,6 +276,10 @@ def main() -> None:
         f"vocab {VOCAB}, batch {len(batch)} x {SEQ} positions, {batch.n_scored()} scored, "
         f"chunk {args.chunk_size}; one fp32 [B, T, V] logits tensor = {logits_mib:.0f} MiB"
     )
+
+    if args.opd_only:
+        opd_row(model, batch, args)
+        return
 
     def replay() -> torch.Tensor:
         return replay_logprobs(model, batch, records, chunk_size=args.chunk_size).logp
@@ -225,6 +309,8 @@ def main() -> None:
 
     if args.jsd:
         jsd_row(model, batch, args.chunk_size, args.repeats)
+    if args.opd:
+        opd_row(model, batch, args)
 
 
 if __name__ == "__main__":

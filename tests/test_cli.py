@@ -97,10 +97,13 @@ BAD_CONFIGS = [
         ["c.yaml: algorithm.old_logp_source: 'rollout' requires updates_per_batch=1 (got 2)"],
     ),
     (
-        "opd_not_implemented",
-        {"c.yaml": "algorithm: {name: opd, teacher_path: /teacher}\n"},
+        "opd_failure_replay_without_a_verifier_routing",
+        {
+            "c.yaml": "algorithm: {name: opd, teacher: {path: /teacher}, "
+            "gt_replay: {mode: failure, budget: 2}}\n"
+        },
         ["c.yaml"],
-        ["c.yaml: algorithm.name: opd (on-policy distillation) is not implemented yet"],
+        ["c.yaml: algorithm.gt_replay.mode: 'failure' needs a verifier routing"],
     ),
     (
         "information_gain_without_directions",

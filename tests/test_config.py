@@ -238,7 +238,24 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
         ({"rollout": {"guidance": 3.0}, "data": {"tasks": ["i2t_mc"]}}, "rollout.guidance"),
         ({"rollout": {"min_grid_side": 5, "max_grid_side": 4}}, "rollout.min_grid_side"),
         ({"trainer": {"lora": {"target_modules": "(q_proj"}}}, "trainer.lora.target_modules"),
-        ({"algorithm": {"name": "opd", "teacher_path": "/t"}}, "algorithm.name"),
+        (
+            {
+                "algorithm": {"name": "opd", "teacher": {"path": "/t"}, "routing": "correct_only"},
+                "reward": {"plugins": []},
+            },
+            "reward.plugins",
+        ),
+        ({"algorithm": {"name": "opd"}}, "algorithm.teacher.path"),
+        (
+            {
+                "algorithm": {
+                    "name": "opd",
+                    "teacher": {"path": "/t"},
+                    "gt_replay": {"mode": "failure", "budget": 1},
+                }
+            },
+            "algorithm.gt_replay.mode",
+        ),
         (
             {
                 "algorithm": {
@@ -418,4 +435,4 @@ def test_schema_keys_and_digits_size():
 
     assert DIGITS_IMAGE_SIZE == IMAGE_SIZE
     keys = set(dotted_keys(UnirlConfig))
-    assert {"trainer.optimizer.lr", "algorithm.kl.type", "algorithm.teacher_path"} <= keys
+    assert {"trainer.optimizer.lr", "algorithm.kl.type", "algorithm.teacher.path"} <= keys

@@ -334,10 +334,12 @@ def test_k3_mismatch() -> None:
 def test_blockwise_jsd_and_entropy_match_the_dense_formulas(monkeypatch):
     """`grpo_jsd` (a few rows at a time, analytic backward) equals the dense generalised
     JSD at beta 1/2 and the entropy, with truncated (top-k, -inf) supports on both sides."""
+    from unirl.algorithms import opd
     from unirl.core.distributions import entropy_from_logp, jsd_from_logp
     from unirl.train import grpo_jsd
 
     monkeypatch.setattr(grpo_jsd, "BLOCK_ELEMENTS", 3 * 50)  # 3 rows per block
+    monkeypatch.setattr(opd, "BLOCK_ELEMENTS", 3 * 50)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(10, 50, generator=gen, dtype=torch.float64)
     logp_dense = TextCategorical(logits, temperature=0.8, top_k=20).log_probs

@@ -30,6 +30,8 @@ from trainer_helpers import fit_small_codec
 from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
 from unirl.config.introspect import is_model, strip_optional, union_branches
 from unirl.core.sample import ImagePart
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError
@@ -45,6 +47,7 @@ from unirl.train.build import build_model, config_tokenizer, resolve_device, set
 from unirl.train.distributed import DistInfo
 from unirl.train.evaluate import CLASSIFIER_DIR
 from unirl.train.metrics import MetricsLogger
+from unirl.train.opd import OPDObjective
 from unirl.train.run import (
     JOBS,
     _prepare_model,
@@ -62,6 +65,8 @@ EXEMPT: dict[str, str] = {
     "not depend on its batch (per-row seeds, tests/test_rollout.py)",
     "algorithm[grpo].chunk_size": "scored positions per head chunk: memory only; replay is "
     "chunk-invariant by contract (tests/test_replay.py)",
+    "algorithm[opd].chunk_size": "scored positions per head chunk: memory only; replay is "
+    "chunk-invariant by contract (tests/test_replay.py, tests/test_opd_loop.py)",
 }
 
 
@@ -517,12 +522,68 @@ def _information_gain(kit):
                      IG + "visual_to_text_weight": 0.0})  # fmt: skip
 
 
-@probe(*(f"algorithm[opd].{k}" for k in (
-    "name", "teacher_path", "beta", "top_k", "retained_mass_min", "chunk_size")))  # fmt: skip
-def _not_implemented(kit):
-    """Features that do not exist yet are refused at config time, naming the section."""
-    with pytest.raises(ConfigError, match="algorithm.name: opd .* not implemented yet"):
-        config(kit, {"algorithm": {"name": "opd", "teacher_path": str(kit.saved)}})
+def _opd_base(kit) -> dict:
+    """One OPD update on t2i + i2t_mc rows (images end with an eos text segment) against
+    the kit's saved model as teacher, verified by the classifier and mc_exact."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier), "tasks": ["t2i"]},
+               {"name": "mc_exact", "tasks": ["i2t_mc"]}]  # fmt: skip
+    return {
+        "rollout": {"max_new_tokens": 20, "length_semantics": "cap"},
+        "reward": {"plugins": plugins, "truncated_reward": "keep"},
+        "algorithm": {"name": "opd", "teacher": {"path": str(kit.saved)}},
+        "trainer": {"total_updates": 1, "global_batch_size": 4, "micro_batch_size": 2},
+    }
+
+
+OPD_CHANGES = [
+    ("algorithm.beta", 0.5, 0.0, {}),
+    ("algorithm.student_sampling", "temperature", "greedy", {}),
+    (
+        "algorithm.modality_weights.text",
+        1.0,
+        0.25,
+        {"algorithm__gt_replay__mode": "uniform", "algorithm__gt_replay__budget": 2},
+    ),
+    ("algorithm.modality_weights.visual", 1.0, 0.25, {}),
+    ("algorithm.top_k", 2, 3, {"algorithm__retained_mass_min": 0.0}),
+    ("algorithm.retained_mass_min", 0.0, 1.0, {"algorithm__top_k": 2}),
+    ("algorithm.routing", "all", "correct_only", {}),
+    ("algorithm.teacher.privilege", "none", "answer", {}),
+    ("algorithm.gt_replay.budget", 1, 2, {"algorithm__gt_replay__mode": "uniform"}),
+]
+
+
+@probe("algorithm[opd].name", "algorithm[opd].teacher.path",
+       "algorithm[opd].events", "algorithm[opd].gt_replay.mode",
+       *(f"algorithm[opd].{k.removeprefix('algorithm.')}" for k, *_ in OPD_CHANGES))  # fmt: skip
+def _opd(kit):
+    """One OPD update changes its loss or gradient with each knob; privileged_correction
+    and failure replay differ from their neighbours; another teacher gives another loss."""
+    base = _opd_base(kit)
+    for key, a, b, fixed in OPD_CHANGES:
+        differs(kit, steps, key, a, b, base, **fixed)
+    routed = {"algorithm__teacher__privilege": "answer"}
+    differs(
+        kit, steps, "algorithm.routing", "correct_only", "privileged_correction", base, **routed
+    )
+    uniform = {"mode": "uniform", "budget": 2}
+    differs(kit, steps, "algorithm.gt_replay", {"mode": "none"}, uniform, base)
+    differs(kit, steps, "algorithm.gt_replay.mode", "uniform", "failure", base,
+            algorithm__routing="correct_only", algorithm__gt_replay__budget=2)  # fmt: skip
+    other = kit.root / "teacher_b"
+    if not other.exists():
+        build_model(config(kit, {"run.seed": 11})).save_pretrained(other)
+    differs(kit, steps, "algorithm.teacher.path", str(kit.saved), str(other), base)
+    sft = {**base, "algorithm": {"name": "sft"}}
+    differs(kit, steps, "algorithm", {"name": "sft"}, base["algorithm"], sft)
+    # events: a random student's rollouts rarely end by eos (no second complete event),
+    # so the objective's events are read on a draw-then-answer row (text, image, text)
+    model = build_model(config(kit, {}))
+    row = make_task_samples("draw_then_answer", "train", 1, seed=0)[0]
+    batch = TrajectoryBatch.collate([model.prompt_trajectory(row, False)], model.special_ids.pad)
+    kinds = lambda c: OPDObjective(c.algorithm, None, {})._events(batch).kinds  # noqa: E731
+    differs(kit, kinds, "algorithm.events", "all_complete_transitions", "first_complete_window",
+            base)  # fmt: skip
 
 
 GRPO_CHANGES = [

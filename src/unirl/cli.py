@@ -83,7 +83,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
     from unirl.train.run import run_train as train
 
-    run_dir = train(cfg)
+    run_dir = train(cfg, stop_after=args.stop_after_updates)
     print(f"{PROG} train: done; run directory {run_dir}", file=sys.stderr)
     return 0
 
@@ -93,6 +93,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def configure_train(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--stop-after-updates",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="checkpoint and exit after N new updates (re-run to continue the same schedule)",
+    )
 
 
 def configure_generate(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +205,7 @@ COMMANDS: list[Command] = [
     Command(
         "train",
         "train a model (SFT, GRPO or OPD)",
-        add_config_arguments,
+        configure_train,
         run_train,
     ),
     Command(

@@ -170,41 +170,113 @@ class GRPOConfig(StrictModel):
         return self
 
 
-class OPDConfig(StrictModel):
-    """On-policy distillation: generalised JSD to a teacher at the student's sampled positions.
+class TeacherConfig(StrictModel):
+    """The frozen teacher of OPD: any registered model checkpoint."""
 
-    Not implemented yet: the section is refused at config time, whatever its fields.
-    """
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="Local directory of the teacher checkpoint, any registered kind (required).",
+    )
+    privilege: Literal["none", "answer"] = Field(
+        "none",
+        description="What the teacher sees that the student does not: none | answer (the "
+        "row's reference answer, appended to the prompt; scored positions still align).",
+    )
+
+
+class ModalityWeights(StrictModel):
+    """Weights w_m of the per-position divergence (and GT-replay CE) by modality."""
+
+    text: float = Field(1.0, ge=0.0, description="Weight of text positions.")
+    visual: float = Field(1.0, ge=0.0, description="Weight of visual positions (VQ or BSQ).")
+
+
+class GTReplayConfig(StrictModel):
+    """Ground-truth rows added to each update, trained with the SFT cross-entropy."""
+
+    mode: Literal["none", "uniform", "failure"] = Field(
+        "none",
+        description="none | uniform (budget train rows drawn uniformly) | failure (the "
+        "ground truth of prompts whose trajectory failed its verifier or hit a cap).",
+    )
+    budget: int = Field(0, ge=0, description="GT rows per update (required > 0 unless mode none).")
+
+    @model_validator(mode="after")
+    def _check(self) -> GTReplayConfig:
+        if self.mode == "none" and self.budget:
+            raise incompatible("budget", f"budget={self.budget} has no effect with mode 'none'")
+        if self.mode != "none" and self.budget == 0:
+            raise incompatible("budget", f"mode {self.mode!r} needs budget > 0")
+        return self
+
+
+class OPDConfig(StrictModel):
+    """On-policy distillation (NUMERICS "On-policy distillation"): each update samples one
+    trajectory per prompt (trainer.global_batch_size prompts) from the student at
+    rollout.temperature / rollout.bit_temperature, the frozen teacher scores the same
+    positions, and the student steps on the trajectory-first generalised JSD."""
 
     name: Literal["opd"] = Field("opd", description="Algorithm selector.")
-    teacher_path: str | None = Field(
-        None, description="Local directory of the teacher checkpoint (required)."
-    )
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="The frozen teacher.")
     beta: float = Field(
         0.5,
         ge=0.0,
         le=1.0,
         description="Generalised-JSD beta: 0 = KL(T||S), 0.5 = JSD, 1 = KL(S||T).",
     )
+    student_sampling: Literal["temperature", "greedy"] = Field(
+        "temperature",
+        description="Student rollouts: sample at the rollout temperatures, or take the mode "
+        "(the divergence is at the rollout temperatures either way).",
+    )
+    modality_weights: ModalityWeights = Field(
+        default_factory=ModalityWeights, description="Per-modality weights of the divergence."
+    )
+    events: Literal["first_complete_window", "all_complete_transitions"] = Field(
+        "all_complete_transitions",
+        description="Scored events: every complete segment, or the first complete image "
+        "and the text after it.",
+    )
     top_k: int = Field(
         0, ge=0, description="Score on the union of teacher and student top-k ids (0 = full vocab)."
     )
     retained_mass_min: float = Field(
         0.95,
-        gt=0.0,
+        ge=0.0,
         le=1.0,
         description="Fall back to the full vocab where the top-k union keeps less teacher mass.",
     )
     chunk_size: int = Field(
-        1024, gt=0, description="Positions per chunk when computing full distributions."
+        128, gt=0, description="Scored positions per head chunk (memory vs speed)."
+    )
+    routing: Literal["all", "correct_only", "privileged_correction"] = Field(
+        "all",
+        description="all | correct_only (verifier-correct rows only) | privileged_correction "
+        "(correct rows vs the plain teacher, wrong ones vs the privileged teacher).",
+    )
+    gt_replay: GTReplayConfig = Field(
+        default_factory=GTReplayConfig, description="Ground-truth replay."
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _not_implemented(cls, data: object) -> object:
-        raise incompatible(
-            "name", f"opd (on-policy distillation) is {NOT_IMPLEMENTED}; use sft or grpo"
-        )
+    @model_validator(mode="after")
+    def _check(self) -> OPDConfig:
+        if self.teacher.path is None:
+            raise incompatible("teacher.path", "opd needs a teacher checkpoint directory")
+        if self.gt_replay.mode == "failure" and self.routing == "all":
+            raise incompatible(
+                "gt_replay.mode",
+                "'failure' needs a verifier routing (routing correct_only or "
+                "privileged_correction); got routing 'all'",
+            )
+        if self.routing == "privileged_correction" and self.teacher.privilege == "none":
+            raise incompatible(
+                "teacher.privilege",
+                "routing 'privileged_correction' needs a privileged teacher (privilege: answer)",
+            )
+        if self.top_k == 0 and "retained_mass_min" in self.model_fields_set:
+            raise incompatible("retained_mass_min", "has no effect with top_k 0 (full vocab)")
+        return self
 
 
 AlgorithmConfig = Annotated[Union[SFTConfig, GRPOConfig, OPDConfig], Field(discriminator="name")]

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, SFTConfig
+from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, OPDConfig, SFTConfig
 from unirl.config.base import StrictModel, incompatible
 from unirl.config.errors import suggest
 from unirl.config.trainer import TrainerConfig
@@ -413,6 +413,11 @@ class UnirlConfig(StrictModel):
                 )
             if not self.reward.plugins:
                 raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
+        if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
+            raise incompatible(
+                "reward.plugins",
+                f"opd routing '{algo.routing}' verifies rows: it needs at least one reward plugin",
+            )
         if isinstance(algo, SFTConfig) and algo.bitflip.probability > 0:
             if self.model.visual_head != "bsq":
                 raise incompatible(

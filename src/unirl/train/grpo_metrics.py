@@ -13,14 +13,20 @@ from unirl.rewards import RewardResult
 from unirl.rollout import RolloutTrajectory
 
 
-def task_accuracy(result: RewardResult) -> dict[str, float]:
-    """`task/<task>/accuracy`: share of the task's rows that every plugin scoring them
-    passes (score >= 0.5: a verifier's 1, or p(target) >= 0.5 for the classifier) and
-    that truncation shaping did not overwrite."""
-    n = len(result.tasks)
+def row_passes(result: RewardResult) -> torch.Tensor:
+    """bool [N]: the rows that every plugin scoring them passes (score >= 0.5: a
+    verifier's 1, or p(target) >= 0.5 for the classifier) and that truncation shaping did
+    not overwrite (a capped row fails)."""
     ok = ~result.overwritten.clone()
     for key, scores in result.per_plugin.items():
         ok &= ~result.applied[key] | (scores >= 0.5)
+    return ok
+
+
+def task_accuracy(result: RewardResult) -> dict[str, float]:
+    """`task/<task>/accuracy`: share of the task's rows that pass (`row_passes`)."""
+    n = len(result.tasks)
+    ok = row_passes(result)
     out = {}
     for task in sorted({t for t in result.tasks if t is not None}):
         rows = torch.tensor([result.tasks[i] == task for i in range(n)])

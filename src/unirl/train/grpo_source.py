@@ -53,6 +53,7 @@ from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardError, RewardService
 from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
 from unirl.rollout.config import sampling_params
+from unirl.rollout.params import SamplingParams
 from unirl.train.checkpoint import PREFIX, checkpoint_dir
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo_metrics import rollout_stats, task_accuracy
@@ -231,17 +232,7 @@ class GRPOSource:
         return samples, requests
 
     def _request(self, member: Sample, seed: int) -> RolloutRequest:
-        """A row whose whole answer is one image (`answer_image_grid`: a target image or a
-        generate_image item, never a task name) is forced into an image of that grid
-        (under `length_semantics: exact`, of exactly H*W positions); any other row is a
-        text request under the `rollout:` settings."""
-        grid = answer_image_grid(member, self.grid)
-        if grid is None:
-            return RolloutRequest(member, seed, self.params)
-        params = self.params
-        if params.length_semantics == "exact" and grid != self.grid:
-            params = replace(params, max_new_tokens=grid[0] * grid[1])
-        return RolloutRequest(member, seed, params, image_grid=grid)
+        return rollout_request(member, seed, self.params, self.grid)
 
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()
@@ -320,6 +311,21 @@ class GRPOSource:
                 f"(updates_per_batch={self.algo.updates_per_batch}), but {path} is missing"
             )
         return Rollout(**torch.load(path, weights_only=False))
+
+
+def rollout_request(
+    member: Sample, seed: int, params: SamplingParams, codec_grid: tuple[int, int]
+) -> RolloutRequest:
+    """The request of one row. A row whose whole answer is one image (`answer_image_grid`:
+    a target image or a generate_image item, never a task name) is forced into an image of
+    that grid (under `length_semantics: exact`, of exactly H*W positions); any other row
+    is a text request under `params`."""
+    grid = answer_image_grid(member, codec_grid)
+    if grid is None:
+        return RolloutRequest(member, seed, params)
+    if params.length_semantics == "exact" and grid != codec_grid:
+        params = replace(params, max_new_tokens=grid[0] * grid[1])
+    return RolloutRequest(member, seed, params, image_grid=grid)
 
 
 def _text(parts) -> str:

@@ -6,7 +6,7 @@ exit 2, one line naming the culprit) on the first problem:
 
 - the algorithm can be trained (`algorithm.name`), the model section fits its kind;
 - `run.output_dir` is a directory or does not exist yet;
-- `model.path` and `model.codec.path`: they exist, and the header of every safetensors
+- `model.path`, `model.codec.path` and OPD's `algorithm.teacher.path`: they exist, and the header of every safetensors
   file under them is read and its size checked against the file (a truncated file names
   its path); no weights are loaded;
 - dataset rows (`data.path`, every file and shard, every split; `data.val_path`,
@@ -71,6 +71,9 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
     check_weights(cfg.model.path, "model.path")
+    teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
+    if teacher is not None:
+        check_weights(teacher.path, "algorithm.teacher.path")
     if cfg.model.path is None and cfg.model.kind == "tiny":
         check_weights(cfg.model.codec.path, "model.codec.path")
     for k, plugin in enumerate(cfg.reward.plugins):

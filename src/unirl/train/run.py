@@ -56,6 +56,7 @@ from unirl.train.evaluate_masked import evaluate_masked_answer
 from unirl.train.grpo import build_grpo_job
 from unirl.train.information_gain import ig_evaluation
 from unirl.train.metrics import plot_metrics
+from unirl.train.opd import build_opd_job
 from unirl.train.preflight import preflight
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
@@ -142,12 +143,13 @@ def build_sft_job(
 
 
 JobBuilder = Callable[[UnirlConfig, UnifiedModel, Path, DistInfo], tuple[BatchSource, Objective]]
-JOBS: dict[str, JobBuilder] = {"sft": build_sft_job, "grpo": build_grpo_job}
+JOBS: dict[str, JobBuilder] = {"sft": build_sft_job, "grpo": build_grpo_job, "opd": build_opd_job}
 
 
-def run_train(cfg: UnirlConfig) -> Path:
+def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     """Train as the config says (resuming if the run directory has a checkpoint); return
-    the run directory."""
+    the run directory. `stop_after` N: commit a checkpoint and return after N new
+    updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
     device = resolve_device(cfg.run.device)
     set_determinism(cfg.run.deterministic, device)
@@ -166,10 +168,11 @@ def run_train(cfg: UnirlConfig) -> Path:
             model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
             evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
+            identity=getattr(objective, "identity", None),
         )
-        for _update, _metrics in trainer.fit():
+        for _update, _metrics in trainer.fit(stop_after):
             pass
-        if info.is_main:
+        if info.is_main and trainer.update >= cfg.trainer.total_updates:
             finish_run(cfg, model, run_dir)
         barrier(info)
         return run_dir

@@ -133,7 +133,8 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
 
 def _inject_fault(point: str, update: int) -> None:
     """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
-    (points: rollout, after_update, checkpoint_write, model_write)."""
+    (points: rollout, update (after a micro-batch's backward), after_update,
+    checkpoint_write, model_write)."""
     spec = os.environ.get(FAULT_ENV, "")
     if spec and spec == f"{point}:{update}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -151,9 +152,12 @@ class Trainer:
         pad_id: int,
         trainable_state: Any = None,
         evaluator: Callable[[int], dict[str, float]] | None = None,
+        identity: dict[str, str] | None = None,
     ) -> None:
         """`cfg` is the run config: the trainer reads its `trainer`, `checkpoint` and
-        `logging` sections (and hashes the whole of it for resume checks)."""
+        `logging` sections (and hashes the whole of it for resume checks). `identity`
+        (e.g. OPD's teacher path and content hash) is written into every checkpoint, and
+        a checkpoint holding another identity is not resumed."""
         self.model = model
         self.source = source
         self.objective = objective
@@ -165,6 +169,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._trainable_state = trainable_state or self._full_state
         self.evaluator = evaluator
+        self.identity = identity
         opt, sched = self.t.optimizer, self.t.scheduler
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -208,6 +213,7 @@ class Trainer:
                     "config_hash": self.config_hash,
                     "config": self.cfg.model_dump(mode="json"),
                     "data_cursor": self.update,
+                    **({"identity": self.identity} if self.identity is not None else {}),
                 },
                 self.cfg.checkpoint.keep_last,
             )
@@ -244,6 +250,12 @@ class Trainer:
         return True
 
     def _check_config(self, found: ckpt.Checkpoint) -> None:
+        held = found.state.get("identity")
+        if held != self.identity:
+            raise TrainingError(
+                f"refusing to resume {found.path}: it was trained against {held}, this run "
+                f"has {self.identity}; use a new run.output_dir"
+            )
         if found.state.get("config_hash") == self.config_hash:
             return
         check_resume(found, self.cfg)
@@ -278,6 +290,7 @@ class Trainer:
                     f"non-finite loss at update {self.update + 1}; stopping without a checkpoint"
                 )
             loss.backward()
+            _inject_fault("update", self.update + 1)
             total += loss.detach().double().cpu()
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
@@ -339,8 +352,10 @@ class Trainer:
             logger.log_samples(self.update, samples(self.update - 1, SAMPLES_PER_LOG))
 
     # -- the loop ------------------------------------------------------------------
-    def fit(self) -> Iterator[tuple[int, dict[str, float]]]:
-        """Resume or start, then train to `total_updates`, yielding (update, metrics)."""
+    def fit(self, stop_after: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+        """Resume or start, then train to `total_updates`, yielding (update, metrics).
+        `stop_after` N: stop after N new updates with a checkpoint of the last one (the
+        schedule is unchanged: a re-run continues exactly as an uninterrupted run)."""
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
@@ -354,6 +369,7 @@ class Trainer:
             logger = MetricsLogger(self.run_dir, log, self.cfg.model_dump(mode="json"))
         total, eval_every = self.t.total_updates, self.t.eval_every
         progress = Progress(total, self.update, log.progress_bar and self.dist.is_main)
+        start = self.update
         try:
             while self.update < total:
                 t0 = time.perf_counter()
@@ -369,10 +385,13 @@ class Trainer:
                     logger.log(self.update, metrics, force=last or evaluated)
                     self._log_samples(logger)
                 _inject_fault("after_update", self.update)
-                if self._due():
+                stop = stop_after is not None and self.update - start >= stop_after
+                if self._due() or stop:
                     self.save()
                 progress.advance(metrics["loss"], 1.0 / max(time.perf_counter() - t0, 1e-9))
                 yield self.update, metrics
+                if stop:
+                    return
         finally:
             progress.close()
             if logger is not None:

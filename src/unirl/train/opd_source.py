@@ -1,0 +1,229 @@
+"""The OPD batch source: fresh prompts -> one student trajectory each -> verification ->
+routing -> (ground-truth replay rows).
+
+Update u (0-based), deterministic in (config, u) and the student's parameters at u:
+
+1. Prompts: P = trainer.global_batch_size prompts from the train split of the
+   `data.tasks` (`PromptSampler`, as GRPO: fresh every update, none repeated in an epoch).
+2. Rollout: one trajectory per prompt from the current student (`RolloutService`), seed
+   `seed_for(run.seed, u, i, 0)`, at `rollout.temperature` / `rollout.bit_temperature`
+   (`algorithm.student_sampling: greedy` takes the mode); a row whose answer is one image
+   is forced into an image of that grid (`rollout_request`).
+3. Verification (with reward plugins): each row is scored once by the reward service's
+   verifiers; a row is correct when every plugin scoring it passes and it did not end
+   truncated (cap / context / cycle: capped rows count as wrong).
+4. Routing (`algorithm.routing`): `all` distils every row; `correct_only` only the correct
+   rows (wrong rows are dropped); `privileged_correction` distils correct rows against the
+   plain teacher and wrong rows against the privileged one. With `teacher.privilege:
+   answer` every distilled row of `all` / `correct_only` uses the privileged teacher too.
+   A distilled row carries a `DistillRecord` (its `SamplingRecord` plus the privileged
+   teacher's prompt, or None for the plain teacher): the batch is self-describing, the
+   objective never reads the source.
+5. GT replay (`algorithm.gt_replay`, budget B): `uniform` adds B train rows drawn
+   uniformly (with replacement across tasks' pools, seeded by (run.seed, u)); `failure`
+   adds the ground truth of up to B prompts whose row failed (wrong or capped; a seeded
+   uniform subset when more failed). GT rows are the full serialised samples (prompt +
+   reference answer) with no sampling record: the objective trains them with the SFT
+   cross-entropy.
+
+Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during update n's rollout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from unirl.config import UnirlConfig
+from unirl.core.sample import Sample, TextPart
+from unirl.core.seeding import seed_for
+from unirl.core.trajectory import Trajectory
+from unirl.models.base import UnifiedModel
+from unirl.rewards import RewardService
+from unirl.rollout import RolloutService, RolloutTrajectory, SamplingRecord
+from unirl.rollout.config import sampling_params
+from unirl.rollout.request import prompt_length_of
+from unirl.train.distributed import DistInfo
+from unirl.train.grpo_metrics import rollout_stats, row_passes, task_accuracy
+from unirl.train.grpo_rewards import score_sharded
+from unirl.train.grpo_source import PromptSampler, rollout_request
+from unirl.train.trainer import _inject_fault
+
+GT_STREAM = 0x6774  # seed_for member slot of the GT-replay draws ("gt")
+
+
+@dataclass(frozen=True)
+class DistillRecord(SamplingRecord):
+    """A distilled row's sampling record plus the teacher's view: `teacher_prompt` is the
+    privileged teacher's prompt (the scored positions follow it one to one), or None for
+    the plain teacher (it reads the row as the student did)."""
+
+    teacher_prompt: Trajectory | None = None
+
+
+def privileged_sample(sample: Sample) -> Sample:
+    """`sample`'s prompt with its reference answer appended as a user text part (what a
+    `privilege: answer` teacher sees); ValueError for a row without an answer."""
+    if sample.answer is None:
+        raise ValueError(f"row {sample.id!r} has no answer for the privileged teacher")
+    parts = [*sample.prompt_parts, TextPart(f"answer {sample.answer}")]
+    return Sample(sample.id, parts, None, sample.task, dict(sample.meta))
+
+
+def teacher_view(traj: Trajectory, record: DistillRecord) -> Trajectory:
+    """The trajectory the teacher scores: the row itself, or its privileged prompt
+    followed by the row's response positions (shifted by the prompt-length difference;
+    the privileged prompt holds the same images as the row's, plus text)."""
+    head = record.teacher_prompt
+    if head is None:
+        return replace(traj, rollout_logp=None, rollout_logp_factors=None, sampling=None)
+    n = prompt_length_of(traj, record)
+    return Trajectory(
+        token_ids=torch.cat([head.token_ids, traj.token_ids[n:]]),
+        modality=torch.cat([head.modality, traj.modality[n:]]),
+        owner=torch.cat([head.owner, traj.owner[n:]]),
+        visual_codes=torch.cat([head.visual_codes, traj.visual_codes[n:]]),
+        image_grids=[*head.image_grids, *traj.image_grids[len(head.image_grids) :]],
+        sample_id=traj.sample_id,
+        finish_reason=traj.finish_reason,
+        length_semantics=traj.length_semantics,
+        images=list(head.images),
+    )
+
+
+@dataclass
+class OPDBatch:
+    """Update u's rows: distilled rollouts then GT rows, and the batch metrics."""
+
+    update: int
+    rows: list[Trajectory]
+    metrics: dict[str, float]
+
+
+class OPDSource:
+    """`BatchSource` of OPD (module docstring)."""
+
+    def __init__(
+        self,
+        model: UnifiedModel,
+        teacher: UnifiedModel,
+        prompts: PromptSampler,
+        rewards: RewardService | None,
+        cfg: UnirlConfig,
+        info: DistInfo,
+    ) -> None:
+        self.model, self.teacher = model, teacher
+        self.algo = cfg.algorithm
+        self.grid = tuple(model.codec.grid)
+        self.service = RolloutService(model, cfg.rollout.batch_size, info.rank, info.world_size)
+        self.prompt_sampler = prompts
+        self.rewards = rewards
+        greedy = self.algo.student_sampling == "greedy"
+        self.params = sampling_params(cfg.rollout, greedy=greedy)
+        self.n_prompts = cfg.trainer.global_batch_size
+        self.run_seed = cfg.run.seed
+        self._batch: OPDBatch | None = None
+
+    # -- the trainer's interface ---------------------------------------------------
+    def global_batch(self, update: int) -> list[Trajectory]:
+        return self._make_cached(update).rows
+
+    def batch_metrics(self, update: int) -> dict[str, float]:
+        return dict(self._make_cached(update).metrics)
+
+    def _make_cached(self, update: int) -> OPDBatch:
+        if self._batch is None or self._batch.update != update:
+            self._batch = None
+            self._batch = self._make(update)
+        return self._batch
+
+    # -- one update ------------------------------------------------------------------
+    def _make(self, update: int) -> OPDBatch:
+        t0 = time.perf_counter()
+        samples = self.prompt_sampler.prompts(update, self.n_prompts)
+        requests = [
+            rollout_request(s, seed_for(self.run_seed, update, i, 0), self.params, self.grid)
+            for i, s in enumerate(samples)
+        ]
+        local = self.service.generate(
+            self.service.shard(requests), lambda: _inject_fault("rollout", update + 1)
+        )
+        t1 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if self.rewards is not None:
+            trajs, result = score_sharded(
+                self.service, self.rewards, self.model.parse_response, samples, local
+            )
+            correct = (row_passes(result) & ~result.truncated).tolist()
+            metrics.update({**result.metrics(), **task_accuracy(result)})
+        else:
+            trajs = self.service.gather(local, len(samples))
+            correct = [None] * len(trajs)
+        t2 = time.perf_counter()
+        rows, counts = self._route(samples, trajs, correct)
+        gt = self._gt_rows(update, samples, trajs, correct)
+        metrics.update(rollout_stats(trajs, t1 - t0))
+        n_ok = sum(1 for c in correct if c)
+        metrics.update(
+            {
+                **{f"route/{k}": float(v) for k, v in counts.items()},
+                "route/correct_frac": n_ok / len(trajs) if self.rewards is not None else -1.0,
+                "replay/n_gt_rows": float(len(gt)),
+                "time/rollout_s": t1 - t0,
+                "time/verify_s": t2 - t1,
+            }
+        )
+        return OPDBatch(update, rows + gt, metrics)
+
+    def _route(
+        self, samples: list[Sample], trajs: list[RolloutTrajectory], correct: list[bool | None]
+    ) -> tuple[list[Trajectory], dict[str, int]]:
+        """The distilled rows with their `DistillRecord`s, and the routing counts."""
+        a = self.algo
+        counts = {"n_plain": 0, "n_privileged": 0, "n_dropped": 0}
+        rows: list[Trajectory] = []
+        for sample, traj, ok in zip(samples, trajs, correct):
+            if a.routing == "correct_only" and not ok:
+                counts["n_dropped"] += 1
+                continue
+            privileged = a.teacher.privilege != "none"
+            if a.routing == "privileged_correction":
+                privileged = not ok
+            head = None
+            if privileged:
+                head = self.teacher.prompt_trajectory(privileged_sample(sample))
+            counts["n_privileged" if privileged else "n_plain"] += 1
+            record = DistillRecord(**vars(traj.sampling), teacher_prompt=head)
+            rows.append(
+                replace(traj, rollout_logp=None, rollout_logp_factors=None, sampling=record)
+            )
+        return rows, counts
+
+    def _gt_rows(
+        self,
+        update: int,
+        samples: list[Sample],
+        trajs: list[RolloutTrajectory],
+        correct: list[bool | None],
+    ) -> list[Trajectory]:
+        """GT-replay rows of the update (module docstring, step 5)."""
+        mode, budget = self.algo.gt_replay.mode, self.algo.gt_replay.budget
+        if mode == "none":
+            return []
+        rng = np.random.default_rng([self.run_seed, update, GT_STREAM])
+        if mode == "uniform":
+            pool = [s for t in self.prompt_sampler.tasks for s in self.prompt_sampler.pools[t]]
+            chosen = [pool[int(k)] for k in rng.integers(0, len(pool), budget)]
+        else:
+            failed = [s for s, ok in zip(samples, correct) if not ok]
+            if len(failed) > budget:
+                failed = [failed[int(k)] for k in sorted(rng.choice(len(failed), budget, False))]
+            chosen = failed
+        out = []
+        for k, s in enumerate(chosen):
+            traj = self.model.prompt_trajectory(s, add_generation_prompt=False)
+            out.append(replace(traj, sample_id=f"gt-{k}"))
+        return out

@@ -1,0 +1,376 @@
+"""The OPD loop on the shared trainer: the objective against an independent computation
+(VQ and BSQ), the privileged teacher's alignment, the frozen teacher, the action-space
+check, every routing x GT-replay combination, and exact resume (SIGKILL during the
+rollout and during an update; --stop-after-updates; a changed teacher is refused)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import (
+    assert_same_state,
+    checkpoint_tensors,
+    fit_small_codec,
+    run_cli,
+    tiny_config,
+    write_config,
+)
+
+from unirl.algorithms.sft import text_ce, visual_ce
+from unirl.codecs import build_codec
+from unirl.config import ConfigError, validate_config
+from unirl.core.distributions import jsd_from_logp
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.types import Modality
+from unirl.data.digits_images import load_split
+from unirl.forward import forward_interleaved
+from unirl.replay import replay_distributions
+from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.train.build import build_model
+from unirl.train.distributed import DistInfo
+from unirl.train.opd import OPDObjective, build_opd_job, check_action_spaces
+from unirl.train.opd_source import DistillRecord, teacher_view
+from unirl.train.trainer import Trainer, TrainingError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("opd_assets")
+    train = load_split("train")
+    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
+    out = {"clf": root / "clf"}
+    for kind in ("vq", "bsq"):
+        out[kind] = fit_small_codec(root / kind, kind)
+        cfg = validate_config(opd_config(root / "x", out, kind, seed=9))
+        build_model(cfg).save_pretrained(root / f"teacher_{kind}")
+        out[f"teacher_{kind}"] = root / f"teacher_{kind}"
+    return out
+
+
+def opd_config(run_dir: Path, assets: dict, kind: str = "vq", seed: int = 3, **algo) -> dict:
+    """A tiny OPD config: 6 prompts (t2i + i2t_mc) per update, the kit's teacher."""
+    cfg = tiny_config(
+        run_dir,
+        assets[kind],
+        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
+        data={"tasks": ["t2i", "i2t_mc"], "train_size": 16},
+        rollout={"max_new_tokens": 20, "length_semantics": "cap"},
+        reward={
+            "plugins": [
+                {"name": "digit_classifier", "path": str(assets["clf"]), "tasks": ["t2i"]},
+                {"name": "mc_exact", "tasks": ["i2t_mc"]},
+            ],
+            "truncated_reward": "keep",
+        },
+        trainer={"total_updates": 2, "global_batch_size": 6, "micro_batch_size": 3},
+    )
+    cfg["run"]["seed"] = seed
+    teacher = str(assets.get(f"teacher_{kind}", "/nonexistent"))
+    cfg["algorithm"] = {"name": "opd", "teacher": {"path": teacher}, **algo}
+    return cfg
+
+
+def make_trainer(cfg: dict) -> Trainer:
+    cfg = validate_config(cfg)
+    run_dir = Path(cfg.run.output_dir)
+    model = build_model(cfg).train()
+    source, objective = build_opd_job(cfg, model, run_dir, DistInfo())
+    pad = model.special_ids.pad
+    return Trainer(
+        model, source, objective, cfg, run_dir, DistInfo(), pad, identity=objective.identity
+    )
+
+
+def reference_loss(objective: OPDObjective, model, micro: TrajectoryBatch) -> float:
+    """The OPD loss of a micro-batch from the full distributions of both models
+    (`replay_distributions`), core's dense `jsd_from_logp`, explicit per-row loops over
+    events and a separate SFT forward for the GT rows, divided by the row count."""
+    a = objective.algo
+    distil, gt = objective._split(micro)
+    total, n = 0.0, 0
+    if distil:
+        batch = micro[distil].without_training_data()
+        records = list(batch.sampling)
+        views = [teacher_view(t, r) for t, r in zip(batch.unbatch(), records)]
+        tbatch = TrajectoryBatch.collate(views, batch.pad_id)
+        trecs = [r if r.teacher_prompt is None else
+                 DistillRecord(r.params, len(r.teacher_prompt), r.seed) for r in records]  # fmt: skip
+        d = torch.zeros(batch.token_ids.shape, dtype=torch.float64)
+        with torch.no_grad():
+            pairs = zip(
+                replay_distributions(model, batch, records, chunk_size=1000),
+                replay_distributions(objective.teacher, tbatch, trecs, chunk_size=1000),
+            )
+            for s, t in pairs:
+                if batch.is_bits and s.modality == Modality.VISUAL:
+                    ps, qs = _pairs(s.dist), _pairs(t.dist)
+                    val = jsd_from_logp(ps.double(), qs.double(), a.beta).mean(-1)
+                else:
+                    val = jsd_from_logp(
+                        s.dist.log_probs.double(), t.dist.log_probs.double(), a.beta
+                    )
+                d[s.rows, s.cols] = val
+        w = {False: a.modality_weights.text, True: a.modality_weights.visual}
+        for b in range(len(batch)):
+            events = objective._events(batch[[b]])
+            means = []
+            for e in range(len(events.kinds[0])):
+                ts = (events.index[0] == e).nonzero().flatten().tolist()
+                vis = batch.modality[b] == Modality.VISUAL
+                means.append(sum(w[bool(vis[t])] * float(d[b, t]) for t in ts) / len(ts))
+            if means:
+                total += sum(means) / len(means)
+                n += 1
+    if gt:
+        with torch.no_grad():
+            out = forward_interleaved(model, micro[gt])
+        w = objective.algo.modality_weights
+        for j in range(len(gt)):
+            ce = [
+                w.text * float(v)
+                for v, r in zip(text_ce(out.text_logits, out.text_targets), out.text_index.rows)
+                if r == j
+            ]
+            ce += [w.visual * float(v) for v, r in
+                   zip(visual_ce(out.visual_logits, out.visual_targets), out.visual_index.rows)
+                   if r == j]  # fmt: skip
+            total += sum(ce) / len(ce)
+            n += 1
+    return total / n
+
+
+def _pairs(dist) -> torch.Tensor:
+    ones = torch.ones(dist.logits.shape)
+    return torch.stack([dist.log_prob_factors(ones), dist.log_prob_factors(1 - ones)], -1)
+
+
+@pytest.mark.parametrize(
+    "kind,algo",
+    [
+        ("vq", {}),
+        (
+            "vq",
+            {
+                "beta": 0.0,
+                "top_k": 3,
+                "retained_mass_min": 1.0,
+                "gt_replay": {"mode": "uniform", "budget": 2},
+                "modality_weights": {"text": 0.5, "visual": 2.0},
+            },
+        ),  # fmt: skip
+        (
+            "vq",
+            {
+                "beta": 1.0,
+                "routing": "privileged_correction",
+                "teacher": {"privilege": "answer"},
+                "events": "first_complete_window",
+            },
+        ),  # fmt: skip
+        ("bsq", {"beta": 0.3, "gt_replay": {"mode": "uniform", "budget": 1}}),
+    ],
+)
+def test_objective_matches_an_independent_computation(tmp_path, assets, kind, algo):
+    """(top-K with retained_mass_min 1 falls back to the full vocabulary wherever the
+    union loses mass: the full-distribution reference holds at every position.)"""
+    cfg = opd_config(tmp_path / "run", assets, kind, **algo)
+    if "teacher" in algo:
+        cfg["algorithm"]["teacher"] = {"path": str(assets[f"teacher_{kind}"]), **algo["teacher"]}
+    trainer = make_trainer(cfg)
+    trajs = trainer.source.global_batch(0)
+    micro = TrajectoryBatch.collate(trajs, trainer.pad_id)
+    n = trainer.objective.count(micro)
+    assert n > 0
+    loss, _ = trainer.objective.loss(trainer.model, micro, n)
+    expected = reference_loss(trainer.objective, trainer.model, micro)
+    assert loss.item() == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
+    teacher = trainer.objective.teacher
+    assert not teacher.training and all(not p.requires_grad for p in teacher.parameters())
+    in_opt = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not in_opt & {id(p) for p in teacher.parameters()}
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_and_privilege_does_not(tmp_path, assets):
+    """The teacher = the student's own weights: the plain JSD is 0 at every position; the
+    privileged teacher (answer in its prompt, positions realigned) differs."""
+    cfg = opd_config(tmp_path / "run", assets)
+    student = build_model(validate_config(cfg))
+    student.save_pretrained(tmp_path / "same")
+    cfg["algorithm"]["teacher"]["path"] = str(tmp_path / "same")
+    plain = make_trainer(cfg)
+    micro = TrajectoryBatch.collate(plain.source.global_batch(0), plain.pad_id)
+    loss, stats = plain.objective.loss(plain.model, micro, plain.objective.count(micro))
+    assert abs(loss.item()) < 1e-6 and abs(stats["jsd_text_sum"]) < 1e-5 and stats["n_text"] > 0
+    cfg["algorithm"]["teacher"]["privilege"] = "answer"
+    priv = make_trainer(cfg)
+    micro = TrajectoryBatch.collate(priv.source.global_batch(0), priv.pad_id)
+    assert all(r.teacher_prompt is not None for r in micro.sampling)
+    loss, _ = priv.objective.loss(priv.model, micro, priv.objective.count(micro))
+    assert loss.item() > 1e-4
+
+
+def test_action_spaces_must_match(tmp_path, assets):
+    vq = build_model(validate_config(opd_config(tmp_path / "a", assets, "vq")))
+    bsq = build_model(validate_config(opd_config(tmp_path / "b", assets, "bsq")))
+    with pytest.raises(ConfigError, match="algorithm.teacher.path: the teacher's visual head"):
+        check_action_spaces(vq, bsq)
+    other = tmp_path / "vq_other"  # the same codebook size, fitted on other images
+    build_codec("vq", codebook_size=16, n_init=1, max_iter=20).fit(
+        load_split("train").images[300:600], seed=1
+    ).save_pretrained(other)
+    refit = build_model(validate_config(opd_config(tmp_path / "c", {**assets, "vq": other})))
+    with pytest.raises(ConfigError, match="image codec differs"):
+        check_action_spaces(vq, refit)
+    check_action_spaces(vq, build_model(validate_config(opd_config(tmp_path / "d", assets))))
+
+
+ROUTES = [
+    (routing, replay)
+    for routing in ("all", "correct_only", "privileged_correction")
+    for replay in ("none", "uniform", "failure")
+    if not (routing == "all" and replay == "failure")
+]
+
+
+@pytest.mark.parametrize("routing,replay", ROUTES)
+def test_every_valid_routing_and_replay_runs_an_update(tmp_path, assets, routing, replay):
+    algo = {
+        "routing": routing,
+        "gt_replay": {"mode": replay, "budget": 0 if replay == "none" else 2},
+    }
+    if routing == "privileged_correction":
+        algo["teacher"] = {"path": str(assets["teacher_vq"]), "privilege": "answer"}
+    cfg = opd_config(tmp_path / "run", assets, **algo)
+    if "teacher" in algo:
+        cfg["algorithm"]["teacher"] = algo["teacher"]
+    cfg["trainer"]["total_updates"] = 1
+    trainer = make_trainer(cfg)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    (_, m), *_ = list(trainer.fit())
+    counts = m["route/n_plain"] + m["route/n_privileged"] + m["route/n_dropped"]
+    assert counts == 6
+    assert m["replay/n_gt_rows"] == (0 if replay == "none" else min(2, 6))
+    if routing == "correct_only":
+        assert m["route/n_privileged"] == 0 and m["route/n_plain"] == 6 * m["route/correct_frac"]
+    if routing == "privileged_correction":
+        assert m["route/n_dropped"] == 0
+        assert m["route/n_privileged"] == round(6 * (1 - m["route/correct_frac"]))
+    if routing == "all":
+        assert m["route/n_plain"] == 6
+    trained = m["opd/n_distilled_rows"] + m["opd/n_gt_rows"] > 0
+    moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert moved == trained
+
+
+def test_failure_replay_without_a_verifier_routing_exits_2(tmp_path, assets):
+    cfg = opd_config(tmp_path / "run", assets, gt_replay={"mode": "failure", "budget": 2})
+    done = run_cli(["train", str(write_config(tmp_path / "c.yaml", cfg))])
+    assert done.returncode == 2
+    assert "algorithm.gt_replay.mode: 'failure' needs a verifier routing" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _final(run_dir: Path):
+    last = sorted((run_dir / "checkpoints").glob("update-*"))[-1]
+    return checkpoint_tensors(last)
+
+
+def test_sigkill_during_rollout_and_update_and_stop_after_resume_bitwise(tmp_path, assets):
+    def config(name: str) -> Path:
+        cfg = opd_config(tmp_path / name, assets, top_k=3, retained_mass_min=0.5,
+                         routing="correct_only", gt_replay={"mode": "failure", "budget": 2})  # fmt: skip
+        cfg["trainer"]["total_updates"] = 6
+        return write_config(tmp_path / f"{name}.yaml", cfg)
+
+    reference = run_cli(["train", str(config("ref"))])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    path = config("killed")
+    for fault in ("rollout:3", "update:5"):
+        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        assert killed.returncode == -9, (fault, killed.stderr[-2000:])
+    assert run_cli(["train", str(path)]).returncode == 0
+    stopped = config("stopped")
+    first = run_cli(["train", str(stopped), "--stop-after-updates", "3"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").glob("update-*"))[-1] == (
+        "update-000003"
+    )
+    assert not (tmp_path / "stopped" / "model").exists()
+    assert run_cli(["train", str(stopped)]).returncode == 0
+    ref = _final(tmp_path / "ref")
+    for name in ("killed", "stopped"):
+        got = _final(tmp_path / name)
+        assert_same_state(ref[0], got[0], f"{name} model")
+        assert_same_state(ref[1], got[1], f"{name} optimizer")
+
+
+def test_resume_against_a_changed_teacher_is_refused(tmp_path, assets):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(assets["teacher_vq"], teacher)
+    cfg = opd_config(tmp_path / "run", assets)
+    cfg["algorithm"]["teacher"]["path"] = str(teacher)
+    for _ in make_trainer(cfg).fit():
+        pass
+    weights = next(teacher.glob("*.safetensors"))
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(weights))
+    key = next(iter(state))
+    state[key] = state[key] + 1
+    save_file(state, str(weights))
+    cfg["trainer"]["total_updates"] = 3
+    with pytest.raises(TrainingError, match="refusing to resume .* trained against"):
+        for _ in make_trainer(cfg).fit():
+            pass
+
+
+def test_janus_pro_student_and_teacher_run_one_update(tmp_path):
+    """A tiny random Janus-Pro student and a same-family teacher (another seed and width,
+    the same tokenizer, image grid and codebook size) run one OPD update on t2i and
+    i2t_mc rows; the loss equals the independent computation, the student moves and
+    the teacher does not."""
+    from unirl.data.digits import vocabulary_texts
+    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+
+    texts = vocabulary_texts()
+    student = write_tiny_checkpoint(tmp_path / "student", TinyJanusSpec(grid=2), texts)
+    teacher = write_tiny_checkpoint(
+        tmp_path / "teacher", TinyJanusSpec(grid=2, hidden_size=48, seed=1), texts
+    )
+    cfg = {
+        "run": {"name": "j", "seed": 0, "output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "model": {"kind": "janus_pro", "path": str(student)},
+        "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 8, "val_size": 0, "test_size": 0},
+        "rollout": {"batch_size": 16, "max_new_tokens": 6},
+        "algorithm": {"name": "opd", "teacher": {"path": str(teacher)}},
+        "trainer": {"total_updates": 1, "global_batch_size": 4, "micro_batch_size": 4},
+        "checkpoint": {"every_updates": 0},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
+    trainer = make_trainer(cfg)
+    micro = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+    n = trainer.objective.count(micro)
+    loss, stats = trainer.objective.loss(trainer.model, micro, n)
+    assert loss.item() == pytest.approx(
+        reference_loss(trainer.objective, trainer.model, micro), rel=1e-4
+    )
+    assert stats["n_visual"] > 0 and stats["n_text"] > 0
+    t_before = [p.clone() for p in trainer.objective.teacher.parameters()]
+    s_before = [p.detach().clone() for p in trainer.model.parameters()]
+    (_, m), *_ = list(trainer.fit())
+    assert m["opd/jsd_visual"] > 0 and m["opd/jsd_text"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(s_before, trainer.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(t_before, trainer.objective.teacher.parameters()))

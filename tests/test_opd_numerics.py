@@ -1,0 +1,193 @@
+"""OPD numerics (`unirl.algorithms.opd`) against independent implementations: numpy
+float64 formulas for the values and torch.distributions for the gradients."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Bernoulli, Categorical, kl_divergence
+
+from unirl.algorithms.opd import (
+    Events,
+    bernoulli_jsd,
+    bit_pairs,
+    categorical_divergence,
+    event_index,
+    generalized_jsd,
+    row_events,
+    tempered_logp,
+    trajectory_first,
+    union_bound,
+)
+from unirl.core.types import Modality
+
+
+def np_gjsd(zs: np.ndarray, zt: np.ndarray, beta: float, tau: float) -> np.ndarray:
+    """TRL GKD's generalised JSD in float64 numpy, per row, written from the probabilities."""
+
+    def softmax(z):
+        e = np.exp((z - z.max(-1, keepdims=True)) / tau)
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(zs / 1.0), softmax(zt / 1.0)
+    if beta == 0:
+        return (q * np.log(q / p)).sum(-1)
+    if beta == 1:
+        return (p * np.log(p / q)).sum(-1)
+    m = (1 - beta) * p + beta * q
+    return beta * (q * np.log(q / m)).sum(-1) + (1 - beta) * (p * np.log(p / m)).sum(-1)
+
+
+def torch_gjsd(zs: torch.Tensor, zt: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
+    """The same through torch.distributions (autograd reference for the gradient)."""
+    P, Q = Categorical(logits=zs / tau), Categorical(logits=zt / tau)
+    if beta == 0:
+        return kl_divergence(Q, P)
+    if beta == 1:
+        return kl_divergence(P, Q)
+    M = Categorical(probs=(1 - beta) * P.probs + beta * Q.probs)
+    return beta * kl_divergence(Q, M) + (1 - beta) * kl_divergence(P, M)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_generalized_jsd_value_and_gradient(beta, tau):
+    g = torch.Generator().manual_seed(int(beta * 10 + tau * 100))
+    zs = torch.randn(37, 50, generator=g, dtype=torch.float64) * 2
+    zt = torch.randn(37, 50, generator=g, dtype=torch.float64) * 2
+    zs.requires_grad_(True)
+    ours = generalized_jsd(tempered_logp(zs, tau), tempered_logp(zt, tau), beta)
+    ref = np_gjsd(zs.detach().numpy(), zt.numpy(), beta, tau)
+    np.testing.assert_allclose(ours.detach().numpy(), ref, rtol=1e-10, atol=1e-12)
+    w = torch.rand(37, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((ours * w).sum(), zs)
+    zs2 = zs.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad((torch_gjsd(zs2, zt, beta, tau) * w).sum(), zs2)
+    torch.testing.assert_close(grad, expected, rtol=1e-8, atol=1e-10)
+
+
+def test_endpoints_are_forward_and_reverse_kl():
+    zs, zt = torch.randn(5, 9, dtype=torch.float64), torch.randn(5, 9, dtype=torch.float64)
+    lp, lq = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    fwd = kl_divergence(Categorical(logits=zt), Categorical(logits=zs))
+    rev = kl_divergence(Categorical(logits=zs), Categorical(logits=zt))
+    torch.testing.assert_close(generalized_jsd(lp, lq, 0.0), fwd)
+    torch.testing.assert_close(generalized_jsd(lp, lq, 1.0), rev)
+    assert not torch.allclose(fwd, rev)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bernoulli_jsd_is_the_per_factor_mean(beta):
+    g = torch.Generator().manual_seed(1)
+    zs = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    zt = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    tau = 0.8
+    ours = bernoulli_jsd(bit_pairs(zs, tau), bit_pairs(zt, tau), beta)
+    P, Q = Bernoulli(logits=zs / tau), Bernoulli(logits=zt / tau)
+    if beta == 0:
+        per = kl_divergence(Q, P)
+    elif beta == 1:
+        per = kl_divergence(P, Q)
+    else:
+        M = Bernoulli(probs=(1 - beta) * P.probs + beta * Q.probs)
+        per = beta * kl_divergence(Q, M) + (1 - beta) * kl_divergence(P, M)
+    torch.testing.assert_close(ours, per.mean(-1))
+    (g1,) = torch.autograd.grad(ours.sum(), zs)
+    (g2,) = torch.autograd.grad(per.mean(-1).sum(), zs)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_top_k_union_equals_full_when_it_covers_the_vocabulary():
+    """Teacher and student rank 12 ids in opposite orders: their top-6 sets are disjoint
+    and together cover the vocabulary, so the union path (with an empty tail) is exact."""
+    g = torch.Generator().manual_seed(2)
+    order = torch.arange(12, dtype=torch.float64)
+    zs = order * 0.3 + torch.rand(10, 12, generator=g, dtype=torch.float64) * 0.1
+    zt = (-order * 0.4).repeat(10, 1)
+    zs.requires_grad_(True)
+    a, b = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    union = categorical_divergence(a, b, 0.5, top_k=6, retained_mass_min=0.0)
+    exact = generalized_jsd(a, b, 0.5)
+    torch.testing.assert_close(union.jsd, exact, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(union.retained, torch.ones(10, dtype=torch.float64))
+    assert union.fallback.sum() == 0
+    (g1,) = torch.autograd.grad(union.jsd.sum(), zs, retain_graph=True)
+    (g2,) = torch.autograd.grad(exact.sum(), zs)
+    torch.testing.assert_close(g1, g2)
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.5, 0.75])
+def test_top_k_union_is_within_the_stated_bound(beta):
+    g = torch.Generator().manual_seed(3)
+    zs = torch.randn(64, 400, generator=g, dtype=torch.float64) * 3
+    zt = zs + torch.randn(64, 400, generator=g, dtype=torch.float64)
+    lp, lq = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    full = generalized_jsd(lp, lq, beta)
+    union = categorical_divergence(lp, lq, beta, top_k=8, retained_mass_min=0.0)
+    ids = torch.cat([lq.topk(8).indices, lp.topk(8).indices], -1)
+    keep = torch.zeros_like(lp, dtype=torch.bool).scatter_(-1, ids, True)
+    p_tail = lp.exp().masked_fill(keep, 0).sum(-1)
+    q_tail = lq.exp().masked_fill(keep, 0).sum(-1)
+    gap = full - union.jsd
+    assert (gap >= -1e-12).all()
+    assert (gap <= union_bound(p_tail, q_tail, beta) + 1e-12).all()
+    assert (gap > 1e-6).any()  # the tail does lose something here
+    torch.testing.assert_close(union.retained, 1 - q_tail)
+
+
+def test_retained_mass_guard_falls_back_to_the_full_vocabulary():
+    g = torch.Generator().manual_seed(4)
+    zs = torch.randn(20, 300, generator=g, dtype=torch.float64)
+    zt = torch.randn(20, 300, generator=g, dtype=torch.float64) * 0.1  # flat teacher
+    zt[:5] *= 200  # five peaked teacher rows keep their mass in the union
+    lp, lq = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    out = categorical_divergence(lp, lq, 0.5, top_k=4, retained_mass_min=0.9)
+    assert out.fallback.tolist() == [0.0] * 5 + [1.0] * 15
+    full = generalized_jsd(lp, lq, 0.5)
+    torch.testing.assert_close(out.jsd[5:], full[5:])
+    assert (out.jsd[:5] <= full[:5] + 1e-12).all()
+
+
+def test_events_of_a_draw_then_answer_row():
+    #   prompt 0-2 | text 3-5 (header) | visual 6-9 | controller 10 | text 11-12
+    scored = [3, 4, 5, 6, 7, 8, 9, 11, 12]
+    visual = [False] * 6 + [True] * 4 + [False] * 3
+    all_ev = row_events(scored, visual, "eos", "all_complete_transitions")
+    assert all_ev == [("text", [3, 4, 5]), ("visual", [6, 7, 8, 9]), ("text", [11, 12])]
+    window = row_events(scored, visual, "eos", "first_complete_window")
+    assert window == [("window", [6, 7, 8, 9, 11, 12])]
+    cut = row_events(scored, visual, "cap", "all_complete_transitions")
+    assert cut == all_ev[:2]  # the capped answer is not a complete event
+    assert row_events(scored, visual, "cap", "first_complete_window") == [("window", [6, 7, 8, 9])]
+    assert row_events([3, 4], [False] * 5, "cap", "first_complete_window") == []
+
+
+def test_trajectory_first_weighs_each_trajectory_once():
+    """Row 0 has three events, row 1 one; each row's value is the mean of its event means,
+    and the loss is the mean over rows (not over events or positions)."""
+    B, T = 2, 12
+    modality = torch.full((B, T), int(Modality.TEXT))
+    modality[0, 4:8] = int(Modality.VISUAL)
+    scored = torch.zeros(B, T, dtype=torch.bool)
+    scored[0, 1:11] = True
+    scored[1, 2:4] = True
+    events = event_index(scored, modality, ["eos", "eos"], "all_complete_transitions")
+    assert events.kinds == [["text", "visual", "text"], ["text"]]
+    values = torch.arange(B * T, dtype=torch.float64).view(B, T) / 10
+    per_row, _ = trajectory_first(values, events)
+    v = values.numpy()
+    row0 = np.mean([v[0, 1:4].mean(), v[0, 4:8].mean(), v[0, 8:11].mean()])
+    row1 = v[1, 2:4].mean()
+    np.testing.assert_allclose(per_row.numpy(), [row0, row1])
+    # three events do not make row 0 weigh three times: the loss is the plain row mean
+    assert math.isclose(float(per_row.mean()), (row0 + row1) / 2)
+    assert not math.isclose(float(per_row.mean()), float(v[scored.numpy()].mean()))
+
+
+def test_a_row_without_events_contributes_zero():
+    ev = Events(torch.full((1, 4), -1), [[]])
+    per_row, _ = trajectory_first(torch.ones(1, 4), ev)
+    assert per_row.tolist() == [0.0]
