@@ -32,6 +32,8 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +104,14 @@ class UnirlSide:
     """unirl's GRPO update: rollout service -> reward -> group advantages -> the shared
     trainer's step with the GRPO objective (one micro-batch of P·G rows)."""
 
-    def __init__(self, model: TinyUnifiedModel, args: argparse.Namespace, run_dir: str) -> None:
+    def __init__(
+        self,
+        model: TinyUnifiedModel,
+        args: argparse.Namespace,
+        run_dir: str,
+        phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext(),
+    ) -> None:
+        self.phase = phase
         n = args.n_prompts * args.group
         cfg = validate_config(
             {
@@ -150,26 +159,29 @@ class UnirlSide:
 
     def update(self, prompts: list[Sample], update: int) -> None:
         w0, c0 = time.perf_counter(), time.process_time()
-        requests = [
-            RolloutRequest(p.fork(m), seed_for(0, update, i, m), self.params)
-            for i, p in enumerate(prompts)
-            for m in range(self.group)
-        ]
-        trajs = self.service.generate(requests)
+        with self.phase("rollout"):
+            requests = [
+                RolloutRequest(p.fork(m), seed_for(0, update, i, m), self.params)
+                for i, p in enumerate(prompts)
+                for m in range(self.group)
+            ]
+            trajs = self.service.generate(requests)
         w1 = time.perf_counter()
-        rewards = torch.tensor(
-            [reward_of(t.token_ids[_plen(t) :].tolist(), self.digit_ids) for t in trajs],
-            dtype=torch.float64,
-        )
-        adv, _ = group_advantages(
-            rewards, self.group, std_ddof=self.algo.std_ddof, eps=self.algo.eps
-        )
-        for t, a in zip(trajs, adv.tolist()):
-            t.advantage = a
-        self.batch = trajs
+        with self.phase("reward+advantages"):
+            rewards = [reward_of(t.token_ids[_plen(t) :].tolist(), self.digit_ids) for t in trajs]
+            adv, _ = group_advantages(
+                torch.tensor(rewards, dtype=torch.float64),
+                self.group,
+                std_ddof=self.algo.std_ddof,
+                eps=self.algo.eps,
+            )
+            for t, a in zip(trajs, adv.tolist()):
+                t.advantage = a
+            self.batch = trajs
         w2 = time.perf_counter()
-        self.trainer.step()
-        self.trainer.update += 1
+        with self.phase("update (fwd+bwd+AdamW)"):
+            self.trainer.step()
+            self.trainer.update += 1
         w3, c3 = time.perf_counter(), time.process_time()
         t = self.timings
         t.wall.append(w3 - w0)
