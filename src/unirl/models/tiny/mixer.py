@@ -10,7 +10,8 @@ position a cheap view of its neighbours, which is what multiple-choice symbol bi
 it up (issue 15; `bench/mc_binding_probe.py --conv K` measures it without images).
 
 Padding: an input at a position the attention mask marks invalid is zeroed before mixing,
-so a left-padded row (rollout prefill) mixes exactly as the unpadded row would.
+so a left-padded row (rollout prefill) mixes exactly as the unpadded row would. Packing:
+a packed row's taps stop at its sequence boundaries (`MixContext.pairs`).
 
 Decoding: `MixCache` (a `DynamicCache`) carries each mixer's last k-1 (masked) inputs per
 row; a call with T new positions mixes them with the carried ones, so the cached and the
@@ -45,10 +46,14 @@ class MixCache(DynamicCache):
 @dataclass
 class MixContext:
     """What the mixers of one body call need: `valid` [B, T] (True at real positions of
-    the T new inputs) and the cache's states (None: a full forward with no cache)."""
+    the T new inputs), the cache's states (None: a full forward with no cache) and, for a
+    packed forward, `pairs`: its block-causal bool [B, 1, T, T] attention mask (tap j
+    reaches position t - j only where query t may attend key t - j, so no sequence mixes
+    with its neighbour in the row)."""
 
     valid: torch.Tensor | None = None
     states: dict[int, torch.Tensor] | None = field(default=None)
+    pairs: torch.Tensor | None = None
 
 
 class CausalMixer(nn.Module):
@@ -78,8 +83,17 @@ class CausalMixer(nn.Module):
             ctx.states[self.index] = padded[:, -(k - 1) :].detach()
         out = x
         for j in range(k):
-            out = out + self.weight[j] * padded[:, k - 1 - j : k - 1 - j + t]
+            term = self.weight[j] * padded[:, k - 1 - j : k - 1 - j + t]
+            if ctx.pairs is not None and j > 0:
+                term = term * _reach(ctx.pairs, j).unsqueeze(-1).to(x.dtype)
+            out = out + term
         return out
+
+
+def _reach(pairs: torch.Tensor, j: int) -> torch.Tensor:
+    """bool [B, T]: whether query t may attend key t - j (False for t < j)."""
+    diag = torch.diagonal(pairs[:, 0], offset=-j, dim1=-2, dim2=-1)
+    return torch.cat([diag.new_zeros(diag.shape[0], min(j, pairs.shape[-1])), diag], dim=1)
 
 
 class MixedNorm(nn.Module):

@@ -47,6 +47,7 @@ class TinyModelConfig:
 
 class TinyUnifiedModel(UnifiedModel):
     kind = "tiny"
+    supports_packing = True
 
     def __init__(
         self, config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec
@@ -146,7 +147,12 @@ class TinyUnifiedModel(UnifiedModel):
                     f"the tiny model's mixers need a MixCache (model.new_cache()), "
                     f"got {type(cache).__name__}"
                 )
-            self._mix.valid = attention_mask[:, -embeds.shape[1] :].bool()
+            packed = attention_mask.dim() == 4
+            if packed:
+                self._mix.valid = attention_mask.new_ones(embeds.shape[:2], dtype=torch.bool)
+            else:
+                self._mix.valid = attention_mask[:, -embeds.shape[1] :].bool()
+            self._mix.pairs = attention_mask if packed else None
             self._mix.states = None if cache is None else cache.mix_states
         return run_decoder(self.decoder, embeds, attention_mask, position_ids, cache)
 
