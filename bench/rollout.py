@@ -83,10 +83,10 @@ def run_engine(engine: RolloutEngine, trajs, n_new: int) -> list[list[int]]:
     return [o.token_ids[len(t) :].tolist() for o, t in zip(out, trajs)]
 
 
-def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float, object]:
+    t0, c0 = time.perf_counter(), time.process_time()
     result = fn()
-    return time.perf_counter() - t0, result
+    return time.perf_counter() - t0, time.process_time() - c0, result
 
 
 def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
@@ -104,11 +104,13 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         ),
     }
     times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
     outputs = {}
     for _ in range(args.repeats):
         for key, fn in runners.items():
-            seconds, outputs[key] = timed(fn)
+            seconds, cpu_seconds, outputs[key] = timed(fn)
             times[key].append(seconds)
+            cpu[key].append(cpu_seconds)
     reference = outputs["hf_generate"]
     same = all(outputs[k] == reference for k in runners)
     lengths = [len(r) for r in reference]
@@ -124,7 +126,8 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"max {max(lengths)}; total {n_tokens} tokens; identical tokens: {same}"
     )
     for key in runners:
-        print(f"  {key:15s} {med[key] * 1e3:8.1f} ms  {tps[key]:8.0f} tok/s")
+        cpu_ms = statistics.median(cpu[key]) * 1e3
+        print(f"  {key:15s} {med[key] * 1e3:8.1f} ms  {tps[key]:8.0f} tok/s  CPU {cpu_ms:8.1f} ms")
     print(
         f"  ratio engine_compact / hf_generate tokens/s: "
         f"{tps['engine_compact'] / tps['hf_generate']:.2f}x"
