@@ -14,6 +14,7 @@ row runs to `--max-new-tokens`: only per-step overhead differs). The engine's tw
 finished-row policies (compact vs mask) are timed in the same process.
 
     .venv/bin/python bench/rollout.py [--batch 32 64] [--max-new-tokens 96] [--threads 1]
+        [--device cuda|cpu]   (default cuda when available; prints peak GPU memory there)
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def run_hf(hf: LlamaForCausalLM, trajs, pad: int, eos: int, n_new: int) -> list[
     config = GenerationConfig(
         max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=pad
     )
+    device = hf.device
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        out = hf.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
     rows = []
     for r in out[:, P:].tolist():
         rows.append(r[: r.index(eos) + 1] if eos in r else r)
@@ -91,6 +95,9 @@ def timed(fn) -> tuple[float, float, object]:
 
 def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
     model, hf = build(eos_scale)
+    model.to(args.device)
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     tok = model.tokenizer
     sp = SpecialIds.from_tokenizer(tok)
     trajs = prompts(tok, args.batch)
@@ -140,6 +147,9 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"  ratio compact / mask tokens/s:               "
         f"{tps['engine_compact'] / tps['engine_mask']:.2f}x"
     )
+    if model.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(model.device) / 2**20
+        print(f"  peak GPU memory (all runs of this scenario): {peak:.0f} MiB")
     if not same:
         raise SystemExit("engine and generate disagree on the tokens: not a like-for-like run")
 
@@ -150,6 +160,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eos-scale", type=float, default=2.5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
