@@ -200,8 +200,12 @@ def _plen(traj) -> int:
 class Alternate(TrainerCallback):
     """Times each TRL step and runs one unirl update after it, on TRL's prompts."""
 
-    def __init__(self, unirl: UnirlSide, by_text: dict[str, Sample]) -> None:
+    def __init__(
+        self, unirl: UnirlSide, by_text: dict[str, Sample], generate_seconds: list[float]
+    ) -> None:
         self.unirl, self.by_text = unirl, by_text
+        self.generate_seconds = generate_seconds
+        self.generate_mark = 0
         self.trl = Timings()
         self.step_prompts: list[str] = []
         self.step_lengths: list[int] = []
@@ -209,6 +213,7 @@ class Alternate(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step_prompts, self.step_lengths = [], []
+        self.generate_mark = len(self.generate_seconds)
         self._t0 = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -216,6 +221,9 @@ class Alternate(TrainerCallback):
         self.trl.wall.append(w)
         self.trl.cpu.append(c)
         self.trl.lengths.append(statistics.mean(self.step_lengths))
+        gen = sum(self.generate_seconds[self.generate_mark :])
+        self.trl.add_phase("generate (transformers)", gen)
+        self.trl.add_phase("rest (scoring, loss, backward, AdamW)", w - gen)
         unique = list(dict.fromkeys(self.step_prompts))
         self.unirl.update([self.by_text[p] for p in unique], state.global_step)
 
@@ -236,6 +244,16 @@ def run(args: argparse.Namespace) -> None:
     hf.generation_config.eos_token_id = sp.eos
     hf.generation_config.pad_token_id = sp.pad
     hf.train()
+    generate_seconds: list[float] = []
+    hf_generate = hf.generate
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        out = hf_generate(*a, **k)
+        generate_seconds.append(time.perf_counter() - t0)
+        return out
+
+    hf.generate = timed_generate  # observation only: TRL's own call, timed
 
     samples = text_prompts(tok, 64)
     by_text: dict[str, Sample] = {}
@@ -258,7 +276,7 @@ def run(args: argparse.Namespace) -> None:
     n = args.n_prompts * args.group
     with tempfile.TemporaryDirectory() as tmp:
         unirl = UnirlSide(model, args, f"{tmp}/unirl")
-        cb = Alternate(unirl, by_text)
+        cb = Alternate(unirl, by_text, generate_seconds)
         config = GRPOConfig(
             output_dir=f"{tmp}/trl",
             per_device_train_batch_size=n,
@@ -318,9 +336,10 @@ def report(args: argparse.Namespace, trl: Timings, unirl: Timings) -> None:
         )
     print(f"  ratio unirl / TRL seconds per update: {med(unirl.wall, k) / med(trl.wall, k):.2f}x")
     print(f"  ratio unirl / TRL CPU seconds:        {med(unirl.cpu, k) / med(trl.cpu, k):.2f}x")
-    print("  unirl phases (median wall s):")
-    for name, xs in unirl.phases.items():
-        print(f"    {name:24s} {med(xs, k):8.3f}")
+    for side, t in (("TRL", trl), ("unirl", unirl)):
+        print(f"  {side} phases (median wall s):")
+        for name, xs in t.phases.items():
+            print(f"    {name:38s} {med(xs, k):8.3f}")
     print(
         "    (old log-probs: none, replay anchoring with one update per batch: the update's "
         "own forward is the ratio's denominator, as TRL's)"
