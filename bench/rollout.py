@@ -14,6 +14,7 @@ row runs to `--max-new-tokens`: only per-step overhead differs). The engine's tw
 finished-row policies (compact vs mask) are timed in the same process.
 
     .venv/bin/python bench/rollout.py [--batch 32 64] [--max-new-tokens 96] [--threads 1]
+        [--device cuda|cpu]   (default cuda when available; prints peak GPU memory there)
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def run_hf(hf: LlamaForCausalLM, trajs, pad: int, eos: int, n_new: int) -> list[
     config = GenerationConfig(
         max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=pad
     )
+    device = hf.device
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        out = hf.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
     rows = []
     for r in out[:, P:].tolist():
         rows.append(r[: r.index(eos) + 1] if eos in r else r)
@@ -83,14 +87,17 @@ def run_engine(engine: RolloutEngine, trajs, n_new: int) -> list[list[int]]:
     return [o.token_ids[len(t) :].tolist() for o, t in zip(out, trajs)]
 
 
-def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float, object]:
+    t0, c0 = time.perf_counter(), time.process_time()
     result = fn()
-    return time.perf_counter() - t0, result
+    return time.perf_counter() - t0, time.process_time() - c0, result
 
 
 def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
     model, hf = build(eos_scale)
+    model.to(args.device)
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     tok = model.tokenizer
     sp = SpecialIds.from_tokenizer(tok)
     trajs = prompts(tok, args.batch)
@@ -104,11 +111,13 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         ),
     }
     times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
     outputs = {}
     for _ in range(args.repeats):
         for key, fn in runners.items():
-            seconds, outputs[key] = timed(fn)
+            seconds, cpu_seconds, outputs[key] = timed(fn)
             times[key].append(seconds)
+            cpu[key].append(cpu_seconds)
     reference = outputs["hf_generate"]
     same = all(outputs[k] == reference for k in runners)
     lengths = [len(r) for r in reference]
@@ -124,7 +133,8 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"max {max(lengths)}; total {n_tokens} tokens; identical tokens: {same}"
     )
     for key in runners:
-        print(f"  {key:15s} {med[key] * 1e3:8.1f} ms  {tps[key]:8.0f} tok/s")
+        cpu_ms = statistics.median(cpu[key]) * 1e3
+        print(f"  {key:15s} {med[key] * 1e3:8.1f} ms  {tps[key]:8.0f} tok/s  CPU {cpu_ms:8.1f} ms")
     print(
         f"  ratio engine_compact / hf_generate tokens/s: "
         f"{tps['engine_compact'] / tps['hf_generate']:.2f}x"
@@ -137,6 +147,9 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"  ratio compact / mask tokens/s:               "
         f"{tps['engine_compact'] / tps['engine_mask']:.2f}x"
     )
+    if model.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(model.device) / 2**20
+        print(f"  peak GPU memory (all runs of this scenario): {peak:.0f} MiB")
     if not same:
         raise SystemExit("engine and generate disagree on the tokens: not a like-for-like run")
 
@@ -147,6 +160,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eos-scale", type=float, default=2.5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

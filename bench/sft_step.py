@@ -1,17 +1,21 @@
-"""SFT step throughput of the tiny model against this machine's measured GEMM peak.
+"""SFT step throughput of the tiny model against this machine's measured GEMM peak,
+with sequence packing off and on (`trainer.packing`, `unirl.train.packing`).
 
-Prints tokens/s of full SFT steps (forward + backward + AdamW on a mixed digits batch)
-and the model-FLOPs utilisation: achieved model FLOP/s divided by the FLOP/s of a large
-fp32 matrix multiply measured in the same process (the baseline). Model FLOPs per step:
+Prints, for the same mixed digits batch (one micro-batch) collated plainly (right-padded
+to the longest row) and packed (first-fit into rows as long as the longest, block-causal
+attention), alternating in one process: the padded-token fraction, step time (forward +
+backward + AdamW), tokens/s and the model-FLOPs utilisation: useful model FLOP/s divided
+by the FLOP/s of a large fp32 matrix multiply measured in the same process (the
+baseline). Useful FLOPs per step (padding excluded, the same for both layouts):
 6 · N_matmul · tokens (weights, forward + backward) + 12 · layers · d · Σ_rows T_row²
 (attention scores and values, forward + backward) + 6 · n_mixers · k · d · tokens (the
 depthwise causal conv prior, `model.tiny.mixer_kernel` = k), with N_matmul the parameters
-of the decoder's linear layers plus the heads at the scored positions. Run it with
-`--mixer-kernel 0` and with the default to read the prior's throughput cost.
+of the decoder's linear layers plus the heads at the scored positions.
 
-    .venv/bin/python bench/sft_step.py [--steps 20] [--batch 32] [--threads 2]
-        [--mixer-kernel 4] [--deterministic on|off]
+    .venv/bin/python bench/sft_step.py [--width 192] [--layers 4] [--steps 20] [--batch 32]
+        [--threads 2] [--mixer-kernel 4] [--deterministic on|off]
 
+The defaults are the default tiny body; `--width 512 --layers 8` is a larger one.
 `--deterministic` is `run.deterministic` (default on, as in `unirl train`): compare the
 two to see what deterministic kernels cost on this machine.
 
@@ -45,7 +49,19 @@ from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.train.build import set_determinism
 from unirl.train.distributed import DistInfo
+from unirl.train.packing import pack, padded_fraction
 from unirl.train.sft import SFTObjective
+
+
+def body_config(args: argparse.Namespace) -> TinyModelConfig:
+    """The tiny body of `--width` / `--layers` (heads of width ~48, MLP 8/3 x width)."""
+    return TinyModelConfig(
+        hidden_size=args.width,
+        num_layers=args.layers,
+        num_heads=max(1, args.width // 48),
+        intermediate_size=args.width * 8 // 3,
+        mixer_kernel=args.mixer_kernel,
+    )
 
 
 def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
@@ -60,16 +76,17 @@ def gemm_peak(n: int = 1024, repeats: int = 20) -> float:
     return 2 * n**3 / best
 
 
-def model_flops(model: TinyUnifiedModel, batch: TrajectoryBatch, n_scored: int) -> float:
+def model_flops(model: TinyUnifiedModel, lengths: list[int], n_scored: int) -> float:
+    """Useful FLOPs of one step (module docstring): padding excluded."""
     cfg = model.config
     linear = sum(
         m.weight.numel()
         for name, m in model.decoder.named_modules()
         if isinstance(m, torch.nn.Linear)
     )
-    tokens = int(batch.attention_mask.sum())
+    tokens = sum(lengths)
     head = model.text_head.weight.numel()
-    attention = 12 * cfg.num_layers * cfg.hidden_size * float((batch.lengths.float() ** 2).sum())
+    attention = 12 * cfg.num_layers * cfg.hidden_size * float(sum(n * n for n in lengths))
     mixers = 6.0 * 2 * cfg.num_layers * cfg.mixer_kernel * cfg.hidden_size * tokens
     return 6.0 * linear * tokens + 6.0 * head * n_scored + attention + mixers
 
@@ -79,6 +96,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
+    parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
     parser.add_argument("--mixer-kernel", type=int, default=TinyModelConfig.mixer_kernel)
     parser.add_argument("--deterministic", choices=("on", "off"), default="on")
     parser.add_argument("--ig", action="store_true", help="IG vs vanilla SFT (see docstring)")
@@ -93,15 +112,15 @@ def main() -> None:
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
-    model = TinyUnifiedModel(
-        TinyModelConfig(hidden_size=128, mixer_kernel=args.mixer_kernel), tokenizer, codec
-    ).train()
-    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
+    config = body_config(args)
+    model = TinyUnifiedModel(config, tokenizer, codec).train()
+    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // len(TASKS))]
     trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
-    batch = TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
+    pad = SpecialIds.from_tokenizer(tokenizer).pad
+    batches = {"off": TrajectoryBatch.collate(trajs, pad), "on": pack(trajs, pad)}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def step() -> int:
+    def step(batch: TrajectoryBatch) -> int:
         out = forward_interleaved(model, batch)
         loss = torch.nn.functional.cross_entropy(out.text_logits, out.text_targets, reduction="sum")
         loss = loss + torch.nn.functional.cross_entropy(
@@ -112,33 +131,52 @@ def main() -> None:
         opt.step()
         return len(out.text_targets) + len(out.visual_targets)
 
-    for _ in range(3):
-        n_scored = step()
-    t0 = time.perf_counter()
+    for batch in batches.values():
+        n_scored = step(batch)
+    wall: dict[str, list[float]] = {k: [] for k in batches}
+    cpu: dict[str, list[float]] = {k: [] for k in batches}
     for _ in range(args.steps):
-        step()
-    seconds = (time.perf_counter() - t0) / args.steps
+        for key, batch in batches.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(batch)
+            wall[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
     peak = gemm_peak()
-    flops = model_flops(model, batch, n_scored)
-    tokens = int(batch.attention_mask.sum())
-    print(f"mixer kernel {args.mixer_kernel} (0 = no sequence-mixing prior)")
-    print(f"deterministic        {args.deterministic}")
-    print(f"batch {len(batch)} rows, {tokens} tokens ({batch.max_length} padded length)")
-    print(f"step time            {seconds * 1e3:8.1f} ms")
-    print(f"tokens/s             {tokens / seconds:8.0f}")
-    print(f"model GFLOP/s        {flops / seconds / 1e9:8.2f}")
-    print(f"GEMM peak GFLOP/s    {peak / 1e9:8.2f}   (fp32 1024x1024 matmul, same process)")
-    print(f"fraction of peak     {flops / seconds / peak:8.3f}")
+    lengths = [len(t) for t in trajs]
+    flops = model_flops(model, lengths, n_scored)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"body: width {args.width}, {args.layers} layers, {config.num_heads} heads, mixer "
+        f"kernel {args.mixer_kernel} ({n_params / 1e6:.2f} M parameters); deterministic "
+        f"{args.deterministic}; threads {torch.get_num_threads()}; {args.steps} steps each, "
+        "alternating"
+    )
+    print(f"rows {len(trajs)}, {sum(lengths)} real tokens, useful GFLOP/step {flops / 1e9:.2f}")
+    print(f"GEMM peak GFLOP/s {peak / 1e9:8.2f}   (fp32 1024x1024 matmul, same process)")
+    print(
+        f"  {'packing':8s} {'B x T':>9s} {'padded':>7s} {'step ms':>8s} {'CPU ms':>8s} "
+        f"{'tokens/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s}"
+    )
+    for key, batch in batches.items():
+        seconds = statistics.median(wall[key])
+        print(
+            f"  {key:8s} {len(batch):>4d} x {batch.max_length:<3d} "
+            f"{padded_fraction(batch):7.3f} {seconds * 1e3:8.1f} "
+            f"{statistics.median(cpu[key]) * 1e3:8.1f} {sum(lengths) / seconds:9.0f} "
+            f"{flops / seconds / 1e9:8.2f} {flops / seconds / peak:8.3f}"
+        )
+    ratio = statistics.median(wall["off"]) / statistics.median(wall["on"])
+    print(f"  speed-up of packing (step time off / on): {ratio:.2f}x")
 
 
 def _setup(args: argparse.Namespace) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
-    """The tiny model (width 128) and the default bench's mixed digits batch."""
+    """The tiny model (`--width`, `--layers`) and the default bench's mixed digits batch."""
     torch.set_num_threads(args.threads)
     set_determinism(args.deterministic == "on", torch.device("cpu"))
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
-    config = TinyModelConfig(hidden_size=128, mixer_kernel=args.mixer_kernel)
+    config = body_config(args)
     model = TinyUnifiedModel(config, tokenizer, codec).train()
     samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
     trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]

@@ -654,10 +654,17 @@ def _optimisation(kit):
         differs(kit, steps, key, a, b, **fixed)
 
 
-@probe("trainer.micro_batch_size", "trainer.micro_token_budget", "trainer.gradient_checkpointing")
+@probe(
+    "trainer.micro_batch_size",
+    "trainer.micro_token_budget",
+    "trainer.gradient_checkpointing",
+    "trainer.packing",
+)
 def _geometry(kit):
-    """One update: forward passes of a decoder MLP (one per micro-batch), and the bytes
-    autograd saves for backward (checkpointing keeps only the layers' inputs)."""
+    """One update: forward passes of a decoder MLP (one per micro-batch), the bytes
+    autograd saves for backward (checkpointing keeps only the layers' inputs), and the
+    attention mask the decoder gets (packing: block-causal [B, 1, T, T]; the loss is
+    packing-invariant, tests/test_packing.py)."""
 
     def forwards(c):
         trainer = make_trainer(c)
@@ -679,7 +686,20 @@ def _geometry(kit):
             trainer.step()
         return sum(total)
 
+    def mask_dims(c):
+        trainer = make_trainer(c)
+        dims = []
+
+        def seen(module, args, kwargs):
+            dims.append(kwargs["attention_mask"].dim())
+
+        hook = trainer.model.decoder.register_forward_pre_hook(seen, with_kwargs=True)
+        trainer.step()
+        hook.remove()
+        return dims
+
     one = {"trainer__total_updates": 1}
+    differs(kit, mask_dims, "trainer.packing", False, True, **one)
     differs(kit, forwards, "trainer.micro_batch_size", 2, 1, **one)
     differs(kit, forwards, "trainer.micro_token_budget", None, 8, **one)
     differs(kit, saved_bytes, "trainer.gradient_checkpointing", False, True, **one)

@@ -418,6 +418,8 @@ class UnirlConfig(StrictModel):
                 "reward.plugins",
                 f"opd routing '{algo.routing}' verifies rows: it needs at least one reward plugin",
             )
+        if self.trainer.packing:
+            self._packing(algo)
         if isinstance(algo, SFTConfig) and algo.bitflip.probability > 0:
             if self.model.visual_head != "bsq":
                 raise incompatible(
@@ -435,6 +437,24 @@ class UnirlConfig(StrictModel):
         if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
         return self
+
+    def _packing(self, algo: AlgorithmConfig) -> None:
+        """Sequence packing is built for SFT rows on the tiny model, without per-row noise
+        or IG's blind-view masks (`unirl.train.packing`)."""
+        if not isinstance(algo, SFTConfig):
+            raise incompatible("trainer.packing", f"packing is built for sft, not {algo.name}")
+        if self.model.kind != "tiny":
+            raise incompatible(
+                "trainer.packing", f"packing needs model.kind=tiny (got {self.model.kind})"
+            )
+        if algo.bitflip.probability > 0:
+            raise incompatible(
+                "trainer.packing", "packing with BitFlip noise (per-row seeds) is not built"
+            )
+        if algo.information_gain.weight != 0:
+            raise incompatible(
+                "trainer.packing", "packing with Information Gain (blind-view masks) is not built"
+            )
 
     def _digits_rollout(self, tasks: set[str]) -> None:
         """Rollout checks that the digits tasks' names decide (dataset rows decide it

@@ -87,6 +87,11 @@ class TrainerConfig(StrictModel):
         gt=0,
         description="If set, pack micro-batches up to this many tokens (micro_batch_size caps rows).",
     )
+    packing: bool = Field(
+        False,
+        description="SFT: pack each micro-batch's rows into rows as long as its longest "
+        "(attention confined to each sequence, positions restarted); less padding, same loss.",
+    )
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max global grad norm; null = off.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype of the forward.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")

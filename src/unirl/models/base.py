@@ -118,8 +118,8 @@ class ModelInputs:
     `token_ids`, `modality` long [B, T]; `visual_codes` VQ long [B, T] / BSQ float [B, T, L]
     (the *input* codes: BitFlip may perturb them); `attention_mask` bool [B, T_past + T]
     (cached positions included when decoding), or, for a full forward without a cache, a
-    bool query × key mask [B, T, T] with causality in it (Information Gain's blind views;
-    positions then come from the key-padding mask, unchanged); `position_ids` in the model's own shape
+    bool query × key mask [B, T, T] with causality in it (Information Gain's blind views,
+    packed rows' block-causal `packed_attention_mask`); `position_ids` in the model's own shape
     (RoPE: long [B, T]; M-RoPE: [3, B, T]); `image_position` long [B, T]: raster index of
     each visual position within its image (0 elsewhere); `images[b]`: row b's
     understanding-image inputs in order (`Trajectory.images`; empty for decoding steps).
@@ -162,6 +162,29 @@ def rope_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((torch.cumsum(mask, dim=-1) - 1) * mask).clamp(min=0)
 
 
+def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, T] for packed rows (`segment_ids` long [B, T], 0 = padding): query t
+    sees key s <= t of its own sequence only; a padding query sees itself only (so no
+    attention row is empty)."""
+    seg = segment_ids
+    T = seg.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    eye = torch.eye(T, dtype=torch.bool, device=seg.device)
+    return (same & causal) | eye
+
+
+def packed_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """long [B, T]: 0, 1, ... restarted at the first position of each packed sequence,
+    0 on padding."""
+    seg = segment_ids
+    idx = torch.arange(seg.shape[1], device=seg.device).expand_as(seg)
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=-1).values
+    return torch.where(seg > 0, idx - first, torch.zeros_like(idx))
+
+
 def left_pad(prompts: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, ...]:
     """(token_ids, modality, visual_codes, attention_mask) of `prompts` left-padded to
     the longest (padding: `pad_id`, TEXT, no code)."""
@@ -198,6 +221,9 @@ class UnifiedModel(nn.Module, ABC):
     visual_head: VisualHead
     tokenizer: Any
     codec: Any
+    # Whether `prepare` accepts packed batches (`TrajectoryBatch.segment_ids`): the body
+    # honours a block-causal [B, 1, T, T] mask and positions restart per sequence.
+    supports_packing: bool = False
 
     @abstractmethod
     def embed(self, inputs: ModelInputs) -> torch.Tensor:
@@ -252,16 +278,26 @@ class UnifiedModel(nn.Module, ABC):
         self, batch: TrajectoryBatch, visual_inputs: torch.Tensor | None = None
     ) -> ModelInputs:
         """The inputs of a teacher-forced forward of a right-padded batch on the model's
-        device. `visual_inputs` replaces `batch.visual_codes` as input codes (BitFlip)."""
+        device. `visual_inputs` replaces `batch.visual_codes` as input codes (BitFlip). A
+        packed batch (`segment_ids`, models with `supports_packing`) gets the block-causal
+        mask and positions restarted per sequence (RoPE)."""
         device = self.device
         batch = batch.to(device)
         codes = batch.visual_codes if visual_inputs is None else visual_inputs.to(device)
+        mask, positions = batch.attention_mask, None
+        if batch.segment_ids is not None:
+            if not self.supports_packing:
+                raise ValueError(f"{type(self).__name__} does not support packed batches")
+            mask = packed_attention_mask(batch.segment_ids)
+            positions = packed_positions(batch.segment_ids)
         return ModelInputs(
             token_ids=batch.token_ids,
             modality=batch.modality,
             visual_codes=codes,
-            attention_mask=batch.attention_mask,
-            position_ids=self.position_ids(batch.attention_mask, batch.modality),
+            attention_mask=mask,
+            position_ids=self.position_ids(mask, batch.modality)
+            if positions is None
+            else positions,
             image_position=image_positions(batch.modality),
             images=batch.images,
         )

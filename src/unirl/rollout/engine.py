@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Literal
 
 import torch
@@ -31,7 +31,9 @@ from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
+from unirl.rollout.decode_cache import RESERVE, preallocate
 from unirl.rollout.guidance import unconditional_prompt
+from unirl.rollout.params import SamplingParams
 from unirl.rollout.policy import text_distribution, visual_distribution
 from unirl.rollout.request import RolloutRequest, RolloutTrajectory
 from unirl.rollout.state import RowState
@@ -195,7 +197,7 @@ class RolloutEngine:
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
             if not live:
                 break
-            if self.finished == "compact" and len(live) < len(rows):
+            if self.finished == "compact" and _compact_now(len(rows) - len(live), len(rows)):
                 batch.select(live)
                 rows = [rows[b] for b in live]
             batch.step(self.model, self._inputs(states, rows))
@@ -213,15 +215,17 @@ class RolloutEngine:
                 continue
             action = s.action
             if action == "text":
-                text[(s.params.text_key(), s.params.greedy)].append(k)
+                text[_keys(s.params)[0]].append(k)
             elif action == "visual":
-                visual[(s.params.visual_key(), s.params.greedy)].append(k)
+                visual[_keys(s.params)[1]].append(k)
             else:
                 s.push_controller()
         model = self.model
         for ks in text.values():
             params = states[ks[0]].params
-            dist = text_distribution(model.text_logits(hidden[[cond[k] for k in ks]]), params)
+            dist = text_distribution(
+                model.text_logits(_rows(hidden, [cond[k] for k in ks])), params
+            )
             tokens = dist.mode() if params.greedy else dist.sample([gens[k] for k in ks])
             logp = dist.log_prob(tokens)
             for k, t, lp in zip(ks, tokens.tolist(), logp.tolist()):
@@ -229,7 +233,7 @@ class RolloutEngine:
         for ks in visual.values():
             params = states[ks[0]].params
             idx = [cond[k] for k in ks] + ([uncond[k] for k in ks] if params.guided else [])
-            logits = model.visual_logits(hidden[idx])
+            logits = model.visual_logits(_rows(hidden, idx))
             c, u = (logits[: len(ks)], logits[len(ks) :]) if params.guided else (logits, None)
             dist = visual_distribution(model.visual_head, c, u, params)
             codes = dist.mode() if params.greedy else dist.sample([gens[k] for k in ks])
@@ -262,6 +266,27 @@ class RolloutEngine:
         return ids, modality, codes, where
 
 
+def _compact_now(n_finished: int, n_rows: int) -> bool:
+    """Compact once at least 1/8 of the batch rows (and at least one) have finished: a
+    finished row left in the batch costs one padded position per step until then, and
+    each compaction moves every kept row's cache once."""
+    return n_finished > 0 and 8 * n_finished >= n_rows
+
+
+@lru_cache(maxsize=256)
+def _keys(params: SamplingParams) -> tuple[tuple, tuple]:
+    """(text group key, visual group key) of `params`: rows with equal keys share one
+    distribution per step (greedy rows apart)."""
+    return (params.text_key(), params.greedy), (params.visual_key(), params.greedy)
+
+
+def _rows(hidden: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """hidden[idx], without a gather when idx is every row in order."""
+    if len(idx) == hidden.shape[0] and idx == list(range(len(idx))):
+        return hidden
+    return hidden[idx]
+
+
 class _Batch:
     """Device-side state of the decode loop: KV cache, attention mask, the model's
     next-position source and the last hidden state of every batch row."""
@@ -274,15 +299,33 @@ class _Batch:
         hidden: torch.Tensor,
         bits: int | None,
     ) -> None:
-        self.cache, self.mask, self.positions, self.hidden = cache, mask, positions, hidden
+        self.cache, self.positions, self.hidden = cache, positions, hidden
         self.bits = bits
+        # The attention mask lives in a buffer with spare columns (`_extend` writes in place).
+        self._length = mask.shape[1]
+        self._mask = mask.new_zeros(mask.shape[0], self._length + RESERVE)
+        self._mask[:, : self._length] = mask
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """bool [B, cached + fed positions]."""
+        return self._mask[:, : self._length]
+
+    def _extend(self) -> None:
+        """Append one valid column to every row's attention mask."""
+        if self._length == self._mask.shape[1]:
+            grown = self._mask.new_zeros(self._mask.shape[0], 2 * self._length)
+            grown[:, : self._length] = self._mask
+            self._mask = grown
+        self._mask[:, self._length] = True
+        self._length += 1
 
     @classmethod
     def prefill(cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int) -> _Batch:
         """Left-pad `prompts` (`UnifiedModel.prepare_prompts`) and run them through the
         body in one forward."""
         inputs = model.prepare_prompts(prompts, pad_id)
-        out = model.hidden(inputs, model.new_cache())
+        out = model.hidden(inputs, preallocate(model.new_cache()))
         first = prompts[0].visual_codes
         bits = int(first.shape[1]) if first.dim() == 2 else None
         positions = model.decode_positions(inputs)
@@ -295,7 +338,7 @@ class _Batch:
             raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
         self.cache.batch_select_indices(idx)
         self.positions.select(idx)
-        self.mask, self.hidden = self.mask[idx], self.hidden[idx]
+        self._mask, self.hidden = self._mask[idx], self.hidden[idx]
 
     def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per row; updates cache, mask, positions and hidden."""
@@ -309,7 +352,7 @@ class _Batch:
             zero = torch.zeros(self.bits)
             codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
         codes_t = codes_t[:, None]
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(ids), 1)], dim=1)
+        self._extend()
         where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
         step = ModelInputs(
             token_ids=ids_t,

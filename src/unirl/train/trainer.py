@@ -37,6 +37,7 @@ from unirl.train import checkpoint as ckpt
 from unirl.train.distributed import DistInfo, all_reduce_sum, barrier, sum_gradients
 from unirl.train.metrics import MetricsLogger, Progress, truncate_metrics
 from unirl.train.optim import build_scheduler, clip_gradients
+from unirl.train.packing import pack
 
 FAULT_ENV = "UNIRL_FAULT"
 
@@ -270,7 +271,8 @@ class Trainer:
         trajs = self.source.global_batch(self.update)
         self._batch_seconds = time.perf_counter() - t0
         groups = rank_micro_batches(trajs, self.dist, self.t)
-        micros = [TrajectoryBatch.collate(g, self.pad_id).to(self.model.device) for g in groups]
+        collate = pack if self.t.packing else TrajectoryBatch.collate
+        micros = [collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
         n_global = int(all_reduce_sum(torch.tensor(float(local)), self.dist).item())
         begin = getattr(self.objective, "begin_update", None)  # optional hook

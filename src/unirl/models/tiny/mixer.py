@@ -10,13 +10,15 @@ position a cheap view of its neighbours, which is what multiple-choice symbol bi
 it up (issue 15; `bench/mc_binding_probe.py --conv K` measures it without images).
 
 Padding: an input at a position the attention mask marks invalid is zeroed before mixing,
-so a left-padded row (rollout prefill) mixes exactly as the unpadded row would.
+so a left-padded row (rollout prefill) mixes exactly as the unpadded row would. Packing:
+a packed row's block-causal mask is a query × key mask (below), so its taps stop at its
+sequence boundaries.
 
 Decoding: `MixCache` (a `DynamicCache`) carries each mixer's last k-1 (masked) inputs per
 row; a call with T new positions mixes them with the carried ones, so the cached and the
 full forward agree, and `batch_select_indices` keeps the carried inputs of the kept rows.
 
-Query × key masks (Information Gain's blind views, full forwards only): with a bool
+Query × key masks (Information Gain's blind views, packed rows; full forwards only): with a bool
 [B, T, T] attention mask M, tap j of position p reads x_{p-j} only where M[b, p, p-j]
 (`mixer_taps`), so a query that may not attend to a key does not mix it in either. With
 M = causal & key-valid this equals the padding rule above at every real position.

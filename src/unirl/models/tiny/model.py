@@ -47,6 +47,7 @@ class TinyModelConfig:
 
 class TinyUnifiedModel(UnifiedModel):
     kind = "tiny"
+    supports_packing = True
 
     def __init__(
         self, config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec

@@ -1,0 +1,108 @@
+"""Preallocated KV storage for the decode loop (an engine internal).
+
+transformers' `DynamicLayer` appends each step's keys and values with `torch.cat`, which
+copies the whole cache of every layer at every step: O(T) per step, O(T^2) per rollout,
+and on the dev CPU the largest cost of a decode step. `GrowingLayer` is a `DynamicLayer`
+whose keys and values are views `[:, :, :n]` of a buffer with spare positions: a step
+writes its new positions in place; the buffer doubles when it is full (amortised O(1)
+per position). Compaction (`batch_select_indices`) gathers the kept rows' used positions
+to the front of the same buffer (in place: nothing is reallocated). Attention reads the same numbers as with `cat`, in
+the same layout apart from the row stride, so the decode is unchanged.
+
+`preallocate(cache)` installs it into an empty cache that would otherwise create plain
+`DynamicLayer`s (any `DynamicCache` subclass, e.g. the tiny model's `MixCache`); any other
+cache is left as the model made it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+RESERVE = 64
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` with in-place appends into a buffer of spare capacity."""
+
+    def __init__(self, reserve: int = RESERVE) -> None:
+        super().__init__()
+        self.reserve = reserve
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._n = 0
+
+    def _views(self) -> None:
+        self.keys = self._keys[:, :, : self._n]
+        self.values = self._values[:, :, : self._n]
+
+    def _grow(self, need: int) -> None:
+        cap = max(2 * need, need + self.reserve)
+        keys, values = self._keys, self._values
+        shape = (*keys.shape[:2], cap, keys.shape[-1])
+        self._keys = keys.new_empty(shape)
+        self._values = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
+        self._keys[:, :, : self._n] = keys[:, :, : self._n]
+        self._values[:, :, : self._n] = values[:, :, : self._n]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[-2]
+        if self._keys is None:
+            self._keys, self._values = key_states[:, :, :0], value_states[:, :, :0]
+            self._grow(t)
+        elif self._n + t > self._keys.shape[-2]:
+            self._grow(self._n + t)
+        self._keys[:, :, self._n : self._n + t] = key_states
+        self._values[:, :, self._n : self._n + t] = value_states
+        self._n += t
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (in this order), moved to the front of the same buffer."""
+        if self._keys is None:
+            return
+        k, n = len(indices), self._n
+        self._keys[:k, :, :n] = self._keys[indices, :, :n]
+        self._values[:k, :, :n] = self._values[indices, :, :n]
+        self._keys, self._values = self._keys[:k], self._values[:k]
+        self._views()
+
+    def reset(self) -> None:
+        self._keys = self._values = None
+        self._n = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of positions to remove")
+        if tokens_to_remove and self._keys is not None:
+            self._n = max(0, self._n + tokens_to_remove)
+            self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._keys is None:
+            return
+        self._keys = self._keys.repeat_interleave(repeats, dim=0)
+        self._values = self._values.repeat_interleave(repeats, dim=0)
+        self._views()
+
+
+def preallocate(cache: Any) -> Any:
+    """`cache` with `GrowingLayer`s in place of the `DynamicLayer`s it would create (when
+    it is empty and creates exactly `DynamicLayer`); otherwise `cache` unchanged."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) or getattr(cache, "offloading", False):
+        return cache
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = GrowingLayer
+    return cache

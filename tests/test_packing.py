@@ -1,0 +1,125 @@
+"""Sequence packing (`trainer.packing`): first-fit bins, block-causal attention with
+positions restarted per sequence, the conv prior stopping at boundaries, and the SFT
+objective (loss and every gradient) unchanged by packing, to 1e-6."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.codecs import build_codec
+from unirl.config import ConfigError, validate_config
+from unirl.config.algorithms import SFTConfig
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.data.digits import TASKS, make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.data.template import serialize
+from unirl.data.tokenizer import SpecialIds, build_tokenizer
+from unirl.forward import body_hidden
+from unirl.models.base import packed_attention_mask, packed_positions
+from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train.packing import bins, pack, padded_fraction
+from unirl.train.sft import SFTObjective
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=5)
+    codec.fit(load_split("train").images[:100], seed=0)
+    tok = build_tokenizer()
+    config = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    model = TinyUnifiedModel(config, tok, codec).double()
+    samples = [s for t in TASKS for s in make_task_samples(t, "train", 3, seed=1)]
+    trajs = [serialize(s, tok, encode_image=codec.encode) for s in samples]
+    return model, trajs, SpecialIds.from_tokenizer(tok).pad
+
+
+def test_bins_place_every_item_once_within_capacity():
+    lengths = [7, 3, 5, 2, 9, 1, 4, 4]
+    out = bins(lengths, 9)
+    assert sorted(i for b in out for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 9 for b in out)
+    assert len(out) == -(-sum(lengths) // 9)  # these lengths fill bins exactly
+
+
+def test_positions_restart_and_attention_stays_in_its_sequence():
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    assert packed_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0]]
+    mask = packed_attention_mask(seg)[0].int()
+    expected = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert mask.tolist() == expected
+
+
+def test_packed_hidden_states_equal_each_rows_own(setup):
+    model, trajs, pad = setup
+    packed = pack(trajs, pad)
+    assert len(packed) < len(trajs)
+    hidden = body_hidden(model, packed)
+    row, start = 0, 0
+    seg = packed.segment_ids
+    for r in range(len(packed)):
+        for s in range(1, int(seg[r].max()) + 1):
+            cols = (seg[r] == s).nonzero().squeeze(1)
+            ids = packed.token_ids[r, cols]
+            match = [t for t in trajs if torch.equal(t.token_ids, ids)]
+            alone = body_hidden(model, TrajectoryBatch.collate(match[:1], pad))[0]
+            assert torch.allclose(hidden[r, cols], alone, atol=1e-9), (r, s)
+            row, start = row + 1, start + len(cols)
+    assert row == len(trajs)
+
+
+def test_sft_loss_and_gradients_are_invariant_to_packing(setup):
+    model, trajs, pad = setup
+    objective = SFTObjective(SFTConfig())
+    plain = TrajectoryBatch.collate(trajs, pad)
+    packed = pack(trajs, pad)
+    assert padded_fraction(packed) < padded_fraction(plain)
+    n = objective.count(plain)
+    assert objective.count(packed) == n
+    results = []
+    for batch in (plain, packed):
+        model.zero_grad(set_to_none=True)
+        loss, stats = objective.loss(model, batch, n)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), stats, grads))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l0, l1, rtol=0, atol=1e-6)
+    assert s0.keys() == s1.keys()
+    assert all(abs(s0[k] - s1[k]) <= 1e-6 * max(1.0, abs(s0[k])) for k in s0)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], rtol=0, atol=1e-6), k
+
+
+def test_packing_refuses_rows_with_per_row_training_data(setup):
+    _, trajs, pad = setup
+    row = trajs[0]
+    row.advantage = 1.0
+    try:
+        with pytest.raises(ValueError, match="advantage"):
+            pack([row, *trajs[1:]], pad)
+    finally:
+        row.advantage = None
+
+
+@pytest.mark.parametrize(
+    "changes, culprit",
+    [
+        ({"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_exact"}]}}, "sft"),
+        ({"model": {"kind": "janus_pro", "path": "/nonexistent"}}, "model.kind=tiny"),
+        ({"model": {"visual_head": "bsq"}, "algorithm": {"name": "sft", "bitflip": {"probability": 0.1}}}, "BitFlip"),
+    ],
+)  # fmt: skip
+def test_packing_refusals_name_the_key(tmp_path, changes, culprit):
+    data = {"run": {"output_dir": str(tmp_path)}, "trainer": {"packing": True}, **changes}
+    with pytest.raises(ConfigError, match=f"trainer.packing.*{culprit}"):
+        validate_config(data)
