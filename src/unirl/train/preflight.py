@@ -71,7 +71,7 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
     check_weights(cfg.model.path, "model.path")
-    if cfg.model.path is None and cfg.model.kind == "tiny":
+    if cfg.model.path is None:  # a model built from the config (tiny, uniar) reads its codec
         check_weights(cfg.model.codec.path, "model.codec.path")
     for k, plugin in enumerate(cfg.reward.plugins):
         check_weights(plugin.path, f"reward.plugins.{k}.path")
