@@ -14,10 +14,15 @@ import pytest
 import torch
 from test_clip_score import write_tiny_clip
 from test_uniar import random_codec
+from transformers import Qwen3VLForConditionalGeneration
 
 from unirl.codecs.base import single_thread
 from unirl.config import load_config, validate_config
-from unirl.models.uniar import UniARModel
+from unirl.core.sample import GenerationRequest, Sample, TextPart
+from unirl.models.uniar import TinyUniARSizes, UniARModel
+from unirl.models.uniar.convert import main as convert
+from unirl.models.uniar.template import add_special_tokens
+from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
 from unirl.train.build import apply_lora, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job
@@ -153,3 +158,41 @@ def test_readme_custom_loss_on_forward_interleaved_runs():
     assert loss.dim() == 0 and math.isfinite(float(loss))
     grads = [p.grad for p in scope["model"].parameters() if p.grad is not None]
     assert grads and any(float(g.abs().sum()) > 0 for g in grads)
+
+
+def _qwen_like_tokenizer():
+    """A WordLevel tokenizer with Qwen-VL's special tokens but not UniAR's."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>"]
+    specials += ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    words = ["<unk>", *specials, "\n", "user", "assistant", "draw", "generate", "image", "3"]
+    words += [str(k) for k in range(31)]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(r"\n|\w+|[^\w\s]", behavior="isolated")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+def test_convert_a_qwen3_vl_checkpoint_adds_tokens_and_reloads(codec_dir, tmp_path):
+    tok = _qwen_like_tokenizer()
+    n_before = len(tok)
+    probe = _qwen_like_tokenizer()
+    ids = add_special_tokens(probe)  # what conversion does to the checkpoint's tokenizer
+    assert {ids["image_gen"], ids["pad"]} == {n_before, n_before + 1}  # appended, in order
+    qwen = tmp_path / "qwen"
+    Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(TinyUniARSizes(), probe)).save_pretrained(
+        str(qwen)
+    )
+    tok.save_pretrained(str(qwen))  # the checkpoint's own tokenizer, without UniAR's tokens
+    image_processor().save_pretrained(str(qwen))
+    assert convert([str(qwen), str(codec_dir), str(tmp_path / "uniar")]) == 0
+    model = UniARModel.from_pretrained(tmp_path / "uniar")
+    assert model.tokenizer.convert_tokens_to_ids("<image_gen>") == ids["image_gen"]
+    assert model.special_ids.image_pad == tok.convert_tokens_to_ids("<|image_pad|>")
+    prompt = model.prompt_trajectory(Sample("t", [TextPart("draw 3"), GenerationRequest(4, 4)]))
+    assert prompt.token_ids[-1] == model.special_ids.vision_start

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from tokenizers import AddedToken
 
 from unirl.core.sample import GenerationRequest, ImagePart, Part, Sample
 from unirl.core.trajectory import Trajectory
@@ -32,13 +33,13 @@ ADDED_TOKENS = (IMAGE_GEN, PAD)
 
 
 def add_special_tokens(tokenizer) -> dict[str, int]:
-    """Add UniAR's tokens to a (Qwen) tokenizer that lacks them; their ids by name."""
-    missing = [t for t in ADDED_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, -1)]
-    missing = [t for t in missing if t not in tokenizer.get_vocab()]
+    """Add UniAR's tokens that a (Qwen) tokenizer lacks, as special tokens with the next
+    free ids (ids already there are kept); every stream special id by name."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in ADDED_TOKENS if t not in vocab]
     if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = PAD
+        tokens = [AddedToken(t, special=True, normalized=False) for t in missing]
+        tokenizer.add_tokens(tokens, special_tokens=True)
     return special_id_map(tokenizer)
 
 
