@@ -21,9 +21,10 @@ from unirl.codecs.bsq import BSQCodec
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
+from unirl.forward import forward_interleaved as teacher_forced
 from unirl.models import load_model
 from unirl.models.base import image_positions, rope_positions
-from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
+from unirl.models.uniar import TinyUniARSizes, UniARModel, UniARSpec, build_tiny_uniar
 from unirl.models.uniar.template import special_id_map
 from unirl.replay import replay_logprobs
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
@@ -370,3 +371,18 @@ def test_bad_checkpoints_are_refused_naming_file_and_field(saved, tmp_path, brea
         UniARModel.from_pretrained(bad)
     msg = str(info.value)
     assert len(msg.splitlines()) == 1 and str(bad / file) in msg and field in msg, msg
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_vision_tower_is_frozen_by_default_and_trains_when_asked(train_vision):
+    model = build_tiny_uniar(random_codec(16, 2, 1), spec=UniARSpec(train_vision=train_vision))
+    model.train()
+    assert model.model.visual.training == train_vision  # a frozen tower stays in eval
+    traj = model.prompt_trajectory(_interleaved(6, "what ?"), add_generation_prompt=False)
+    batch = TrajectoryBatch.collate([traj], model.special_ids.pad)
+    out = teacher_forced(model, batch)  # heads at the scored positions
+    (out.text_logits.logsumexp(-1).sum() + out.visual_logits.sum()).backward()
+    tower = [p.grad for p in model.model.visual.parameters()]
+    assert all(g is None for g in tower) != train_vision
+    assert model.bit_embed.proj.weight.grad is not None  # generated positions read their bits
+    assert model.model.language_model.layers[0].mlp.up_proj.weight.grad is not None
