@@ -711,6 +711,7 @@ def _geometry(kit):
     "trainer.lora.alpha",
     "trainer.lora.dropout",
     "trainer.lora.target_modules",
+    "trainer.lora.rslora",
 )
 def _lora(kit):
     """The adapters a run trains: which modules, their rank, scale and dropout."""
@@ -730,6 +731,7 @@ def _lora(kit):
     differs(kit, adapters, "trainer.lora.r", 8, 2, **on)
     differs(kit, adapters, "trainer.lora.alpha", 16.0, 4.0, **on)
     differs(kit, adapters, "trainer.lora.dropout", 0.0, 0.5, **on)
+    differs(kit, adapters, "trainer.lora.rslora", False, True, **on, trainer__lora__r=4)
     differs(
         kit, adapters, "trainer.lora.target_modules", r".*\.(q_proj|v_proj)$", r".*\.o_proj$", **on
     )

@@ -13,6 +13,14 @@ from unirl.config import ConfigError, validate_config
 from unirl.models import registry
 from unirl.models.janus_pro import JanusProModel
 from unirl.models.tiny import TinyUnifiedModel
+from unirl.models.uniar import UniARModel
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """A kind declared but not built (what `uniar` was before issue 19)."""
+    monkeypatch.setattr(registry, "_SPECS", dict(registry.discover()))
+    registry.declare_planned_model("futurar", visual_heads=("bsq",), planned="a future model")
 
 
 def check(model: dict) -> registry.ModelSpec:
@@ -26,14 +34,16 @@ def test_builtin_packages_register_their_kinds():
     assert specs["janus_pro"].load == JanusProModel.from_pretrained
     assert specs["janus_pro"].visual_heads == ("vq",) and specs["janus_pro"].build is None
     assert specs["janus_pro"].transformers_model_types == ("janus",)
-    assert not specs["uniar"].implemented and specs["uniar"].visual_heads == ("bsq",)
+    assert specs["uniar"].load == UniARModel.from_pretrained and specs["uniar"].build is not None
+    assert specs["uniar"].visual_heads == ("bsq",)
+    assert specs["uniar"].transformers_model_types == ("qwen3_vl",)
 
 
 @pytest.mark.parametrize(
     ("model", "key", "fragment"),
     [
         (
-            {"kind": "uniar", "path": "/ckpt", "visual_head": "bsq"},
+            {"kind": "futurar", "path": "/ckpt", "visual_head": "bsq"},
             "model.kind",
             "not implemented yet",
         ),
@@ -46,13 +56,13 @@ def test_builtin_packages_register_their_kinds():
         ({"kind": "janus_pro", "path": "/ckpt", "visual_head": "bsq"}, "model.visual_head", "'vq'"),
     ],
 )
-def test_model_section_is_checked_against_the_registration(model, key, fragment):
+def test_model_section_is_checked_against_the_registration(planned, model, key, fragment):
     with pytest.raises(ConfigError) as info:
         check(model)
     assert info.value.key == key, str(info.value)
     assert fragment in str(info.value)
     if key == "model.kind":
-        assert "expected janus_pro, tiny (planned: uniar)" in str(info.value)
+        assert "expected janus_pro, tiny, uniar (planned: futurar)" in str(info.value)
 
 
 def test_kind_must_match_the_model_directory(tmp_path):
@@ -85,13 +95,13 @@ def test_registration_errors(monkeypatch):
     assert registry.model_spec("other").load is load
 
 
-def test_cli_refuses_a_planned_kind_before_creating_anything(tmp_path, capsys):
+def test_cli_refuses_a_planned_kind_before_creating_anything(planned, tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text("model: {kind: uniar, path: /ckpt, visual_head: bsq}\n")
+    config.write_text("model: {kind: futurar, path: /ckpt, visual_head: bsq}\n")
     out = tmp_path / "run"
     for command in ("inspect", "train"):
         assert cli.main([command, str(config), f"run.output_dir={out}"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"unirl: error: {config}: model.kind: kind 'uniar'"), err
+        assert err.startswith(f"unirl: error: {config}: model.kind: kind 'futurar'"), err
         assert "not implemented yet" in err and len(err.splitlines()) == 1
     assert not out.exists()

@@ -52,6 +52,9 @@ class LoRAConfig(StrictModel):
     r: int = Field(8, gt=0, description="Adapter rank.")
     alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    rslora: bool = Field(
+        False, description="Rank-stabilised LoRA: scale = alpha / sqrt(r) instead of alpha / r."
+    )
     target_modules: str = Field(
         r".*\.(q_proj|k_proj|v_proj|o_proj)$",
         min_length=1,

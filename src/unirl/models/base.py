@@ -137,16 +137,22 @@ class ModelInputs:
 class DecodePositions:
     """The decode loop's source of next positions (RoPE: each row's next index).
 
-    `next(modality, image_position)` returns the position ids of the next fed position of
-    every batch row ([B, 1], the model's shape) and advances; `select(rows)` keeps rows
-    (the engine compacts finished ones). Models with other position schemes (M-RoPE)
-    return their own object from `UnifiedModel.decode_positions`.
+    `next(modality, image_position, token_ids)` returns the position ids of the next fed
+    position of every batch row ([B, 1], the model's shape) and advances; `select(rows)`
+    keeps rows (the engine compacts finished ones). Models with other position schemes
+    (M-RoPE, which reads a generated image's grid from its header tokens) return their own
+    object from `UnifiedModel.decode_positions`.
     """
 
     def __init__(self, next_position: torch.Tensor) -> None:
         self.next_position = next_position
 
-    def next(self, modality: torch.Tensor, image_position: torch.Tensor) -> torch.Tensor:
+    def next(
+        self,
+        modality: torch.Tensor,
+        image_position: torch.Tensor,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         pos = self.next_position[:, None]
         self.next_position = self.next_position + 1
         return pos

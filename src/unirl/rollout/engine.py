@@ -359,7 +359,7 @@ class _Batch:
             modality=mod_t,
             visual_codes=codes_t,
             attention_mask=self.mask,
-            position_ids=self.positions.next(mod_t, where_t),
+            position_ids=self.positions.next(mod_t, where_t, ids_t),
             image_position=where_t,
             images=[[] for _ in ids],
         )

@@ -56,7 +56,11 @@ def apply_lora(model: UnifiedModel, cfg: UnirlConfig) -> list[str]:
     if not targets:
         raise ValueError(f"trainer.lora.target_modules={lora.target_modules!r} matches no Linear")
     config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        use_rslora=lora.rslora,
     )
     inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():

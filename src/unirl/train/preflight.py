@@ -74,7 +74,7 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
     if teacher is not None:
         check_weights(teacher.path, "algorithm.teacher.path")
-    if cfg.model.path is None and cfg.model.kind == "tiny":
+    if cfg.model.path is None:  # a model built from the config (tiny, uniar) reads its codec
         check_weights(cfg.model.codec.path, "model.codec.path")
     for k, plugin in enumerate(cfg.reward.plugins):
         check_weights(plugin.path, f"reward.plugins.{k}.path")

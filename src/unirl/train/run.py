@@ -181,7 +181,8 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
 
 
 def _digits_tasks(cfg: UnirlConfig) -> bool:
-    return cfg.model.kind == "tiny" and cfg.data.path is None
+    """The built-in digits tasks (no `data.path`), whatever the model kind."""
+    return cfg.data.path is None
 
 
 def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:

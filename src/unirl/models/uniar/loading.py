@@ -1,0 +1,136 @@
+"""Loading a UniAR directory (what `UniARModel.save_pretrained` writes), checks first.
+
+A directory holds `unirl_model.json` (kind "uniar", the spec, the special ids, the codec
+geometry), `config.json` (a transformers Qwen3-VL config), `model.safetensors`, the
+tokenizer, the image processor (`preprocessor_config.json`) and the BSQ codec in
+`codec/`. Before any weight is read, `check_directory` refuses with one line naming the
+file and the field: a missing file or codec, a config that asks for remote code
+(`auto_map`), a model type other than qwen3_vl, a codec that is not BSQ or makes a grid
+other than the one recorded (or a side outside 1..30), special ids of the tokenizer that
+differ from the recorded ones or from the config's image/vision ids. Nothing is downloaded
+and no checkpoint code runs (`trust_remote_code=False`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLConfig
+
+from unirl.codecs import load_codec
+from unirl.codecs.base import CONFIG_NAME
+from unirl.codecs.bsq import BSQCodec
+from unirl.models.registry import MODEL_CONFIG, read_json
+from unirl.models.uniar.template import MAX_GRID_SIDE, special_id_map
+
+WEIGHTS = "model.safetensors"
+CODEC_DIR = "codec"
+FILES = {
+    "UniAR record": (MODEL_CONFIG,),
+    "config": ("config.json",),
+    "weights": (WEIGHTS,),
+    "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
+    "image processor": ("preprocessor_config.json",),
+    "codec": (f"{CODEC_DIR}/{CONFIG_NAME}",),
+}
+CONFIG_IDS = {
+    "image_token_id": "image_pad",
+    "vision_start_token_id": "vision_start",
+    "vision_end_token_id": "vision_end",
+}
+
+
+def check_directory(path: Path) -> dict:
+    """The `unirl_model.json` record after the file, remote-code, type and geometry checks
+    of the module docstring (no tokenizer or weights read)."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: UniAR model directory not found")
+    for what, names in FILES.items():
+        if not any((path / n).is_file() for n in names):
+            raise FileNotFoundError(
+                f"{path / names[0]}: missing ({what}; a UniAR directory ships it)"
+            )
+    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
+        file = path / name
+        if file.is_file() and "auto_map" in read_json(file):
+            raise ValueError(
+                f"{file}: field auto_map asks for remote code; unirl loads UniAR only with "
+                "transformers' own Qwen3-VL classes"
+            )
+    config = read_json(path / "config.json")
+    if config.get("model_type") != "qwen3_vl":
+        raise ValueError(
+            f"{path / 'config.json'}: field model_type is {config.get('model_type')!r}, not "
+            "'qwen3_vl'"
+        )
+    record = read_json(path / MODEL_CONFIG)
+    if record.get("kind") != "uniar":
+        raise ValueError(f"{path / MODEL_CONFIG}: field kind is {record.get('kind')!r}")
+    _check_codec(path / CODEC_DIR / CONFIG_NAME, record, path / MODEL_CONFIG)
+    return record
+
+
+def _check_codec(file: Path, record: dict, record_file: Path) -> None:
+    codec_cfg = read_json(file)
+    if codec_cfg.get("kind") != "bsq":
+        raise ValueError(f"{file}: field kind is {codec_cfg.get('kind')!r}; UniAR needs 'bsq'")
+    try:
+        codec = BSQCodec(**{k: v for k, v in codec_cfg.items() if k != "kind"})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{file}: invalid BSQ codec config ({err})") from None
+    grid, bits = list(codec.grid), codec.bits_per_position
+    if not all(1 <= side <= MAX_GRID_SIDE for side in grid):
+        raise ValueError(f"{file}: field group: the codec makes a {grid} grid, outside 1..30")
+    if record.get("image_grid") != grid:
+        raise ValueError(
+            f"{file}: field group/patch: the codec makes a {grid[0]}x{grid[1]} grid but "
+            f"{record_file.name} field image_grid is {record.get('image_grid')}"
+        )
+    if record.get("bits_per_position") != bits:
+        raise ValueError(
+            f"{file}: field latent_dim/group: the codec gives {bits} bits per position but "
+            f"{record_file.name} field bits_per_position is {record.get('bits_per_position')}"
+        )
+
+
+def check_tokenizer(tokenizer, record: dict, config: Qwen3VLConfig, path: Path) -> None:
+    """The tokenizer's special ids equal the recorded ones and the config's."""
+    try:
+        found = special_id_map(tokenizer)
+    except ValueError as err:
+        raise ValueError(f"{path / 'tokenizer.json'}: {err}") from None
+    saved = record.get("special_ids") or {}
+    for name, value in sorted(found.items()):
+        if saved.get(name) != value:
+            raise ValueError(
+                f"{path / MODEL_CONFIG}: field special_ids.{name} is {saved.get(name)} but "
+                f"the tokenizer gives {value} (mismatched tokenizer)"
+            )
+    for field, name in CONFIG_IDS.items():
+        if int(getattr(config, field)) != found[name]:
+            raise ValueError(
+                f"{path / 'config.json'}: field {field} is {getattr(config, field)} but the "
+                f"tokenizer gives {found[name]}"
+            )
+    vocab = int(config.text_config.vocab_size)
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"{path / 'config.json'}: field text_config.vocab_size is {vocab} but the "
+            f"tokenizer has {len(tokenizer)} tokens"
+        )
+
+
+def load_parts(path: Path):
+    """(config, tokenizer, image processor, codec, `uniar` spec fields, weights) of a
+    UniAR directory, every check done before the weights are read."""
+    record = check_directory(path)
+    config = Qwen3VLConfig.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    check_tokenizer(tokenizer, record, config, path)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+    spec = record.get("uniar", {})
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path / MODEL_CONFIG}: field uniar is not an object")
+    codec = load_codec(path / CODEC_DIR)
+    return config, tokenizer, processor, codec, spec, load_file(str(path / WEIGHTS))
