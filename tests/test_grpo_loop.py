@@ -411,7 +411,7 @@ def _ddp_worker(rank: int, cfg: dict, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        cfg = validate_config(cfg)
+        cfg = validate_config({**cfg, "trainer": {**cfg["trainer"], "parallel": "ddp"}})
         info = DistInfo(rank=rank, world_size=2)
         model = build_model(cfg).train()
         source, objective = build_grpo_job(cfg, model, Path(cfg.run.output_dir), info)

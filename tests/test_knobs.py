@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import socket
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, get_args, get_origin
@@ -23,6 +26,7 @@ from typing import Any, get_args, get_origin
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
 from pydantic import BaseModel
 from trainer_helpers import fit_small_codec
@@ -44,7 +48,7 @@ from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
 from unirl.train.build import build_model, config_tokenizer, resolve_device, set_determinism
-from unirl.train.distributed import DistInfo
+from unirl.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from unirl.train.evaluate import CLASSIFIER_DIR
 from unirl.train.metrics import MetricsLogger
 from unirl.train.opd import OPDObjective
@@ -735,6 +739,77 @@ def _lora(kit):
     differs(
         kit, adapters, "trainer.lora.target_modules", r".*\.(q_proj|v_proj)$", r".*\.o_proj$", **on
     )
+
+
+@contextmanager
+def one_process_group(timeout_s: float = 60.0):
+    """A 1-process gloo job as torchrun would set it up (`init_distributed`, ddp)."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        init_distributed(torch.device("cpu"), "ddp", timeout_s)
+        yield
+    finally:
+        shutdown_distributed()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@probe(
+    "trainer.parallel",
+    "trainer.collective_timeout_s",
+    "trainer.ddp.find_unused_parameters",
+    "trainer.ddp.static_graph",
+    "trainer.fsdp.param_dtype",
+    "trainer.fsdp.reduce_dtype",
+    "trainer.fsdp.reshard_after_forward",
+)
+def _parallel(kit):
+    """The wrapper a 1-process torchrun job builds (2-process equivalence, resume and
+    drift: tests/test_parallel.py): its type and DDP flags, the process group's timeout,
+    and under fsdp2 the loss and gradient norm (all-gather / reduce dtypes) and whether
+    a layer's parameters are sharded again after its forward."""
+    with pytest.raises(ConfigError, match="trainer.parallel=ddp needs torchrun"):
+        init_distributed(torch.device("cpu"), "ddp", 60.0)
+
+    def timeout(c):
+        with one_process_group(c.trainer.collective_timeout_s):
+            return (
+                dist.distributed_c10d._get_default_group()
+                ._get_backend(torch.device("cpu"))
+                .options._timeout
+            )
+
+    differs(kit, timeout, "trainer.collective_timeout_s", 60.0, 90.0)
+    with one_process_group():
+        wrapper = lambda c: type(make_trainer(c).parallel.wrapped).__name__  # noqa: E731
+        differs(kit, wrapper, "trainer.parallel", "none", "ddp")
+        differs(kit, wrapper, "trainer.parallel", "ddp", "fsdp2")
+        ddp = {"trainer__parallel": "ddp"}
+        flag = lambda name: lambda c: getattr(make_trainer(c).parallel.wrapped, name)  # noqa: E731
+        unused = flag("find_unused_parameters")
+        differs(kit, unused, "trainer.ddp.find_unused_parameters", True, False, **ddp)
+        differs(kit, flag("static_graph"), "trainer.ddp.static_graph", False, True, **ddp)
+        fsdp = {"trainer__parallel": "fsdp2", "trainer__total_updates": 1}
+        differs(kit, steps, "trainer.fsdp.param_dtype", "fp32", "bf16", **fsdp)
+        # one process reduce-scatters nothing: the policy its 2-process run reduces with
+        group = lambda c: make_trainer(c).parallel.runner._get_fsdp_state()._fsdp_param_group  # noqa: E731
+        reduce = lambda c: group(c).mp_policy.reduce_dtype  # noqa: E731
+        differs(kit, reduce, "trainer.fsdp.reduce_dtype", "fp32", "bf16", **fsdp)
+
+        def resharded(c):
+            trainer = make_trainer(c)
+            batch = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+            with torch.no_grad():
+                trainer.parallel.run(lambda m, b: m.hidden(m.prepare(b)), batch)
+            weight = trainer.model.decoder.layers[0].mlp.up_proj.weight
+            return type(weight).__name__
+
+        differs(kit, resharded, "trainer.fsdp.reshard_after_forward", True, False, **fsdp)
 
 
 # -- checkpoints, resume, logging, training length ---------------------------------

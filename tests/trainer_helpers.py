@@ -64,6 +64,16 @@ def run_cli(args: list[str], env_extra: dict | None = None, launcher: list[str] 
 
 
 def checkpoint_tensors(ckpt: Path) -> tuple[dict, dict]:
+    """(model tensors, optimizer + scheduler state) of a checkpoint, one-process or
+    torch.distributed.checkpoint (``dcp/``, trainer.parallel ddp/fsdp2)."""
+    if (ckpt / "dcp").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        out = ckpt.parent.parent / f"{ckpt.name}-dcp.pt"
+        dcp_to_torch_save(ckpt / "dcp", out)
+        state = torch.load(out, weights_only=False)
+        out.unlink()
+        return state.pop("model"), state
     model = load_file(str(ckpt / "model.safetensors"))
     opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
     return model, opt

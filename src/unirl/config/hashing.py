@@ -32,6 +32,7 @@ ALWAYS_RESUMABLE = (
     "trainer.micro_token_budget",
     "trainer.gradient_checkpointing",
     "rollout.batch_size",
+    "trainer.collective_timeout_s",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
 SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")

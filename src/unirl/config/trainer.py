@@ -71,6 +71,33 @@ class LoRAConfig(StrictModel):
         return value
 
 
+class DDPConfig(StrictModel):
+    """torch DistributedDataParallel options (`trainer.parallel: ddp`)."""
+
+    find_unused_parameters: bool = Field(
+        True,
+        description="Let DDP find parameters a backward did not reach (a micro-batch "
+        "without images skips the visual head); false is faster when every step uses all.",
+    )
+    static_graph: bool = Field(
+        False, description="Tell DDP the set of used parameters is the same every iteration."
+    )
+
+
+class FSDPConfig(StrictModel):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) options (`trainer.parallel: fsdp2`)."""
+
+    param_dtype: Literal["fp32", "bf16"] = Field(
+        "bf16", description="Dtype parameters are all-gathered in for forward/backward."
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Dtype gradients are reduce-scattered in."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="Free each layer's gathered parameters after its forward (ZeRO-3)."
+    )
+
+
 class TrainerConfig(StrictModel):
     """Optimisation loop settings."""
 
@@ -102,6 +129,16 @@ class TrainerConfig(StrictModel):
         0, ge=0, description="Evaluate on the val split every N updates (0 = off)."
     )
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters.")
+    parallel: Literal["none", "ddp", "fsdp2"] = Field(
+        "none",
+        description="Data parallelism under torchrun: none (one process) | ddp "
+        "(DistributedDataParallel) | fsdp2 (fully_shard per decoder layer and root).",
+    )
+    collective_timeout_s: float = Field(
+        1800.0, gt=0.0, description="Timeout of every collective (process-group timeout)."
+    )
+    ddp: DDPConfig = Field(default_factory=DDPConfig, description="DDP options.")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 options.")
 
     @model_validator(mode="after")
     def _geometry(self) -> TrainerConfig:
@@ -110,6 +147,18 @@ class TrainerConfig(StrictModel):
                 "micro_batch_size",
                 f"{self.micro_batch_size} does not divide "
                 f"global_batch_size={self.global_batch_size}",
+            )
+        if self.parallel == "fsdp2" and self.micro_token_budget is not None:
+            raise incompatible(
+                "micro_token_budget",
+                "length buckets give ranks different numbers of micro-batches; fsdp2 "
+                "needs the same all-gathers on every rank (use micro_batch_size)",
+            )
+        if self.parallel == "fsdp2" and self.eval_every > 0:
+            raise incompatible(
+                "eval_every",
+                "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
+                "every rank: set eval_every 0 and run `unirl eval` on the exported model",
             )
         if self.scheduler.warmup_steps > self.total_updates:
             raise incompatible(

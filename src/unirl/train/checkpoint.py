@@ -1,8 +1,9 @@
 """Atomic checkpoints with exact resume (DESIGN.md §5).
 
 A checkpoint is a directory ``checkpoints/update-NNNNNN`` holding the model weights
-(safetensors; LoRA adapters alone when LoRA is on), optimizer and scheduler state, per-rank
-RNG states and ``state.json`` (update counter, data cursor, config hash and a manifest of
+(safetensors; LoRA adapters alone when LoRA is on), optimizer and scheduler state (under
+ddp/fsdp2 instead: ``dcp/``, torch.distributed.checkpoint shards written by every rank,
+`unirl.train.parallel_ckpt`), per-rank RNG states and ``state.json`` (update counter, data cursor, config hash and a manifest of
 every file's size and SHA-256). It is written under a temporary name, every file and the
 directory are fsynced, and only then is it renamed into place; a directory without a
 valid manifest is never considered complete.
@@ -35,6 +36,7 @@ from safetensors.torch import load_file, save_file
 STATE = "state.json"
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
+DCP = "dcp"
 PREFIX = "update-"
 STAGING = ".tmp-"
 PRUNING = ".prune-"
@@ -64,6 +66,11 @@ class Checkpoint:
 
     def optimizer_state(self) -> dict[str, Any]:
         return torch.load(self.path / OPTIMIZER, weights_only=False)
+
+    @property
+    def sharded(self) -> bool:
+        """Written by torch.distributed.checkpoint (``dcp/``: trainer.parallel ddp/fsdp2)."""
+        return (self.path / DCP).is_dir()
 
     def rng_state(self, rank: int) -> dict[str, Any]:
         return torch.load(self.path / f"rng-rank{rank}.pt", weights_only=False)
@@ -136,7 +143,17 @@ def commit_checkpoint(
         {k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(staging / MODEL)
     )
     torch.save(optimizer_state, staging / OPTIMIZER)
-    files = sorted(p.name for p in staging.iterdir() if p.name != STATE)
+    return seal_checkpoint(run_dir, update, state, keep_last)
+
+
+def seal_checkpoint(run_dir: Path, update: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Make the staging directory of `update` a checkpoint (rank 0, after every rank
+    wrote its part): manifest every file under it (relative path, size, SHA-256), fsync,
+    write ``state.json``, rename into place, prune."""
+    staging = staging_dir(run_dir, update)
+    files = sorted(
+        str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file() and p.name != STATE
+    )
     manifest = {}
     for name in files:
         _fsync_file(staging / name)
@@ -148,6 +165,8 @@ def commit_checkpoint(
     state_tmp = staging / STATE
     state_tmp.write_text(json.dumps(full_state, indent=2, sort_keys=True))
     _fsync_file(state_tmp)
+    for sub in sorted(p for p in staging.rglob("*") if p.is_dir()):
+        _fsync_dir(sub)
     _fsync_dir(staging)
     final = checkpoint_dir(run_dir) / f"{PREFIX}{update:06d}"
     if final.exists():
@@ -207,7 +226,13 @@ def _candidates(run_dir: Path) -> list[Path]:
 
 
 def _signature(path: Path) -> tuple:
-    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+    return tuple(
+        sorted(
+            (str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in path.rglob("*")
+            if p.is_file()
+        )
+    )
 
 
 def verify_checkpoint(path: Path) -> Checkpoint:

@@ -124,6 +124,12 @@ class GRPOObjective:
         self.algo = algo
         self.reference = reference
 
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """The reference copy (none under LoRA: the policy with adapters off), which a
+        sharded data-parallel wrapper shards with the policy."""
+        frozen = self.reference.frozen if self.reference is not None else None
+        return [frozen] if frozen is not None else []
+
     def count(self, batch: TrajectoryBatch) -> int:
         counts = LossCounts.from_mask(scored_mask(batch))
         return counts.n_tokens if self.algo.aggregation == "token_mean" else counts.n_seqs

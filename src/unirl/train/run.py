@@ -57,6 +57,7 @@ from unirl.train.grpo import build_grpo_job
 from unirl.train.information_gain import ig_evaluation
 from unirl.train.metrics import plot_metrics
 from unirl.train.opd import build_opd_job
+from unirl.train.parallel_ckpt import full_model_state
 from unirl.train.preflight import preflight
 from unirl.train.sft import DatasetSource, SFTObjective
 from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
@@ -153,7 +154,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     preflight(cfg, JOBS)
     device = resolve_device(cfg.run.device)
     set_determinism(cfg.run.deterministic, device)
-    info = init_distributed(str(device))
+    info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
     try:
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
@@ -172,8 +173,15 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
         )
         for _update, _metrics in trainer.fit(stop_after):
             pass
-        if info.is_main and trainer.update >= cfg.trainer.total_updates:
-            finish_run(cfg, model, run_dir)
+        if trainer.update >= cfg.trainer.total_updates:
+            final = model
+            if trainer.parallel.sharded:  # gather the whole model on rank 0 for the export
+                full = full_model_state(model)
+                if info.is_main:
+                    final = _prepare_model(cfg, run_dir, torch.device("cpu"))
+                    final.load_state_dict(full)
+            if info.is_main:
+                finish_run(cfg, final, run_dir)
         barrier(info)
         return run_dir
     finally:

@@ -10,7 +10,8 @@ What varies between methods is behind two small interfaces:
   metric sums, and `finalize`s the sums once they are added over micro-batches and
   ranks. The two never see each other: the trainer only passes batches and sums.
 
-Everything else — micro-batching and accumulation, gradient sum across ranks, clipping,
+Everything else — micro-batching and accumulation, data parallelism (DDP / FSDP2,
+`unirl.train.parallel`), clipping,
 AdamW + schedule, atomic checkpoints with exact resume, JSONL/TensorBoard metrics, the
 progress bar — lives here once.
 """
@@ -34,12 +35,15 @@ from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.models.base import UnifiedModel
 from unirl.train import checkpoint as ckpt
-from unirl.train.distributed import DistInfo, all_reduce_sum, barrier, sum_gradients
+from unirl.train import parallel_ckpt
+from unirl.train.distributed import DistInfo, all_reduce_sum, barrier
 from unirl.train.metrics import MetricsLogger, Progress, truncate_metrics
-from unirl.train.optim import build_scheduler, clip_gradients
+from unirl.train.optim import build_scheduler
 from unirl.train.packing import pack
+from unirl.train.parallel import Parallel
 
 FAULT_ENV = "UNIRL_FAULT"
+PERTURB_ENV = "UNIRL_PERTURB"
 
 
 class TrainingError(RuntimeError):
@@ -73,6 +77,8 @@ class Objective(Protocol):
     # micro-batches (on every rank, with this rank's micro-batches): an objective whose
     # loss needs the update number or a global count besides `count` (SFT with
     # Information Gain) sets them here.
+    # Optional: `frozen_models() -> list[nn.Module]`, models the loss reads but never
+    # trains (a reference, a teacher), which a sharded data-parallel wrapper shards too.
 
 
 SAMPLES_PER_LOG = 4
@@ -132,6 +138,15 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
         )
 
 
+def _perturb_for_test(model: UnifiedModel, rank: int) -> None:
+    """Test hook: `UNIRL_PERTURB=<rank>:<parameter name>` adds 1e-3 to that parameter on
+    that rank (a desynchronised replica for the drift check)."""
+    spec = os.environ.get(PERTURB_ENV, "")
+    if spec and spec.split(":", 1)[0] == str(rank):
+        with torch.no_grad():
+            model.get_parameter(spec.split(":", 1)[1]).add_(1e-3)
+
+
 def _inject_fault(point: str, update: int) -> None:
     """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
     (points: rollout, update (after a micro-batch's backward), after_update,
@@ -167,8 +182,14 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.dist = dist_info
         self.pad_id = pad_id
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self._trainable_state = trainable_state or self._full_state
+        self._ckpt_keys = set(self._trainable_state())
+        frozen = getattr(objective, "frozen_models", list)()
+        self.parallel = Parallel(model, self.t, dist_info, frozen)
+        _perturb_for_test(model, dist_info.rank)
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self._grads_checked = False
         self.evaluator = evaluator
         self.identity = identity
         opt, sched = self.t.optimizer, self.t.scheduler
@@ -196,28 +217,37 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
+        """Checkpoint `self.update`: every rank writes its RNG state (and under ddp/fsdp2
+        its DCP shards) into the staging directory, then rank 0 commits it (DDP: after
+        the replicas' parameters were found identical)."""
         staging = ckpt.staging_dir(self.run_dir, self.update)
+        self.parallel.check_replicas(dict(self.named_params), "parameter")
         barrier(self.dist)
         ckpt.write_rank_rng(staging, self.dist.rank)
+        state = {
+            "config_hash": self.config_hash,
+            "config": self.cfg.model_dump(mode="json"),
+            "data_cursor": self.update,
+            "optimizer_saved": bool(self.optimizer.state) or not self.parallel.distributed,
+            **({"identity": self.identity} if self.identity is not None else {}),
+        }
+        if self.parallel.distributed:
+            parallel_ckpt.save_sharded(
+                staging, self.model, self.optimizer, self.scheduler, self._ckpt_keys, self.dist
+            )
         barrier(self.dist)
         if self.dist.is_main:
             _inject_fault("checkpoint_write", self.update)
-            ckpt.commit_checkpoint(
-                self.run_dir,
-                self.update,
-                self._trainable_state(),
-                {
+            keep = self.cfg.checkpoint.keep_last
+            if self.parallel.distributed:
+                ckpt.seal_checkpoint(self.run_dir, self.update, state, keep)
+            else:
+                opt = {
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
-                },
-                {
-                    "config_hash": self.config_hash,
-                    "config": self.cfg.model_dump(mode="json"),
-                    "data_cursor": self.update,
-                    **({"identity": self.identity} if self.identity is not None else {}),
-                },
-                self.cfg.checkpoint.keep_last,
-            )
+                }
+                model_state = self._trainable_state()
+                ckpt.commit_checkpoint(self.run_dir, self.update, model_state, opt, state, keep)
         barrier(self.dist)
         self._last_ckpt_time = time.monotonic()
 
@@ -233,6 +263,33 @@ class Trainer:
         found = scan.latest
         if found is None:
             return False
+        if found.sharded != self.parallel.distributed:
+            raise TrainingError(
+                f"{found.path}: written {'with' if found.sharded else 'without'} "
+                "torch.distributed.checkpoint; resume it under the trainer.parallel it was "
+                "written with"
+            )
+        if self.parallel.distributed:
+            parallel_ckpt.load_sharded(
+                found.path,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self._ckpt_keys,
+                self.dist,
+                with_optim=found.state.get("optimizer_saved", True),
+            )
+        else:
+            self._load_single(found)
+        rank_file = found.path / f"rng-rank{self.dist.rank}.pt"
+        if rank_file.is_file():
+            ckpt.restore_rng_states(found.rng_state(self.dist.rank))
+        self.update = found.update
+        if self.dist.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+        return True
+
+    def _load_single(self, found: ckpt.Checkpoint) -> None:
         missing, unexpected = self.model.load_state_dict(found.model_state(), strict=False)
         if unexpected or (missing and self._trainable_state == self._full_state):
             raise TrainingError(
@@ -242,13 +299,6 @@ class Trainer:
         opt = found.optimizer_state()
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
-        rank_file = found.path / f"rng-rank{self.dist.rank}.pt"
-        if rank_file.is_file():
-            ckpt.restore_rng_states(found.rng_state(self.dist.rank))
-        self.update = found.update
-        if self.dist.is_main:
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
-        return True
 
     def _check_config(self, found: ckpt.Checkpoint) -> None:
         held = found.state.get("identity")
@@ -268,7 +318,7 @@ class Trainer:
         (`objective.finalize` of the all-reduced sums). Raises TrainingError on a
         non-finite loss, leaving the gradients cleared."""
         t0 = time.perf_counter()
-        trajs = self.source.global_batch(self.update)
+        trajs = self.parallel.gathered(lambda: self.source.global_batch(self.update))
         self._batch_seconds = time.perf_counter() - t0
         groups = rank_micro_batches(trajs, self.dist, self.t)
         collate = pack if self.t.packing else TrajectoryBatch.collate
@@ -282,22 +332,27 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, float] = {}
         n_tokens = 0
-        for micro in micros:
-            with autocast(self.t, self.model.device):
-                loss, stats = self.objective.loss(self.model, micro, n_global)
-            finite = torch.isfinite(loss.detach()).all().float().view(1)
-            if int(all_reduce_sum(finite, self.dist).item()) != self.dist.world_size:
-                self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingError(
-                    f"non-finite loss at update {self.update + 1}; stopping without a checkpoint"
-                )
-            loss.backward()
-            _inject_fault("update", self.update + 1)
+        for i, micro in enumerate(micros):
+            with self.parallel.accumulation(last=i == len(micros) - 1):
+                with autocast(self.t, self.model.device):
+                    loss, stats = self.parallel.run(self.objective.loss, micro, n_global)
+                finite = torch.isfinite(loss.detach()).all().float().view(1).cpu()
+                if int(all_reduce_sum(finite, self.dist).item()) != self.dist.world_size:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise TrainingError(
+                        f"non-finite loss at update {self.update + 1}; stopping without a "
+                        "checkpoint"
+                    )
+                loss.backward()
+                _inject_fault("update", self.update + 1)
             total += loss.detach().double().cpu()
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        sum_gradients(self.params, self.dist)
+        if not self._grads_checked:
+            grads = {n: p.grad for n, p in self.named_params if p.grad is not None}
+            self.parallel.check_replicas(grads, "gradient")
+            self._grads_checked = True
         keys = sorted(sums)
         flat = torch.tensor([sums[k] for k in keys] + [float(total), n_tokens], dtype=torch.float64)
         flat = all_reduce_sum(flat, self.dist).tolist()
@@ -311,7 +366,7 @@ class Trainer:
         """Run update `self.update`: accumulate, clip, step the optimizer and schedule."""
         t0 = time.perf_counter()
         metrics = self.accumulate()
-        grad_norm, clip_scale = clip_gradients(self.params, self.t.grad_clip or 0.0)
+        grad_norm, clip_scale = self.parallel.clip(self.params, self.t.grad_clip or 0.0)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(f"non-finite gradient norm at update {self.update + 1}; stopping")
@@ -346,12 +401,19 @@ class Trainer:
         flag = all_reduce_sum(torch.tensor(float(due)), self.dist)
         return bool(flag.item() > 0)
 
-    def _log_samples(self, logger: MetricsLogger) -> None:
+    def _log_samples(self, logger: MetricsLogger | None) -> None:
         """Every `logging.samples_every` updates, a few of the update's rows (prompt,
-        response, reward, decoded image) of a batch source that has them (`samples`)."""
+        response, reward, decoded image) of a batch source that has them (`samples`).
+        Under fsdp2 every rank decodes (the codec may hold sharded weights); rank 0 logs."""
         samples = getattr(self.source, "samples", None)  # rollout sources only
-        if samples is not None and logger.samples_due(self.update):
-            logger.log_samples(self.update, samples(self.update - 1, SAMPLES_PER_LOG))
+        every = self.cfg.logging.samples_every
+        if samples is None or not (every > 0 and self.update % every == 0):
+            return
+        if not self.parallel.sharded and logger is None:
+            return
+        rows = self.parallel.gathered(lambda: samples(self.update - 1, SAMPLES_PER_LOG))
+        if logger is not None:
+            logger.log_samples(self.update, rows)
 
     # -- the loop ------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
@@ -385,7 +447,7 @@ class Trainer:
                     evaluated = self.evaluator is not None and eval_every > 0
                     evaluated = evaluated and self.update % eval_every == 0
                     logger.log(self.update, metrics, force=last or evaluated)
-                    self._log_samples(logger)
+                self._log_samples(logger)
                 _inject_fault("after_update", self.update)
                 stop = stop_after is not None and self.update - start >= stop_after
                 if self._due() or stop:

@@ -1,0 +1,204 @@
+"""Data parallelism (`trainer.parallel`): torch DDP or FSDP2 around the policy.
+
+Everything the objective does with the model goes through `Parallel.run(fn, *args)`,
+which calls `fn(model, *args)` inside the forward of a `Runner` module, so that the
+wrapper's hooks run even though objectives call the model's methods (`prepare`, `hidden`,
+the heads) rather than its `forward`:
+
+- `none`: one process; `run` is a plain call.
+- `ddp`: `DistributedDataParallel(Runner)`; communication overlaps backward, and the
+  accumulation micro-batches but the last run under `no_sync`. Each rank's loss is its
+  share of the *global* objective (normalised by the global count), so the gradients
+  must be summed, not averaged: a communication hook all-reduces with SUM (no division
+  by the world size), and the N-process gradient equals the one-process one.
+- `fsdp2`: `fully_shard` on every decoder layer (modules whose class name ends in
+  ``DecoderLayer``, transformers' convention) and on the Runner (the root: embeddings,
+  heads, the rest). Parameters are all-gathered in `trainer.fsdp.param_dtype` and
+  gradients reduce-scattered in `reduce_dtype` with SUM (divide factor 1, sum-only
+  collectives); a parameter a rank's micro-batch did not reach (an image tower, a head)
+  contributes zeros, so every rank reduce-scatters the same buffers; the optimizer
+  built over the sharded parameters has sharded state.
+  Frozen models the objective uses (the GRPO reference: `objective.frozen_models()`) are
+  sharded the same way under the same root, never replicated per rank. Rollouts and other
+  no-grad uses of the policy go through `run` as well (`gathered`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unirl.config.trainer import TrainerConfig
+from unirl.train.distributed import DistInfo, all_gather_objects
+from unirl.train.optim import clip_gradients
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ReplicaDriftError(RuntimeError):
+    """DDP replicas disagree (a tensor's hash differs between ranks)."""
+
+
+class Runner(nn.Module):
+    """`forward(fn, *args) = fn(model, *args)`: a forward through which any use of the
+    model passes the wrapper's hooks. `frozen` modules are registered (fsdp2 shards
+    them with the policy) but trained by nobody."""
+
+    def __init__(self, model: nn.Module, frozen: Sequence[nn.Module] = ()) -> None:
+        super().__init__()
+        self.model = model
+        self.frozen = nn.ModuleList(frozen)
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `model` (class name ending in ``DecoderLayer``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def _sum_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotation object itself)
+    """DDP communication hook: all-reduce SUM of the bucket (DDP's default divides by
+    the world size)."""
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Parallel:
+    """The policy wrapped as `cfg.parallel` says (module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainerConfig,
+        info: DistInfo,
+        frozen: Sequence[nn.Module] = (),
+    ) -> None:
+        self.mode = cfg.parallel
+        self.info = info
+        self.model = model
+        if info.enabled and self.mode == "none":
+            raise ValueError(f"trainer.parallel=none with {info.world_size} processes")
+        self.runner = Runner(model, frozen if self.mode == "fsdp2" else ())
+        self.wrapped: nn.Module = self.runner
+        if self.mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            device = next(model.parameters()).device
+            self.wrapped = DistributedDataParallel(
+                self.runner,
+                device_ids=[device] if device.type == "cuda" else None,
+                find_unused_parameters=cfg.ddp.find_unused_parameters,
+                static_graph=cfg.ddp.static_graph,
+            )
+            self.wrapped.register_comm_hook(None, _sum_hook)
+        elif self.mode == "fsdp2":
+            self._shard(cfg)
+
+    def _shard(self, cfg: TrainerConfig) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        param, reduce = DTYPES[cfg.fsdp.param_dtype], DTYPES[cfg.fsdp.reduce_dtype]
+        units = decoder_layers(self.runner)
+        if not units:
+            raise ValueError(f"fsdp2: {type(self.model).__name__} has no *DecoderLayer modules")
+        layer_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+        for layer in units:
+            reshard = cfg.fsdp.reshard_after_forward
+            fully_shard(layer, mp_policy=layer_policy, reshard_after_forward=reshard)
+        # The root's inputs are batches (rollout log-probs, advantages, pixels): never cast.
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False
+        )
+        fully_shard(self.runner, mp_policy=root_policy)
+        for unit in [*units, self.runner]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_reduce_scatter_unused_params(True)
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "fsdp2"
+
+    @property
+    def distributed(self) -> bool:
+        """Whether checkpoints go through torch.distributed.checkpoint."""
+        return self.mode != "none"
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(model, *args)` through the wrapper's forward."""
+        return self.wrapped(fn, *args)
+
+    def gathered(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` (batch production: rollouts, anchor replays) with the policy usable as
+        an ordinary module: under fsdp2 inside the root's forward (no grad), where the
+        root's parameters are gathered and each layer gathers its own."""
+        if not self.sharded:
+            return fn()
+        with torch.no_grad():
+            return self.runner(lambda _model: fn())
+
+    def accumulation(self, last: bool):
+        """Context of one micro-batch's forward+backward: DDP communicates only in the
+        last (`no_sync` before); FSDP2 reduce-scatters every micro-batch (its gradients
+        accumulate sharded)."""
+        if self.mode == "ddp" and not last:
+            return self.wrapped.no_sync()
+        return nullcontext()
+
+    def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> tuple[float, float]:
+        """Clip the global gradient L2 norm to `max_norm` (<= 0: off); (norm, scale).
+
+        Sharded gradients: the norm is sqrt of the all-reduced sum of every shard's
+        squared entries (float64), and each shard is scaled in place."""
+        if not self.sharded:
+            return clip_gradients(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
+        for g in grads:
+            sq += _local(g).detach().double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        scale = 1.0
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for g in grads:
+                _local(g).mul_(scale)
+        return norm, scale
+
+    # -- replica drift (DDP) ---------------------------------------------------------
+    def check_replicas(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        """DDP: raise ReplicaDriftError naming the first tensor of `tensors` whose bytes
+        (SHA-256) differ between ranks. Other modes: nothing (no replicas)."""
+        if self.mode != "ddp" or not self.info.enabled:
+            return
+        mine = {name: tensor_digest(t) for name, t in tensors.items()}
+        ranks = all_gather_objects(mine, self.info)
+        for name in tensors:
+            digests = [r.get(name) for r in ranks]
+            if len(set(digests)) > 1:
+                odd = [r for r, d in enumerate(digests) if d != digests[0]]
+                raise ReplicaDriftError(
+                    f"replica drift: {what} {name!r} differs on rank(s) {odd} from rank 0; "
+                    "stopping before anything is committed"
+                )
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (dtype and shape included)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    head = f"{t.dtype}{tuple(t.shape)}".encode()
+    return hashlib.sha256(head + data).hexdigest()

@@ -1,0 +1,192 @@
+"""`trainer.parallel` (ddp, fsdp2) under torchrun, 2 gloo processes on CPU: each equals
+the one-process run after 3 updates (SFT on the tiny model, GRPO, SFT on a tiny
+Janus-Pro); FSDP2 runs killed during a checkpoint write and during an update resume to
+parameters and optimizer state bitwise equal to the uninterrupted 2-process run; a
+desynchronised DDP replica is caught, by tensor name, before anything is committed; and
+the settings that cannot work are refused at config time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import (
+    assert_same_state,
+    checkpoint_tensors,
+    fit_small_codec,
+    run_cli,
+    tiny_config,
+    write_config,
+)
+
+from unirl.config import ConfigError, validate_config
+from unirl.data.digits import vocabulary_texts
+from unirl.data.digits_images import load_split
+from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.train.distributed import init_distributed
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+MODES = ("none", "ddp", "fsdp2")
+# Adam's first steps move an element by ~lr * g / (|g| + eps): eps = 1e-6 keeps an element
+# whose gradient happens to be ~1e-9 from turning reduction-order rounding into 1e-5.
+TRAINER = {"total_updates": 3, "optimizer": {"lr": 3e-3, "eps": 1e-6}}
+
+
+def launch(cfg: dict, path: Path, mode: str, env: dict | None = None):
+    """`unirl train` of `cfg` with `trainer.parallel = mode`: one plain process for none,
+    torchrun with 2 processes otherwise (fsdp2 gathers parameters in fp32 on CPU)."""
+    trainer = {**cfg["trainer"], "parallel": mode}
+    if mode == "fsdp2":
+        trainer["fsdp"] = {"param_dtype": "fp32"}
+    write_config(path, {**cfg, "trainer": trainer})
+    launcher = None
+    if mode != "none":
+        launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "unirl.cli"]
+    return run_cli(["train", str(path)], env_extra=env, launcher=launcher)
+
+
+def run_modes(tmp: Path, make_cfg) -> dict[str, Path]:
+    """Run `make_cfg(run_dir)` under every mode; the run directories."""
+    out = {}
+    for mode in MODES:
+        out[mode] = tmp / mode
+        proc = launch(make_cfg(out[mode]), tmp / f"{mode}.yaml", mode)
+        assert proc.returncode == 0, (mode, proc.stderr[-3000:])
+    return out
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def assert_modes_agree(runs: dict[str, Path], tol: float = 1e-6) -> None:
+    """ddp and fsdp2 final models within `tol` of the one-process model (every tensor),
+    and the run actually moved the weights."""
+    ref = final_model(runs["none"])
+    first = load_file(
+        str(next((runs["none"] / "checkpoints").glob("update-000000")) / "model.safetensors")
+    )
+    assert any((ref[k] - first[k]).abs().max() > 1e-3 for k in first)
+    for mode in ("ddp", "fsdp2"):
+        got = final_model(runs[mode])
+        assert got.keys() == ref.keys(), mode
+        for name, value in ref.items():
+            assert (value - got[name]).abs().max() <= tol, (mode, name)
+
+
+def dcp_state(ckpt: Path) -> dict:
+    """A DCP checkpoint's model, optimizer and scheduler state as one plain dict."""
+    model, rest = checkpoint_tensors(ckpt)
+    return {"model": model, **rest}
+
+
+@pytest.fixture(scope="module")
+def codec_dir(tmp_path_factory):
+    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+
+
+def sft_config(run_dir: Path, codec_dir: Path) -> dict:
+    return tiny_config(
+        run_dir, codec_dir, trainer=TRAINER, checkpoint={"every_updates": 1, "keep_last": 0}
+    )
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory, codec_dir) -> dict[str, Path]:
+    return run_modes(tmp_path_factory.mktemp("sft"), lambda d: sft_config(d, codec_dir))
+
+
+@pytest.mark.slow
+def test_sft_ddp_and_fsdp2_equal_one_process(sft_runs):
+    assert_modes_agree(sft_runs)
+    for mode in ("ddp", "fsdp2"):
+        ckpt = sft_runs[mode] / "checkpoints" / "update-000003"
+        assert sorted(p.name for p in (ckpt / "dcp").iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
+
+
+@pytest.mark.slow
+def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir):
+    from test_grpo_loop import grpo_config
+
+    train = load_split("train")
+    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
+    assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+
+    def make(run_dir: Path) -> dict:
+        return grpo_config(run_dir, assets, trainer=TRAINER, checkpoint={"every_updates": 0})
+
+    assert_modes_agree(run_modes(tmp_path, make))
+
+
+@pytest.mark.slow
+def test_janus_pro_sft_ddp_and_fsdp2_equal_one_process(tmp_path):
+    ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(grid=2), vocabulary_texts())
+
+    def make(run_dir: Path) -> dict:
+        return {
+            "run": {"name": "j", "seed": 0, "output_dir": str(run_dir), "device": "cpu"},
+            "model": {"kind": "janus_pro", "path": str(ckpt)},
+            "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 8, "val_size": 0, "test_size": 0},
+            "trainer": {**TRAINER, "global_batch_size": 8, "micro_batch_size": 2},
+            "checkpoint": {"every_updates": 0},
+            "logging": {"tensorboard": False, "progress_bar": False},
+        }
+
+    assert_modes_agree(run_modes(tmp_path, make))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["checkpoint_write:2", "after_update:2"])
+def test_fsdp2_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir, sft_runs, fault):
+    run_dir = tmp_path / "killed"
+    cfg = sft_config(run_dir, codec_dir)
+    killed = launch(cfg, tmp_path / "k.yaml", "fsdp2", {"UNIRL_FAULT": fault})
+    assert killed.returncode != 0
+    names = {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert "update-000002" not in names
+    if fault.startswith("checkpoint_write"):
+        assert ".tmp-update-000002" in names  # every shard written, never sealed
+    resumed = launch(cfg, tmp_path / "k.yaml", "fsdp2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    last = "checkpoints/update-000003"
+    reference = dcp_state(sft_runs["fsdp2"] / last)
+    final = dcp_state(run_dir / last)
+    assert set(final) == {"model", "optim", "scheduler"}
+    assert_same_state(reference, final, fault)
+    assert_same_state(final_model(sft_runs["fsdp2"]), final_model(run_dir), fault)
+
+
+@pytest.mark.slow
+def test_a_desynchronised_ddp_replica_is_caught_before_any_commit(tmp_path, codec_dir):
+    run_dir = tmp_path / "drift"
+    name = "decoder.layers.1.mlp.up_proj.weight"
+    cfg = sft_config(run_dir, codec_dir)
+    proc = launch(cfg, tmp_path / "d.yaml", "ddp", {"UNIRL_PERTURB": f"1:{name}"})
+    assert proc.returncode != 0
+    assert f"replica drift: parameter '{name}' differs on rank(s) [1]" in proc.stderr
+    assert not list((run_dir / "checkpoints").glob("update-*"))
+
+
+def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch):
+    base = tiny_config(tmp_path / "r", codec_dir)
+    for key, value in [("micro_token_budget", 256), ("eval_every", 1)]:
+        with pytest.raises(ConfigError, match=f"trainer.{key}"):
+            validate_config(
+                {**base, "trainer": {**base["trainer"], "parallel": "fsdp2", key: value}}
+            )
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="trainer.parallel=ddp needs torchrun"):
+        init_distributed(torch.device("cpu"), "ddp", 60.0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="trainer.parallel=none under torchrun"):
+        init_distributed(torch.device("cpu"), "none", 60.0)
