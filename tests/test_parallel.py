@@ -113,17 +113,35 @@ def test_sft_ddp_and_fsdp2_equal_one_process(sft_runs):
 
 
 @pytest.mark.slow
-def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
+    """GRPO with a k3 KL to the reference: a frozen copy (sharded under fsdp2), or with
+    LoRA the adapters switched off; LoRA runs compare the adapters they checkpoint, to
+    1e-5: lora_A's gradient is proportional to lora_B, zero at the start, so its first
+    updates are Adam steps on ~1e-7 gradients, where reduction-order rounding moves an
+    element by ~1e-6 (the amplification TRAINER's eps tames for full fine-tuning)."""
     from test_grpo_loop import grpo_config
 
     train = load_split("train")
     DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
     assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+    trainer = {**TRAINER, "lora": {"enabled": lora, "r": 4}}
 
     def make(run_dir: Path) -> dict:
-        return grpo_config(run_dir, assets, trainer=TRAINER, checkpoint={"every_updates": 0})
+        return grpo_config(run_dir, assets, trainer=trainer, checkpoint={"every_updates": 0})
 
-    assert_modes_agree(run_modes(tmp_path, make))
+    runs = run_modes(tmp_path, make)
+    if not lora:
+        assert_modes_agree(runs)
+        return
+    last = "checkpoints/update-000003"
+    ref = checkpoint_tensors(runs["none"] / last)[0]
+    assert ref and all("lora_" in k for k in ref)
+    for mode in ("ddp", "fsdp2"):
+        got = checkpoint_tensors(runs[mode] / last)[0]
+        assert got.keys() == ref.keys(), mode
+        for name, value in ref.items():
+            assert (value - got[name]).abs().max() <= 1e-5, (mode, name)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ recomputed on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -46,8 +46,15 @@ class RolloutService:
     ranks (module docstring)."""
 
     def __init__(
-        self, model: UnifiedModel, batch_size: int, rank: int = 0, world_size: int = 1
+        self,
+        model: UnifiedModel,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        group: Any = None,
     ) -> None:
+        """`group`: the process group `gather` uses (a CPU/gloo group when the default
+        one is NCCL; None: the default group)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not 0 <= rank < world_size:
@@ -56,6 +63,7 @@ class RolloutService:
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.group = group
 
     def generate(
         self,
@@ -87,7 +95,7 @@ class RolloutService:
                 raise ValueError(f"gather: {len(local)} local items, expected {n}")
             return list(local)
         parts: list[list[T] | None] = [None] * self.world_size
-        dist.all_gather_object(parts, list(local))
+        dist.all_gather_object(parts, list(local), group=self.group)
         out = interleave(parts)
         if len(out) != n:
             raise ValueError(f"gather: the ranks hold {len(out)} items, expected {n}")

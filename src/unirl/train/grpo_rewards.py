@@ -70,7 +70,7 @@ def score_sharded(
         parts = [(local, result, failure)]
     else:
         parts = [None] * service.world_size
-        torch.distributed.all_gather_object(parts, (local, result, failure))
+        torch.distributed.all_gather_object(parts, (local, result, failure), group=service.group)
     failures = [f for _, _, f in parts if f is not None]
     if failures:
         index = {s.id: i for i, s in enumerate(samples)}

@@ -159,7 +159,9 @@ class GRPOSource:
         if algo.updates_per_batch > 1 and anchor is None:
             raise ValueError("updates_per_batch > 1 needs an anchor (old log-prob replay)")
         self.model = model
-        self.service = RolloutService(model, r.batch_size, info.rank, info.world_size)
+        self.service = RolloutService(
+            model, r.batch_size, info.rank, info.world_size, info.cpu_group
+        )
         self.prompt_sampler = prompts
         self.rewards = rewards
         self.algo = algo
