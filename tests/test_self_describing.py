@@ -174,7 +174,7 @@ def test_rope_positions_of_left_and_right_padded_rows():
 
 
 class _Strided(DecodePositions):
-    def next(self, modality, image_position):
+    def next(self, modality, image_position, token_ids=None):
         pos = self.next_position[:, None]
         self.next_position = self.next_position + 2
         return pos
