@@ -418,6 +418,8 @@ def test_shipped_recipes_load():
     for path in recipes:
         # Janus-Pro recipes take the local checkpoint on the command line.
         overrides = ["model.path=/ckpt/janus-pro"] if path.parent.name == "janus_pro" else []
+        if overrides and path.name.startswith("opd"):  # and the teacher's
+            overrides.append("algorithm.teacher.path=/ckpt/janus-pro-7b")
         cfg = load_config(path, overrides)
         if path.parent.name == "digits" and cfg.algorithm.name == "grpo":
             assert cfg.reward.plugins, path.name

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -292,8 +293,6 @@ class OPDObjective:
 
 
 def _with_prompt_length(record: DistillRecord, n: int) -> DistillRecord:
-    from dataclasses import replace
-
     return replace(record, prompt_length=n)
 
 
