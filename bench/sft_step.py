@@ -84,7 +84,7 @@ def main() -> None:
     config = TinyModelConfig(
         hidden_size=args.width,
         num_layers=args.layers,
-        num_heads=max(1, args.width // 48),
+        num_heads=args.width // 48 if args.width % 48 == 0 else max(1, args.width // 64),
         intermediate_size=args.width * 8 // 3,
         mixer_kernel=args.mixer_kernel,
     )
