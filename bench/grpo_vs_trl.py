@@ -82,7 +82,7 @@ def build_model(args: argparse.Namespace) -> TinyUnifiedModel:
     config = TinyModelConfig(
         hidden_size=args.width,
         num_layers=args.layers,
-        num_heads=max(1, args.width // 48),
+        num_heads=args.width // 48 if args.width % 48 == 0 else max(1, args.width // 64),
         intermediate_size=args.width * 8 // 3,
         mixer_kernel=0,
     )

@@ -54,11 +54,12 @@ from unirl.train.sft import SFTObjective
 
 
 def body_config(args: argparse.Namespace) -> TinyModelConfig:
-    """The tiny body of `--width` / `--layers` (heads of width ~48, MLP 8/3 x width)."""
+    """The tiny body of `--width` / `--layers` (heads of width 48 where that divides the
+    width, else 64; MLP 8/3 x width)."""
     return TinyModelConfig(
         hidden_size=args.width,
         num_layers=args.layers,
-        num_heads=max(1, args.width // 48),
+        num_heads=args.width // 48 if args.width % 48 == 0 else max(1, args.width // 64),
         intermediate_size=args.width * 8 // 3,
         mixer_kernel=args.mixer_kernel,
     )

@@ -9,10 +9,14 @@ from its own generator (seeded by its request's seed), so a trajectory does not 
 on the batch it was sampled in, its size or its order.
 
 Finished rows stop costing compute: by default (`finished="compact"`) their rows are
-removed from the KV cache and the batch as soon as they finish; `finished="mask"` keeps
-them in the batch (fed padding, outputs ignored), as transformers' `generate` does, for
-caches that cannot drop rows. `bench/rollout.py` measures both: on the 2-core dev CPU,
-with rows of varied lengths, compaction was 1.4x (32 rows) to 1.6x (64 rows) faster.
+removed from the KV cache and the batch in place, once at least 1/8 of the batch has
+finished (until then they are fed padding, outputs ignored); `finished="mask"` keeps
+them in the batch, as transformers' `generate` does, for caches that cannot drop rows.
+
+Per-step overhead: the decode loop runs under `torch.inference_mode`; KV appends write
+in place into preallocated buffers (`unirl.rollout.decode_cache`, no per-step `cat` of
+the whole cache) and so does the attention mask. `bench/rollout.py` measures the engine
+against transformers' `generate` on the same body (identical tokens checked).
 """
 
 from __future__ import annotations
@@ -191,7 +195,14 @@ class RolloutEngine:
         gens = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
         # Batch rows: conditional row of each request, then the unconditional twins.
         rows = [(k, False) for k in range(len(requests))] + [(k, True) for k, _ in twins]
-        batch = _Batch.prefill(self.model, prompts + [t for _, t in twins], self.special.pad)
+        # The decode loop runs in inference mode (no version counters or autograd
+        # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
+        with torch.inference_mode():
+            self._decode(states, gens, rows, prompts + [t for _, t in twins])
+        return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
+
+    def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
+        batch = _Batch.prefill(self.model, prompts, self.special.pad)
         while True:
             self._act(states, gens, rows, batch.hidden)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
@@ -201,7 +212,6 @@ class RolloutEngine:
                 batch.select(live)
                 rows = [rows[b] for b in live]
             batch.step(self.model, self._inputs(states, rows))
-        return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
 
     def _act(self, states: list[RowState], gens, rows, hidden: torch.Tensor) -> None:
         """Append one position to every live row, sampling in groups of equal params."""
