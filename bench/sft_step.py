@@ -24,7 +24,7 @@ through `SFTObjective` (`algorithm.information_gain`: weight 1, `--ig-selection`
 `--ig-chunk` blind views per forward): the median step time of each, their steps
 alternating in one process on two copies of one model, and the peak memory of a step,
 each mode in its own fresh process (peak RSS during 3 steps minus the RSS after setup,
-`ru_maxrss`; both processes build the same model and batch).
+Linux VmHWM reset after setup; both processes build the same model and batch).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import multiprocessing as mp
-import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -184,8 +184,12 @@ def _setup(args: argparse.Namespace) -> tuple[TinyUnifiedModel, TrajectoryBatch]
     return model, TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS: current, VmHWM: peak) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class _Mode:
@@ -209,13 +213,16 @@ class _Mode:
 
 
 def _peak_memory(args: argparse.Namespace, weight: float, queue: mp.Queue) -> None:
-    """In a fresh process: the peak RSS of 3 steps above the RSS after setup (MiB)."""
+    """In a fresh process: the peak RSS of 3 steps above the RSS after setup (MiB); the
+    peak (VmHWM) is reset after setup (`/proc/self/clear_refs` 5), so the setup's own
+    peak (codec fitting) does not hide the steps'."""
     model, batch = _setup(args)
     mode = _Mode(args, model, weight)
-    base = _rss_mib()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_mib("VmRSS")
     for u in range(3):
         mode.step(batch, u)
-    queue.put(_rss_mib() - base)
+    queue.put(_status_mib("VmHWM") - base)
 
 
 def compare_ig(args: argparse.Namespace) -> None:
