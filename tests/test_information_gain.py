@@ -426,3 +426,31 @@ def test_validation_logs_ig_metrics(tmp_path, codec_dir):
     assert metrics["val/ig/visual_to_text/events"] == 2  # one per row (cycle pinned)
     assert "val/draw_then_answer/exact_match" in metrics
     assert "val/ig/text_to_visual/saturation" in metrics
+
+
+def test_uniar_blind_view():
+    """UniAR (Qwen3-VL + BSQ): the [B, T, T] blind mask reaches transformers' attention,
+    so the answer's blind score ignores the drawn image (its shown image is read through
+    the vision tower: text-modality placeholders, part of the first text block)."""
+    from test_uniar import SIZES, random_codec
+
+    from unirl.models.uniar import build_tiny_uniar
+
+    model = build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0).eval()
+    sample = make_task_samples("draw_then_answer", "val", 1, seed=2)[0]
+    traj = model.prompt_trajectory(sample, add_generation_prompt=False)
+    batch = TrajectoryBatch.collate([traj], model.special_ids.pad)
+    events = scored_events(batch, ALL, 0)
+    assert [e.direction for e in events] == ["text_to_visual", "visual_to_text"]
+    e = events[1]
+    row = copy.deepcopy(traj)
+    src = slice(e.source.start, e.source.end - 1)  # s_end predicts t's first token
+    row.visual_codes[src] = 1 - row.visual_codes[src]
+    other = TrajectoryBatch.collate([row], model.special_ids.pad, validate=False)
+    b1, _ = blind_scores(model, batch, [e], 4)
+    b2, _ = blind_scores(model, other, [e], 4)
+    assert (b1 - b2).abs().max() <= 1e-5
+    with torch.no_grad():
+        f1, f2 = _full_scores(model, batch, [e]), _full_scores(model, other, [e])
+    assert (f1 - f2).abs().max() > 1e-3
+    assert (f1 - b1).abs().max() > 1e-3  # the blind view is not the full one

@@ -31,7 +31,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from unirl.core.sample import Part, Sample
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel
+from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, query_key_mask
 from unirl.models.registry import MODEL_CONFIG
 from unirl.models.uniar.heads import BitEmbedding, VisualDecoder
 from unirl.models.uniar.loading import CODEC_DIR, WEIGHTS, load_parts
@@ -232,7 +232,7 @@ class UniARModel(UnifiedModel):
         try:
             out = lm(
                 inputs_embeds=embeds,
-                attention_mask=attention_mask.long(),
+                attention_mask=query_key_mask(lm, attention_mask, embeds.dtype, cache),
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=cache is not None,
