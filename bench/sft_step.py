@@ -40,7 +40,7 @@ import torch
 
 from unirl.codecs import build_codec
 from unirl.config.algorithms import SFTConfig
-from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.data.digits import TASKS, make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
@@ -108,16 +108,8 @@ def main() -> None:
     if args.ig:
         compare_ig(args)
         return
-    torch.set_num_threads(args.threads)
-    set_determinism(args.deterministic == "on", torch.device("cpu"))
-    torch.manual_seed(0)
-    codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
-    tokenizer = build_tokenizer()
-    config = body_config(args)
-    model = TinyUnifiedModel(config, tokenizer, codec).train()
-    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // len(TASKS))]
-    trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
-    pad = SpecialIds.from_tokenizer(tokenizer).pad
+    model, trajs, pad = _setup(args, args.batch // len(TASKS))
+    config = model.config
     batches = {"off": TrajectoryBatch.collate(trajs, pad), "on": pack(trajs, pad)}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -170,18 +162,26 @@ def main() -> None:
     print(f"  speed-up of packing (step time off / on): {ratio:.2f}x")
 
 
-def _setup(args: argparse.Namespace) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
-    """The tiny model (`--width`, `--layers`) and the default bench's mixed digits batch."""
+def _setup(
+    args: argparse.Namespace, per_task: int
+) -> tuple[TinyUnifiedModel, list[Trajectory], int]:
+    """The tiny model (`--width`, `--layers`), `per_task` rows of each digits task
+    serialised, and the pad id (threads, determinism and the seed set from `args`)."""
     torch.set_num_threads(args.threads)
     set_determinism(args.deterministic == "on", torch.device("cpu"))
     torch.manual_seed(0)
     codec = build_codec("vq", codebook_size=32).fit(load_split("train").images[:400])
     tokenizer = build_tokenizer()
-    config = body_config(args)
-    model = TinyUnifiedModel(config, tokenizer, codec).train()
-    samples = [s for t in TASKS for s in make_task_samples(t, "train", args.batch // 4)]
+    model = TinyUnifiedModel(body_config(args), tokenizer, codec).train()
+    samples = [s for t in TASKS for s in make_task_samples(t, "train", per_task)]
     trajs = [serialize(s, tokenizer, encode_image=codec.encode) for s in samples]
-    return model, TrajectoryBatch.collate(trajs, SpecialIds.from_tokenizer(tokenizer).pad)
+    return model, trajs, SpecialIds.from_tokenizer(tokenizer).pad
+
+
+def _ig_setup(args: argparse.Namespace) -> tuple[TinyUnifiedModel, TrajectoryBatch]:
+    """The IG comparison's model and its one mixed batch (`--batch` // 4 rows per task)."""
+    model, trajs, pad = _setup(args, args.batch // 4)
+    return model, TrajectoryBatch.collate(trajs, pad)
 
 
 def _status_mib(field: str) -> float:
@@ -216,7 +216,7 @@ def _peak_memory(args: argparse.Namespace, weight: float, queue: mp.Queue) -> No
     """In a fresh process: the peak RSS of 3 steps above the RSS after setup (MiB); the
     peak (VmHWM) is reset after setup (`/proc/self/clear_refs` 5), so the setup's own
     peak (codec fitting) does not hide the steps'."""
-    model, batch = _setup(args)
+    model, batch = _ig_setup(args)
     mode = _Mode(args, model, weight)
     Path("/proc/self/clear_refs").write_text("5")
     base = _status_mib("VmRSS")
@@ -229,7 +229,7 @@ def compare_ig(args: argparse.Namespace) -> None:
     """Step times of vanilla and IG, alternating on two copies of one model in this
     process (so a busy machine slows both alike); peak step memory of each in a fresh
     process. Prints medians, memory and the ratios."""
-    model, batch = _setup(args)
+    model, batch = _ig_setup(args)
     modes = {"vanilla": _Mode(args, copy.deepcopy(model), 0.0), "ig": _Mode(args, model, 1.0)}
     times: dict[str, list[float]] = {"vanilla": [], "ig": []}
     for u in range(3 + args.steps):
