@@ -462,9 +462,12 @@ def _copy(ckpt: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "remove, what",
     [
-        (["model.safetensors"], "no weights file"),
-        (["tokenizer.json", "tokenizer_config.json"], "no tokenizer file"),
-        (["preprocessor_config.json", "processor_config.json"], "no image processor file"),
+        (["model.safetensors"], r"model.safetensors: missing \(weights;"),
+        (["tokenizer.json", "tokenizer_config.json"], r"tokenizer.json: missing \(tokenizer;"),
+        (
+            ["preprocessor_config.json", "processor_config.json"],
+            r"preprocessor_config.json: missing \(image processor;",
+        ),
     ],
 )
 def test_checkpoint_missing_files_fail_naming_them(ckpt, tmp_path, remove, what):

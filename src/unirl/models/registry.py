@@ -184,6 +184,42 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def check_transformers_directory(
+    path: Path,
+    family: str,
+    files: dict[str, tuple[str, ...]],
+    model_type: str,
+    hint: str = "",
+) -> dict:
+    """The `config.json` of a local transformers checkpoint of `family`, read only after
+    the checks every loader makes before any weights: the directory exists, each entry
+    of `files` (what -> alternative names) is present, no config asks for remote code
+    (`auto_map`), and `model_type` matches (`hint` is appended to that error). Each
+    failure is one line naming the file and the field."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: {family} directory not found")
+    for what, names in files.items():
+        if not any((path / n).is_file() for n in names):
+            raise FileNotFoundError(
+                f"{path / names[0]}: missing ({what}; expected {' or '.join(names)})"
+            )
+    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "processor_config.json"):  # fmt: skip
+        file = path / name
+        if file.is_file() and "auto_map" in read_json(file):
+            raise ValueError(
+                f"{file}: field auto_map asks for remote code; unirl loads {family} only "
+                "with transformers' own classes and never runs a checkpoint's code"
+            )
+    config = read_json(path / "config.json")
+    if config.get("model_type") != model_type:
+        raise ValueError(
+            f"{path / 'config.json'}: field model_type is {config.get('model_type')!r}, "
+            f"not {model_type!r}{hint}"
+        )
+    return config
+
+
 def model_kind(path: str | Path) -> str:
     """The kind of the model directory `path` (module docstring); FileNotFoundError when
     it is neither a unirl model directory nor a recognised transformers checkpoint."""

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from unirl.models.janus_pro.template import IMAGE, JanusTokens
-from unirl.models.registry import read_json
+from unirl.models.registry import check_transformers_directory
 
 ARCHITECTURE = "JanusForConditionalGeneration"
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
@@ -37,27 +37,13 @@ ALTERNATIVES: dict[str, tuple[str, ...]] = {
 
 def check_checkpoint(path: Path) -> dict:
     """The checkpoint's config.json as a dict, after the checks of the module docstring."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: Janus-Pro checkpoint directory not found")
-    for what, names in ALTERNATIVES.items():
-        if not any((path / n).is_file() for n in names):
-            raise FileNotFoundError(
-                f"{path}: incomplete Janus-Pro checkpoint: no {what} file "
-                f"(expected {' or '.join(names)})"
-            )
-    for name in ("config.json", "tokenizer_config.json", "processor_config.json"):
-        file = path / name
-        if file.is_file() and "auto_map" in read_json(file):
-            raise ValueError(
-                f"{file}: asks for remote code (auto_map); unirl loads Janus-Pro only with "
-                "transformers' own classes and never runs a checkpoint's code"
-            )
-    config = read_json(path / "config.json")
-    if config.get("model_type") != "janus":
-        raise ValueError(
-            f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not 'janus' "
-            "(the original deepseek-ai layout needs converting to the transformers layout)"
-        )
+    config = check_transformers_directory(
+        path,
+        "Janus-Pro",
+        ALTERNATIVES,
+        "janus",
+        " (the original deepseek-ai layout needs converting to the transformers layout)",
+    )
     archs = config.get("architectures") or [ARCHITECTURE]
     if ARCHITECTURE not in archs:
         raise ValueError(f"{path / 'config.json'}: architectures {archs} lack {ARCHITECTURE}")

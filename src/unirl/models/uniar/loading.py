@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLConfig
 from unirl.codecs import load_codec
 from unirl.codecs.base import CONFIG_NAME
 from unirl.codecs.bsq import BSQCodec
-from unirl.models.registry import MODEL_CONFIG, read_json
+from unirl.models.registry import MODEL_CONFIG, check_transformers_directory, read_json
 from unirl.models.uniar.template import MAX_GRID_SIDE, special_id_map
 
 WEIGHTS = "model.safetensors"
@@ -44,26 +44,7 @@ CONFIG_IDS = {
 def check_directory(path: Path) -> dict:
     """The `unirl_model.json` record after the file, remote-code, type and geometry checks
     of the module docstring (no tokenizer or weights read)."""
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: UniAR model directory not found")
-    for what, names in FILES.items():
-        if not any((path / n).is_file() for n in names):
-            raise FileNotFoundError(
-                f"{path / names[0]}: missing ({what}; a UniAR directory ships it)"
-            )
-    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
-        file = path / name
-        if file.is_file() and "auto_map" in read_json(file):
-            raise ValueError(
-                f"{file}: field auto_map asks for remote code; unirl loads UniAR only with "
-                "transformers' own Qwen3-VL classes"
-            )
-    config = read_json(path / "config.json")
-    if config.get("model_type") != "qwen3_vl":
-        raise ValueError(
-            f"{path / 'config.json'}: field model_type is {config.get('model_type')!r}, not "
-            "'qwen3_vl'"
-        )
+    check_transformers_directory(path, "UniAR", FILES, "qwen3_vl")
     record = read_json(path / MODEL_CONFIG)
     if record.get("kind") != "uniar":
         raise ValueError(f"{path / MODEL_CONFIG}: field kind is {record.get('kind')!r}")
