@@ -227,7 +227,8 @@ class OPDObjective:
             cells = [
                 (b, e) for b, ks in enumerate(events.kinds) for e, k in enumerate(ks) if k == kind
             ]
-            stats[f"ev_{kind}_sum"] = float(sum(float(means[b, e]) for b, e in cells))
+            rows, cols = zip(*cells) if cells else ((), ())
+            stats[f"ev_{kind}_sum"] = float(means[list(rows), list(cols)].sum())  # one sync
             stats[f"ev_{kind}_n"] = float(len(cells))
         stats["n_distilled"] = float(contributing.sum())
         stats["n_no_event"] = float((~contributing).sum())
