@@ -1,4 +1,5 @@
-"""Make a UniAR directory from a local Qwen3-VL checkpoint and a fitted BSQ codec.
+"""Make a UniAR directory from a local Qwen3-VL checkpoint and a BSQ codec (a digits
+`BSQCodec` or a real-scale `BSQTokenizer` directory).
 
     python -m unirl.models.uniar.convert QWEN3_VL_DIR CODEC_DIR OUT_DIR [--decoder-layers 4]
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
 
-from unirl.codecs import load_codec
+from unirl.codecs import BSQ_KINDS, codec_config_file, load_codec
 from unirl.models.registry import read_json
 from unirl.models.uniar.model import UniARModel, UniARSpec
 from unirl.models.uniar.template import add_special_tokens
@@ -41,8 +42,9 @@ def from_qwen3_vl(
             "not 'qwen3_vl'"
         )
     codec = load_codec(codec_dir)
-    if codec.kind != "bsq":
-        raise ValueError(f"{Path(codec_dir) / 'codec.json'}: field kind is {codec.kind!r}, not bsq")
+    if codec.kind not in BSQ_KINDS:
+        file = codec_config_file(codec_dir)
+        raise ValueError(f"{file}: field kind is {codec.kind!r}, not one of {BSQ_KINDS}")
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir), trust_remote_code=False)
     add_special_tokens(tokenizer)
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))

@@ -18,9 +18,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLConfig
 
-from unirl.codecs import load_codec
+from unirl.codecs import BSQ_KINDS, codec_config_file, codec_geometry, load_codec
 from unirl.codecs.base import CONFIG_NAME
-from unirl.codecs.bsq import BSQCodec
+from unirl.codecs.bsq_tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
 from unirl.models.registry import MODEL_CONFIG, check_transformers_directory, read_json
 from unirl.models.uniar.template import MAX_GRID_SIDE, special_id_map
 
@@ -32,7 +32,7 @@ FILES = {
     "weights": (WEIGHTS,),
     "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
     "image processor": ("preprocessor_config.json",),
-    "codec": (f"{CODEC_DIR}/{CONFIG_NAME}",),
+    "codec": (f"{CODEC_DIR}/{CONFIG_NAME}", f"{CODEC_DIR}/{TOKENIZER_CONFIG}"),
 }
 CONFIG_IDS = {
     "image_token_id": "image_pad",
@@ -48,29 +48,34 @@ def check_directory(path: Path) -> dict:
     record = read_json(path / MODEL_CONFIG)
     if record.get("kind") != "uniar":
         raise ValueError(f"{path / MODEL_CONFIG}: field kind is {record.get('kind')!r}")
-    _check_codec(path / CODEC_DIR / CONFIG_NAME, record, path / MODEL_CONFIG)
+    _check_codec(path / CODEC_DIR, record, path / MODEL_CONFIG)
     return record
 
 
-def _check_codec(file: Path, record: dict, record_file: Path) -> None:
-    codec_cfg = read_json(file)
-    if codec_cfg.get("kind") != "bsq":
-        raise ValueError(f"{file}: field kind is {codec_cfg.get('kind')!r}; UniAR needs 'bsq'")
-    try:
-        codec = BSQCodec(**{k: v for k, v in codec_cfg.items() if k != "kind"})
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{file}: invalid BSQ codec config ({err})") from None
-    grid, bits = list(codec.grid), codec.bits_per_position
+def _check_codec(directory: Path, record: dict, record_file: Path) -> None:
+    """The codec's config (digits `codec.json` or a tokenizer's `config.json`) is BSQ and
+    makes the recorded grid and bits; errors name that file and its geometry fields."""
+    file = codec_config_file(directory)
+    kind = read_json(file).get("kind")
+    if kind not in BSQ_KINDS:
+        raise ValueError(f"{file}: field kind is {kind!r}; UniAR needs one of {BSQ_KINDS}")
+    _, grid_t, bits = codec_geometry(directory)
+    grid = list(grid_t)
+    tok = file.name == TOKENIZER_CONFIG
+    grid_fields = "image_size/patch_size/spatial_group" if tok else "group/patch"
+    bit_fields = "embed_dim/spatial_group" if tok else "latent_dim/group"
     if not all(1 <= side <= MAX_GRID_SIDE for side in grid):
-        raise ValueError(f"{file}: field group: the codec makes a {grid} grid, outside 1..30")
+        raise ValueError(
+            f"{file}: field {grid_fields}: the codec makes a {grid} grid, outside 1..30"
+        )
     if record.get("image_grid") != grid:
         raise ValueError(
-            f"{file}: field group/patch: the codec makes a {grid[0]}x{grid[1]} grid but "
+            f"{file}: field {grid_fields}: the codec makes a {grid[0]}x{grid[1]} grid but "
             f"{record_file.name} field image_grid is {record.get('image_grid')}"
         )
     if record.get("bits_per_position") != bits:
         raise ValueError(
-            f"{file}: field latent_dim/group: the codec gives {bits} bits per position but "
+            f"{file}: field {bit_fields}: the codec gives {bits} bits per position but "
             f"{record_file.name} field bits_per_position is {record.get('bits_per_position')}"
         )
 

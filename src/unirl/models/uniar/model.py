@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3VLForConditionalGeneration
 
+from unirl.codecs import BSQ_KINDS
 from unirl.core.sample import Part, Sample
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
@@ -89,7 +90,7 @@ class UniARModel(UnifiedModel):
         spec: UniARSpec | None = None,
     ) -> None:
         super().__init__()
-        if getattr(codec, "kind", None) != "bsq":
+        if getattr(codec, "kind", None) not in BSQ_KINDS:
             raise ValueError(f"UniAR writes images with a BSQ codec, got {codec!r}")
         self.spec = spec or UniARSpec()
         self.model = hf.model
