@@ -386,3 +386,50 @@ def test_vision_tower_is_frozen_by_default_and_trains_when_asked(train_vision):
     assert all(g is None for g in tower) != train_vision
     assert model.bit_embed.proj.weight.grad is not None  # generated positions read their bits
     assert model.model.language_model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+# ---- forward_interleaved on transformers-style inputs ---------------------------------
+
+
+def test_forward_interleaved_takes_image_grid_thw_and_matches_the_training_forward(model):
+    """`forward_interleaved(input_ids, attention_mask, image_grid_thw, visual_codes,
+    pixel_values=...)` (pixels through the checkpoint's own image processor) gives the
+    states, positions and generated mask of the path training uses (`prepare` + `hidden`),
+    and bit logits = the visual head on the state before each scored target."""
+    samples = [_interleaved(7, "what ?"), _interleaved(8, "what is in the picture ?")]
+    trajs = [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
+    batch = TrajectoryBatch.collate(trajs, model.special_ids.pad)
+    images = [_pixels(7), _pixels(8)]
+    vision = model.image_processor(images=images, return_tensors="pt", do_rescale=False)
+    with torch.no_grad():
+        inputs = model.prepare(batch)
+        ref = model.hidden(inputs).hidden
+        out = model.forward_interleaved(
+            batch.token_ids,
+            batch.attention_mask,
+            vision["image_grid_thw"],
+            batch.visual_codes,
+            pixel_values=vision["pixel_values"],
+        )
+    assert torch.equal(out.visual_mask, batch.modality == Modality.VISUAL)
+    assert torch.equal(out.position_ids, inputs.position_ids)
+    assert float((out.hidden - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    rows, cols = (batch.modality == Modality.VISUAL).nonzero(as_tuple=True)
+    assert torch.equal(out.visual_rows, rows) and torch.equal(out.visual_cols, cols)
+    with torch.no_grad():
+        expected = model.visual_logits(ref[rows, cols - 1])
+    assert float((out.visual_logits - expected).abs().max()) <= 1e-4
+    with pytest.raises(ValueError, match="pixel_values and image_grid_thw: give both"):
+        model.forward_interleaved(
+            batch.token_ids, batch.attention_mask, vision["image_grid_thw"], batch.visual_codes
+        )
+    with pytest.raises(ValueError, match="image_grid_thw: row 1"):
+        model.forward_interleaved(
+            batch.token_ids,
+            batch.attention_mask,
+            vision["image_grid_thw"][:1],
+            batch.visual_codes,
+            pixel_values=vision["pixel_values"],
+        )
+    with pytest.raises(ValueError, match="visual_codes: required"):
+        model.forward_interleaved(batch.token_ids, batch.attention_mask)

@@ -35,6 +35,7 @@ from unirl.core.types import Modality
 from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, query_key_mask
 from unirl.models.registry import MODEL_CONFIG
 from unirl.models.uniar.heads import BitEmbedding, VisualDecoder
+from unirl.models.uniar.interleaved import InterleavedOutput, forward_interleaved, generated_mask
 from unirl.models.uniar.loading import CODEC_DIR, WEIGHTS, load_parts
 from unirl.models.uniar.positions import MRopeDecodePositions, batch_positions
 from unirl.models.uniar.template import (
@@ -54,22 +55,6 @@ class UniARSpec:
     decoder_layers: int = 4
     decoder_width: int = 0
     train_vision: bool = False
-
-
-@dataclass
-class InterleavedOutput:
-    """`forward_interleaved`'s result: pre-final-norm states [B, T, d], M-RoPE positions
-    [3, B, T], the generated-visual mask [B, T], the visual-head bit logits [N, D] at
-    the N scored visual targets (`visual_rows`, `visual_cols`; each from the state at
-    col - 1) and the understanding images' `image_grid_thw` [n, 3] (None without)."""
-
-    hidden: torch.Tensor
-    position_ids: torch.Tensor
-    visual_mask: torch.Tensor
-    visual_logits: torch.Tensor
-    visual_rows: torch.Tensor
-    visual_cols: torch.Tensor
-    image_grid_thw: torch.Tensor | None
 
 
 def _skip_final_norm(module, args, output):
@@ -189,23 +174,26 @@ class UniARModel(UnifiedModel):
         )
 
     # ---- hooks -----------------------------------------------------------------------
-    def _embed(self, inputs: ModelInputs) -> tuple[torch.Tensor, Any]:
-        """(embeddings [B, T, d], (placeholder mask, DeepStack features) or None)."""
-        ids = inputs.token_ids
+    def token_embeddings(
+        self, ids: torch.Tensor, visual: torch.Tensor, codes: torch.Tensor
+    ) -> torch.Tensor:
+        """Token embeddings, with the bit embedding of `codes` where `visual` is set."""
         embeds = self.model.language_model.embed_tokens(ids)
-        visual = inputs.modality == Modality.VISUAL
-        bits = self.bit_embed(inputs.visual_codes).to(embeds.dtype)
-        embeds = torch.where(visual.unsqueeze(-1), bits, embeds)
-        placeholder = (ids == int(self.config.image_token_id)) & ~visual
-        if not bool(placeholder.any()):
-            return embeds, None
-        images = [x for row in inputs.images for x in row]
-        if not images:
-            raise ValueError("understanding-image placeholders but no images in ModelInputs")
-        pixel_values, thw = self.vision(images)
+        bits = self.bit_embed(codes).to(embeds.dtype)
+        return torch.where(visual.unsqueeze(-1), bits, embeds)
+
+    def with_image_features(
+        self,
+        embeds: torch.Tensor,
+        placeholder: torch.Tensor,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor,
+    ) -> tuple[torch.Tensor, Any]:
+        """The vision tower's merged features scattered into the `placeholder` positions,
+        and (placeholder mask, DeepStack features) for the decoder."""
         device = embeds.device
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.spec.train_vision):
-            out = self.model.get_image_features(pixel_values.to(device), thw.to(device))
+            out = self.model.get_image_features(pixel_values.to(device), image_grid_thw.to(device))
         feats = torch.cat(out.pooler_output).to(embeds.dtype)
         if feats.shape[0] != int(placeholder.sum()):
             raise ValueError(
@@ -215,6 +203,20 @@ class UniARModel(UnifiedModel):
         embeds = embeds.masked_scatter(placeholder.unsqueeze(-1), feats)
         deep = [torch.cat(f).to(embeds.dtype) for f in out.deepstack_features]
         return embeds, (placeholder, deep)
+
+    def _embed(self, inputs: ModelInputs) -> tuple[torch.Tensor, Any]:
+        """(embeddings [B, T, d], (placeholder mask, DeepStack features) or None)."""
+        ids = inputs.token_ids
+        visual = inputs.modality == Modality.VISUAL
+        embeds = self.token_embeddings(ids, visual, inputs.visual_codes)
+        placeholder = (ids == int(self.config.image_token_id)) & ~visual
+        if not bool(placeholder.any()):
+            return embeds, None
+        images = [x for row in inputs.images for x in row]
+        if not images:
+            raise ValueError("understanding-image placeholders but no images in ModelInputs")
+        pixel_values, thw = self.vision(images)
+        return self.with_image_features(embeds, placeholder, pixel_values, thw)
 
     def embed(self, inputs: ModelInputs) -> torch.Tensor:
         return self._embed(inputs)[0]
@@ -258,49 +260,22 @@ class UniARModel(UnifiedModel):
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.visual_decoder(hidden)
 
+    def generated_mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: the generated-image positions, from the ids (`interleaved`)."""
+        return generated_mask(self, input_ids, attention_mask)
+
     def forward_interleaved(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        visual_codes: torch.Tensor,
-        visual_mask: torch.Tensor,
-        images: list[list[torch.Tensor]] | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        visual_codes: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
         scored_mask: torch.Tensor | None = None,
     ) -> InterleavedOutput:
-        """One teacher-forced forward of an interleaved batch (module docstring).
-
-        `input_ids` / `attention_mask` long/bool [B, T]; `visual_codes` bits [B, T, D] (read
-        where `visual_mask` is set: the generated positions); `images[b]`: row b's
-        understanding images (pixels [H, W, 3] in [0, 1]) in order; `scored_mask` the
-        visual targets whose bit logits to compute (default: every generated position
-        after the first column). The heads run only there."""
-        B, T = input_ids.shape
-        modality = torch.where(visual_mask, int(Modality.VISUAL), int(Modality.TEXT))
-        images = images if images is not None else [[] for _ in range(B)]
-        device = self.device
-        inputs = ModelInputs(
-            token_ids=input_ids.to(device),
-            modality=modality.to(device),
-            visual_codes=visual_codes.to(device),
-            attention_mask=attention_mask.bool().to(device),
-            position_ids=torch.zeros(0),
-            image_position=torch.zeros_like(input_ids).to(device),
-            images=[[x.to(device) for x in row] for row in images],
-        )
-        inputs = self._with_mrope(inputs)
-        hidden = self.hidden(inputs).hidden
-        scored = visual_mask.clone() if scored_mask is None else scored_mask & visual_mask
-        scored[:, 0] = False
-        rows, cols = scored.to(device).nonzero(as_tuple=True)
-        flat = [x for row in images for x in row]
-        return InterleavedOutput(
-            hidden=hidden,
-            position_ids=inputs.position_ids,
-            visual_mask=visual_mask.to(device),
-            visual_logits=self.visual_logits(hidden[rows, cols - 1]),
-            visual_rows=rows,
-            visual_cols=cols,
-            image_grid_thw=self.vision(flat)[1] if flat else None,
+        """The public API for custom losses: `interleaved.forward_interleaved`."""
+        return forward_interleaved(
+            self, input_ids, attention_mask, image_grid_thw, visual_codes, pixel_values, scored_mask
         )
 
     # ---- training and saving ---------------------------------------------------------

@@ -26,7 +26,7 @@ from unirl.core.types import Modality
 ParseHeader = Callable[[Sequence[int]], "tuple[int, int] | None"]
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+def true_runs(flags: list[bool]) -> list[tuple[int, int]]:
     """(start, end) of every maximal run of True."""
     runs, t = [], 0
     while t < len(flags):
@@ -66,7 +66,7 @@ def row_positions(
     visual = (modality == Modality.VISUAL).tolist()
     image = [v or t == image_token_id for t, v in zip(id_list, visual)]
     grids, extra, k = [], 0, 0
-    for s, e in _runs(image):
+    for s, e in true_runs(image):
         if visual[s]:
             h, w = generated_grid(id_list, s, parse_header, where)
             if e - s > h * w or (e - s < h * w and e < len(id_list)):
