@@ -9,9 +9,10 @@ same device, the single reward actor scores the whole batch in one call as the
 in-process service does, and the driver trains on the same rows, so every floating-point
 operation is the same one on the same operands.
 
-One Ray instance (2 logical CPUs... 4 here: 3 actors at 1 CPU each plus headroom) is
-started for the module; the real worker processes import torch and unirl, so each run
-pays a few seconds of actor start-up.
+One local Ray instance (4 logical CPUs: 3 actors of 1 CPU each, on this 2-core machine)
+serves the module; every run starts real actor processes (importing torch and unirl),
+so each Ray run pays several seconds of start-up. The equivalence test is in the fast
+suite; the death, restart-budget and stale-version tests are marked slow.
 """
 
 from __future__ import annotations
@@ -108,23 +109,38 @@ def assert_same_run(a: Path, ra: list, b: Path, rb: list) -> None:
         assert torch.equal(value, final[1][name]), name
 
 
-def test_two_rollout_actors_and_a_reward_actor_match_in_process_even_when_one_dies(
-    tmp_path, assets, ray_session, monkeypatch
-):
-    """2 rollout actors + 1 reward actor == in-process, bitwise (module docstring); then
-    the first rollout actor `os._exit`s when asked for update 2's rows: it is replaced,
-    its engine batch re-sampled, and the run is still bitwise the in-process one."""
-    inproc, _ = train(config(tmp_path / "inproc", assets))
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory, assets, ray_session):
+    """The in-process run (the reference of every Ray run here)."""
+    run_dir = tmp_path_factory.mktemp("inproc") / "run"
+    rollouts, _ = train(config(run_dir, assets))
+    assert rollouts[1].rewards != rollouts[0].rewards  # two different batches
+    return run_dir, rollouts
+
+
+def test_two_rollout_actors_and_a_reward_actor_match_the_in_process_run(tmp_path, assets, inproc):
+    """2 rollout actors (one engine batch each) + 1 reward actor == in-process, bitwise
+    (module docstring): trajectories, rewards, and every parameter after 2 updates."""
     remote, replaced = train(config(tmp_path / "ray", assets, rollout_workers=2, reward_workers=1))
     assert replaced == 0
-    assert_same_run(tmp_path / "inproc", inproc, tmp_path / "ray", remote)
-    assert inproc[1].rewards != inproc[0].rewards  # two different batches
+    assert_same_run(*inproc, tmp_path / "ray", remote)
+
+
+@pytest.mark.slow
+def test_a_rollout_actor_dying_during_an_update_is_replaced_and_changes_nothing(
+    tmp_path, assets, inproc, monkeypatch
+):
+    """The first rollout actor `os._exit`s (a real process death) when asked for update
+    2's rows: it is replaced (initial policy + the pushed version-1 weights), its engine
+    batch re-sampled from the same per-row seeds, and the run is still bitwise the
+    in-process one."""
     monkeypatch.setenv("UNIRL_FAULT", "rollout_worker:2")
     killed, replaced = train(config(tmp_path / "killed", assets, 2, 1))
     assert replaced == 1
-    assert_same_run(tmp_path / "inproc", inproc, tmp_path / "killed", killed)
+    assert_same_run(*inproc, tmp_path / "killed", killed)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_past_the_restart_budget_fails_the_update(
     tmp_path, assets, ray_session, monkeypatch
 ):
@@ -135,6 +151,7 @@ def test_a_dead_worker_past_the_restart_budget_fails_the_update(
         train(cfg)
 
 
+@pytest.mark.slow
 def test_a_rollout_actor_refuses_a_stale_policy_version(tmp_path, assets, ray_session):
     cfg = config(tmp_path / "r", assets, rollout_workers=1)
     model = build_model(cfg)

@@ -43,25 +43,20 @@ import torch
 from unirl.config import ConfigError, UnirlConfig
 from unirl.config.schema import RewardConfig
 from unirl.core.sample import Part, Sample
-from unirl.rewards import RewardError, RewardResult, build_reward_service
-from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
-from unirl.train.build import set_determinism
+from unirl.rewards import RewardError, RewardResult
+from unirl.rollout import RolloutRequest, RolloutTrajectory
 from unirl.train.grpo_rewards import first_failure, merge_round_robin
-
-FAULT = "rollout_worker"
-
-
-class StaleWeightsError(RuntimeError):
-    """A rollout actor was asked for a policy version it does not hold."""
+from unirl.train.ray_actors import (
+    FAULT,
+    RewardWorker,
+    RolloutWorker,
+    StaleWeightsError,
+    threads_for,
+)
 
 
 class WorkerError(RuntimeError):
     """A Ray worker could not start, or kept dying past `ray.max_worker_restarts`."""
-
-
-def threads_for(cpus: float) -> int:
-    """Torch threads of an actor with `cpus` CPUs: max(1, floor(cpus))."""
-    return max(1, int(cpus))
 
 
 @dataclass(frozen=True)
@@ -94,78 +89,6 @@ class RayPlan:
             rollout_device="cuda" if r.rollout_gpus > 0 else "cpu",
             max_restarts=r.max_worker_restarts,
         )
-
-
-# -- the actors (plain classes; `ray.remote` is applied when the pools start) -----------
-
-
-class RolloutWorker:
-    """A policy copy and a `RolloutService` in an actor process."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        version: int,
-        batch_size: int,
-        device: str,
-        threads: int,
-        deterministic: bool,
-        die_at: int | None,
-    ) -> None:
-        torch.set_num_threads(threads)
-        set_determinism(deterministic, torch.device(device))
-        self.model = model.to(device)
-        self.service = RolloutService(self.model, batch_size)
-        self.version = version
-        self.die_at = die_at
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
-        """Copy the pushed parameters in and hold `version`."""
-        params = dict(self.model.named_parameters())
-        missing = sorted(set(tensors) - set(params))
-        if missing:
-            raise KeyError(f"pushed weights name unknown parameters {missing[:3]}")
-        with torch.no_grad():
-            for name, value in tensors.items():
-                params[name].copy_(value)
-        self.version = version
-        return version
-
-    def generate(self, version: int, requests: Sequence[RolloutRequest]) -> list:
-        """The trajectories of `requests` (one engine batch) under policy `version`, on CPU."""
-        if version != self.version:
-            raise StaleWeightsError(
-                f"rollout worker holds policy version {self.version}, asked for {version}"
-            )
-        if self.die_at is not None and version + 1 == self.die_at:
-            os._exit(1)
-        return [t.to("cpu") for t in self.service.generate(requests)]
-
-
-class RewardWorker:
-    """A `RewardService` built from the `reward:` section in an actor process."""
-
-    def __init__(
-        self, cfg: RewardConfig, decode_images: Any, resources: dict[str, Any], threads: int
-    ) -> None:
-        torch.set_num_threads(threads)
-        self.service = build_reward_service(cfg, decode_images=decode_images, resources=resources)
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def score(self, samples, trajectories, responses) -> tuple[RewardResult | None, Any]:
-        """(result, None), or (None, (message, plugin, sample ids)) on a RewardError."""
-        try:
-            return self.service.score(samples, trajectories, responses), None
-        except RewardError as err:
-            return None, (str(err), err.plugin, list(err.sample_ids))
-
-
-# -- the driver side ------------------------------------------------------------------
 
 
 class RaySession:
