@@ -27,9 +27,10 @@ from unirl.config import ConfigError, validate_config
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
 from unirl.rewards.digit_classifier import DigitClassifier
-from unirl.train.build import build_model
+from unirl.train.build import adapter_state, build_model
 from unirl.train.distributed import DistInfo
 from unirl.train.grpo import build_grpo_job
+from unirl.train.run import _prepare_model
 from unirl.train.trainer import Trainer
 from unirl.train.workers import RayPlan, StaleWeightsError, start_workers
 
@@ -40,7 +41,7 @@ ray = pytest.importorskip("ray")
 def ray_session():
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each actor (ray.*_cpus = 1)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
     torch.set_num_threads(torch_threads)
@@ -54,8 +55,11 @@ def assets(tmp_path_factory):
     return {"vq": fit_small_codec(root / "vq", "vq"), "clf": root / "clf"}
 
 
-def config(run_dir: Path, assets: dict, rollout_workers: int = 0, reward_workers: int = 0):
+def config(
+    run_dir: Path, assets: dict, rollout_workers: int = 0, reward_workers: int = 0, lora=False
+):
     """Tiny t2i GRPO: 2 prompts x G=4, engine batches of 4 rows (two per update)."""
+    trainer = {"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4}
     return validate_config(
         tiny_config(
             run_dir,
@@ -73,23 +77,28 @@ def config(run_dir: Path, assets: dict, rollout_workers: int = 0, reward_workers
                 "workers": reward_workers,
             },
             algorithm={"name": "grpo", "group_size": 4, "kl": {"type": "k3", "coef": 0.05}},
-            trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
+            trainer={**trainer, "lora": {"enabled": lora, "r": 4}},
         )
     )
 
 
-def train(cfg) -> tuple[list, int]:
-    """Fit `cfg` in this process (the driver): the rollout batch of every update, and how
-    many rollout actors were replaced."""
+def train(cfg) -> tuple[list, int, list[str]]:
+    """Fit `cfg` in this process (the driver) as `unirl train` builds it: the rollout
+    batch of every update, how many rollout actors were replaced, and the names of the
+    last weights pushed to them."""
     run_dir = Path(cfg.run.output_dir)
-    model = build_model(cfg).train()
+    model = _prepare_model(cfg, run_dir, torch.device("cpu"))
     source, objective = build_grpo_job(cfg, model, run_dir, DistInfo())
     pad = SpecialIds.from_tokenizer(model.tokenizer).pad
-    trainer = Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad)
+    lora = cfg.trainer.lora.enabled
+    state = (lambda: adapter_state(model)) if lora else None
+    trainer = Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad, state)
     try:
         rollouts = [source.rollout(update - 1) for update, _ in trainer.fit()]
         remote = source.workers.rollout if source.workers is not None else None
-        return rollouts, remote.pool.replaced if remote is not None else 0
+        if remote is None:
+            return rollouts, 0, []
+        return rollouts, remote.pool.replaced, sorted(ray.get(remote.weights_ref))
     finally:
         source.close()
 
@@ -113,7 +122,7 @@ def assert_same_run(a: Path, ra: list, b: Path, rb: list) -> None:
 def inproc(tmp_path_factory, assets, ray_session):
     """The in-process run (the reference of every Ray run here)."""
     run_dir = tmp_path_factory.mktemp("inproc") / "run"
-    rollouts, _ = train(config(run_dir, assets))
+    rollouts, _, _ = train(config(run_dir, assets))
     assert rollouts[1].rewards != rollouts[0].rewards  # two different batches
     return run_dir, rollouts
 
@@ -121,8 +130,10 @@ def inproc(tmp_path_factory, assets, ray_session):
 def test_two_rollout_actors_and_a_reward_actor_match_the_in_process_run(tmp_path, assets, inproc):
     """2 rollout actors (one engine batch each) + 1 reward actor == in-process, bitwise
     (module docstring): trajectories, rewards, and every parameter after 2 updates."""
-    remote, replaced = train(config(tmp_path / "ray", assets, rollout_workers=2, reward_workers=1))
+    remote, replaced, pushed = train(config(tmp_path / "ray", assets, 2, 1))
     assert replaced == 0
+    model = _prepare_model(config(tmp_path / "m", assets), tmp_path / "m", torch.device("cpu"))
+    assert pushed == sorted(n for n, _ in model.named_parameters())  # full fine-tuning
     assert_same_run(*inproc, tmp_path / "ray", remote)
 
 
@@ -135,9 +146,21 @@ def test_a_rollout_actor_dying_during_an_update_is_replaced_and_changes_nothing(
     batch re-sampled from the same per-row seeds, and the run is still bitwise the
     in-process one."""
     monkeypatch.setenv("UNIRL_FAULT", "rollout_worker:2")
-    killed, replaced = train(config(tmp_path / "killed", assets, 2, 1))
+    killed, replaced, _ = train(config(tmp_path / "killed", assets, 2, 1))
     assert replaced == 1
     assert_same_run(*inproc, tmp_path / "killed", killed)
+
+
+@pytest.mark.slow
+def test_lora_pushes_the_adapters_alone_and_matches_the_in_process_run(
+    tmp_path, assets, ray_session
+):
+    """Under LoRA the driver pushes only the adapter tensors (the base stays as the
+    actors received it) and the run is bitwise the in-process LoRA run."""
+    inproc, _, _ = train(config(tmp_path / "inproc", assets, lora=True))
+    remote, _, pushed = train(config(tmp_path / "ray", assets, 2, 1, lora=True))
+    assert pushed and all("lora_" in name for name in pushed)
+    assert_same_run(tmp_path / "inproc", inproc, tmp_path / "ray", remote)
 
 
 @pytest.mark.slow
@@ -188,4 +211,5 @@ def test_worker_settings_are_refused_where_they_cannot_act(tmp_path, assets):
             {**base, "algorithm": sft, "reward": {"plugins": []}, "rollout": {"workers": 1}}
         )
     plan = RayPlan.from_config(config(tmp_path / "r", assets, rollout_workers=2))
-    assert plan.init == {"include_dashboard": False} and plan.rollout_workers == 2
+    assert plan.init == {"address": "local", "include_dashboard": False}
+    assert plan.rollout_workers == 2

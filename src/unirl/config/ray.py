@@ -22,8 +22,8 @@ class RayConfig(StrictModel):
 
     address: str | None = Field(
         None,
-        description="Ray cluster to join (e.g. auto, or ray://head:10001); null = start a "
-        "local Ray instance in this process.",
+        description="Ray cluster to join (auto: the one running on this machine; "
+        "host:6379; ray://head:10001); null = start a new local Ray instance.",
     )
     num_cpus: int | None = Field(
         None, gt=0, description="CPUs of the local Ray instance (null = all); not with address."

@@ -22,8 +22,10 @@ unfinished calls are re-run; the seeds are per row, so its rows are re-sampled t
 same trajectories. `ray.max_worker_restarts` replacements per call, then `WorkerError`.
 An actor that fails to start is not retried (`WorkerError` with Ray's cause).
 
-Session: `ray.address` joins a running cluster; otherwise a local Ray instance is
-started (`ray.num_cpus`, no dashboard) and shut down at `close`. A process that already
+Session: `ray.address` joins a running cluster (`auto`: the one on this machine);
+otherwise a new local Ray instance is started (`ray.init(address="local")`, never a
+cluster that happens to run here; `ray.num_cpus`, no dashboard) and shut down at
+`close`. A process that already
 called `ray.init` keeps its session (then `ray.address` / `ray.num_cpus` must be unset).
 
 Test hook: `UNIRL_FAULT=rollout_worker:<n>` makes the first rollout actor `os._exit`
@@ -77,7 +79,8 @@ class RayPlan:
         if r.address is not None:
             init: dict[str, Any] = {"address": r.address}
         else:
-            init = {"include_dashboard": False}
+            # "local": always a new instance, never a cluster found on this machine
+            init = {"address": "local", "include_dashboard": False}
             if r.num_cpus is not None:
                 init["num_cpus"] = r.num_cpus
         return cls(
@@ -100,13 +103,13 @@ class RaySession:
         self.owned = not ray.is_initialized()
         if self.owned:
             ray.init(**plan.init)
-        elif set(plan.init) - {"include_dashboard"}:
+        elif plan.init.get("address", "local") != "local" or "num_cpus" in plan.init:
             raise ConfigError(
                 "this process already joined a Ray session: leave ray.address and "
                 "ray.num_cpus unset",
-                key="ray.address" if "address" in plan.init else "ray.num_cpus",
+                key="ray.num_cpus" if "num_cpus" in plan.init else "ray.address",
             )
-        if "address" not in plan.init:
+        if plan.init.get("address") == "local":
             self._check_resources(plan)
 
     @staticmethod
