@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,wandb]'
+	$(BIN)/pip install -q -e '.[dev,wandb,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)

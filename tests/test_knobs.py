@@ -625,6 +625,36 @@ def _grpo(kit):
     differs(kit, steps, "algorithm", {"name": "sft"}, GRPO["algorithm"], sft)
 
 
+@probe(
+    "rollout.workers",
+    "reward.workers",
+    "ray.address",
+    "ray.num_cpus",
+    "ray.rollout_cpus",
+    "ray.rollout_gpus",
+    "ray.reward_cpus",
+    "ray.max_worker_restarts",
+)
+def _ray_workers(kit):
+    """What the Ray pools are started with (`RayPlan`: ray.init arguments, actor counts,
+    each actor's resources and device, the replacement budget), without starting Ray;
+    real runs with actors, a killed actor and a spent budget: tests/test_ray_workers.py."""
+    from unirl.train.workers import RayPlan
+
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    plan = lambda c: RayPlan.from_config(c)  # noqa: E731
+    differs(kit, plan, "rollout.workers", 0, 2, grpo)
+    differs(kit, plan, "reward.workers", 0, 1, grpo)
+    on = {"rollout__workers": 1, "reward__workers": 1}
+    differs(kit, plan, "ray.address", None, "ray://head:10001", grpo, **on)
+    differs(kit, plan, "ray.num_cpus", None, 2, grpo, **on)
+    differs(kit, plan, "ray.rollout_cpus", 1.0, 2.0, grpo, **on)
+    differs(kit, plan, "ray.rollout_gpus", 0.0, 1.0, grpo, **on)
+    differs(kit, plan, "ray.reward_cpus", 1.0, 0.5, grpo, **on)
+    differs(kit, plan, "ray.max_worker_restarts", 3, 0, grpo, **on)
+
+
 # -- trainer ---------------------------------------------------------------------
 
 

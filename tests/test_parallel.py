@@ -7,6 +7,7 @@ the settings that cannot work are refused at config time."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def codec_dir(tmp_path_factory):
 
 
 def sft_config(run_dir: Path, codec_dir: Path) -> dict:
+    """Two micro-batches per rank (per update: 4 in one process), so ddp's `no_sync` and
+    fsdp2's local accumulation both act."""
+    trainer = {**TRAINER, "micro_batch_size": 2}
     return tiny_config(
-        run_dir, codec_dir, trainer=TRAINER, checkpoint={"every_updates": 1, "keep_last": 0}
+        run_dir, codec_dir, trainer=trainer, checkpoint={"every_updates": 1, "keep_last": 0}
     )
 
 
@@ -208,3 +212,50 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="trainer.parallel=none under torchrun"):
         init_distributed(torch.device("cpu"), "none", 60.0)
+
+
+def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch):
+    """A 1-process fsdp2 job (torchrun's environment, gloo): the micro-batches but the
+    last leave the sharded gradients unset (accumulated locally, no reduce-scatter); the
+    last reduce-scatters their sum, which equals the one-process accumulated gradient."""
+    from unirl.core.trajectory import TrajectoryBatch
+    from unirl.train.distributed import DistInfo, shutdown_distributed
+    from unirl.train.run import JOBS, _prepare_model
+    from unirl.train.trainer import Trainer, rank_micro_batches
+
+    torch.set_num_threads(1)
+
+    def grads(mode: str, info: DistInfo) -> dict[str, torch.Tensor]:
+        trainer_cfg = {**TRAINER, "parallel": mode, "fsdp": {"param_dtype": "fp32"}}
+        trainer_cfg["micro_batch_size"] = 2
+        cfg = validate_config(tiny_config(tmp_path / mode, codec_dir, trainer=trainer_cfg))
+        model = _prepare_model(cfg, tmp_path / mode, torch.device("cpu"))
+        source, objective = JOBS["sft"](cfg, model, tmp_path / mode, info)
+        t = Trainer(model, source, objective, cfg, tmp_path / mode, info, model.special_ids.pad)
+        groups = rank_micro_batches(source.global_batch(0), info, cfg.trainer)
+        micros = [TrajectoryBatch.collate(g, t.pad_id) for g in groups]
+        assert len(micros) == 4
+        n = sum(objective.count(m) for m in micros)
+        for i, micro in enumerate(micros):
+            with t.parallel.accumulation(last=i == len(micros) - 1):
+                t.parallel.run(objective.loss, micro, n)[0].backward()
+            if mode == "fsdp2" and i < len(micros) - 1:
+                assert all(p.grad is None for p in t.params), i
+        full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+        return {name: full(p.grad) for name, p in t.named_params}
+
+    reference = grads("none", DistInfo())
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    info, _ = init_distributed(torch.device("cpu"), "fsdp2", 60.0)
+    try:
+        sharded = grads("fsdp2", info)
+    finally:
+        shutdown_distributed()
+    assert sharded.keys() == reference.keys()
+    for name, value in reference.items():
+        assert (value - sharded[name]).abs().max() <= 1e-6, name

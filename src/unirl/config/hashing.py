@@ -33,6 +33,9 @@ ALWAYS_RESUMABLE = (
     "trainer.gradient_checkpointing",
     "rollout.batch_size",
     "trainer.collective_timeout_s",
+    "rollout.workers",
+    "reward.workers",
+    "ray",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
 SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")

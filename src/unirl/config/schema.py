@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, OPDConfig, SFTConfig
 from unirl.config.base import StrictModel, incompatible
 from unirl.config.errors import suggest
+from unirl.config.ray import RayConfig, check_workers
 from unirl.config.trainer import TrainerConfig
 
 Task = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=64)]
@@ -244,6 +245,9 @@ class RolloutConfig(StrictModel):
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
     )
     batch_size: int = Field(64, gt=0, description="Rows decoded together.")
+    workers: int = Field(
+        0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
+    )
     cycle_max_period: int = Field(
         4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
     )
@@ -292,6 +296,9 @@ class RewardConfig(StrictModel):
     )
     on_error: Literal["raise", "zero"] = Field(
         "raise", description="A plugin exception or non-finite score: fail, or score 0 and count."
+    )
+    workers: int = Field(
+        0, ge=0, description="Ray reward actors, each scoring a round-robin share (0 = in-process)."
     )
 
     @model_validator(mode="after")
@@ -400,6 +407,9 @@ class UnirlConfig(StrictModel):
     evaluation: EvaluationConfig = Field(
         default_factory=EvaluationConfig, description="`unirl eval`."
     )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="Ray workers (rollout.workers, reward.workers)."
+    )
 
     @model_validator(mode="after")
     def _cross_section(self) -> UnirlConfig:
@@ -428,6 +438,7 @@ class UnirlConfig(StrictModel):
         if self.data.path is None:
             self._digits_rollout(tasks)
         self._reward_routes(tasks)
+        check_workers(self)
         if self.data.tokenizer != "auto" and (self.model.kind != "tiny" or self.model.path):
             raise incompatible(
                 "data.tokenizer",

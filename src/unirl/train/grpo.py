@@ -69,6 +69,7 @@ from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
 from unirl.train.grpo_metrics import finalize_loss_stats
 from unirl.train.grpo_source import GRPOSource, PromptSampler
 from unirl.train.trainer import autocast, rank_micro_batches
+from unirl.train.workers import start_workers
 
 
 class Reference:
@@ -329,13 +330,19 @@ def build_grpo_job(
     policy, e.g. the SFT checkpoint of `model.path`)."""
     algo = cfg.algorithm
     resources = {"digit_classifier": _classifier(run_dir, info)} if _needs_classifier(cfg) else {}
-    rewards = build_reward_service(
-        cfg.reward, decode_images=model.codec.decode, resources=resources
-    )
     sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     anchor = None
     if algo.updates_per_batch > 1:
         anchor = partial(anchor_old_logprobs, model, cfg, info)
-    source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor)
+    workers = None
+    if cfg.rollout.workers or cfg.reward.workers:
+        workers = start_workers(cfg, model, resources)
+    if workers is not None and workers.rewards is not None:
+        rewards = workers.rewards
+    else:
+        rewards = build_reward_service(
+            cfg.reward, decode_images=model.codec.decode, resources=resources
+        )
+    source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor, workers)
     reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
     return source, GRPOObjective(algo, reference)

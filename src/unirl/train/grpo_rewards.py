@@ -51,6 +51,19 @@ def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
     )
 
 
+def first_failure(
+    failures: Sequence[tuple[str, str, list[str]] | None], samples: Sequence[Sample]
+) -> tuple[str, str, list[str]] | None:
+    """Of the parts' failures (message, plugin, sample ids) or None, the one naming the
+    earliest row of `samples` (None when no part failed)."""
+    found = [f for f in failures if f is not None]
+    if not found:
+        return None
+    index = {s.id: i for i, s in enumerate(samples)}
+    last = len(samples)
+    return min(found, key=lambda f: min((index.get(i, last) for i in f[2]), default=last))
+
+
 def score_sharded(
     service: RolloutService,
     rewards: RewardService,
@@ -71,12 +84,8 @@ def score_sharded(
     else:
         parts = [None] * service.world_size
         torch.distributed.all_gather_object(parts, (local, result, failure), group=service.group)
-    failures = [f for _, _, f in parts if f is not None]
-    if failures:
-        index = {s.id: i for i, s in enumerate(samples)}
-        last = len(samples)
-        first = min(failures, key=lambda f: min((index.get(i, last) for i in f[2]), default=last))
-        message, plugin, ids = first
-        raise RewardError(message, plugin, ids)
+    failure = first_failure([p[2] for p in parts], samples)
+    if failure is not None:
+        raise RewardError(*failure)
     trajs = interleave([p[0] for p in parts])
     return trajs, merge_round_robin([p[1] for p in parts])

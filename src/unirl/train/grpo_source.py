@@ -28,6 +28,11 @@ each rank on its shard. Every row carries what the objective needs — its advan
 sampling record, seed and (several updates per round) anchor log-probs — so the
 objective never reads the source.
 
+With `rollout.workers` / `reward.workers` > 0 (one process only) the rollouts and the
+scoring run on Ray actors (`unirl.train.workers`): the driver pushes the policy's weights
+as version u before rolling out update u, and the trajectories and rewards are those
+of the in-process services.
+
 Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during the rollout of update n
 (1-based, as `after_update:<n>`), after its first decode batch.
 """
@@ -59,6 +64,7 @@ from unirl.train.distributed import DistInfo
 from unirl.train.grpo_metrics import rollout_stats, task_accuracy
 from unirl.train.grpo_rewards import score_sharded
 from unirl.train.trainer import _inject_fault
+from unirl.train.workers import Workers
 
 ROUNDS = "rollouts"
 
@@ -146,7 +152,9 @@ class GRPOSource:
         info: DistInfo,
         run_dir: Path,
         anchor: Callable[[list[RolloutTrajectory]], None] | None = None,
+        workers: Workers | None = None,
     ) -> None:
+        """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         r, algo = cfg.rollout, cfg.algorithm
         self.grid = tuple(model.codec.grid)
         if r.length_semantics == "exact" and r.max_new_tokens != self.grid[0] * self.grid[1]:
@@ -172,7 +180,14 @@ class GRPOSource:
         self.info = info
         self.run_dir = Path(run_dir)
         self.anchor = anchor
+        self.workers = workers
         self._rollout: Rollout | None = None
+
+    def close(self) -> None:
+        """Stop the Ray workers (if any)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[RolloutTrajectory]:
@@ -239,9 +254,13 @@ class GRPOSource:
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         samples, requests = self.requests(update)
-        local = self.service.generate(
-            self.service.shard(requests), lambda: _inject_fault("rollout", update + 1)
-        )
+        fault = lambda: _inject_fault("rollout", update + 1)  # noqa: E731
+        remote = self.workers.rollout if self.workers is not None else None
+        if remote is not None:
+            remote.sync(update, self.model)
+            local = remote.generate(update, requests, self.model.device, fault)
+        else:
+            local = self.service.generate(self.service.shard(requests), fault)
         t1 = time.perf_counter()
         try:
             trajs, result = score_sharded(

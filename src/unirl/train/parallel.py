@@ -17,7 +17,16 @@ the heads) rather than its `forward`:
   gradients reduce-scattered in `reduce_dtype` with SUM (divide factor 1, sum-only
   collectives); a parameter a rank's micro-batch did not reach (an image tower, a head)
   contributes zeros, so every rank reduce-scatters the same buffers; the optimizer
-  built over the sharded parameters has sharded state.
+  built over the sharded parameters has sharded state. Gradients are reduce-scattered
+  once per update: the micro-batches but the last accumulate unsharded gradients
+  locally (`set_requires_gradient_sync(False)`, FSDP2's `no_sync`) — more memory
+  (a full gradient per rank while accumulating), one collective instead of one per
+  micro-batch. A parameter that no rank reaches in a whole update gets a zero gradient
+  (the zeros above), where one process leaves `.grad` None: AdamW then still steps it
+  (moments decay, weight decay shrinks it). On the tiny Janus-Pro with t2i rows only,
+  the understanding aligner is such a parameter (one update at lr 1e-2, weight decay
+  0.1: it moves by 7e-4 under fsdp2, not at all in one process); the tiny model reaches
+  every parameter on every task.
   Frozen models the objective uses (the GRPO reference: `objective.frozen_models()`) are
   sharded the same way under the same root, never replicated per rank. Rollouts and other
   no-grad uses of the policy go through `run` as well (`gathered`).
@@ -152,11 +161,16 @@ class Parallel:
             return self.runner(lambda _model: fn())
 
     def accumulation(self, last: bool):
-        """Context of one micro-batch's forward+backward: DDP communicates only in the
-        last (`no_sync` before); FSDP2 reduce-scatters every micro-batch (its gradients
-        accumulate sharded)."""
+        """Context of one micro-batch's forward+backward: communication only in the last
+        micro-batch of an update. DDP: `no_sync` before it. FSDP2:
+        `set_requires_gradient_sync(False)` before it (each rank accumulates its
+        unsharded gradients locally, as DDP does), then one reduce-scatter of the sum.
+        Every rank runs the same number of micro-batches (fsdp2 refuses a token budget),
+        so the collectives line up."""
         if self.mode == "ddp" and not last:
             return self.wrapped.no_sync()
+        if self.mode == "fsdp2":
+            self.runner.set_requires_gradient_sync(last)
         return nullcontext()
 
     def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> tuple[float, float]:

@@ -155,6 +155,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     device = resolve_device(cfg.run.device)
     set_determinism(cfg.run.deterministic, device)
     info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
+    source = None
     try:
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
@@ -185,6 +186,8 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
         barrier(info)
         return run_dir
     finally:
+        if source is not None and hasattr(source, "close"):
+            source.close()  # Ray workers
         shutdown_distributed()
 
 
