@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unirl.codecs.bsq import BSQCodec
+from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
 from unirl.config import load_config
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
@@ -127,10 +127,19 @@ def one_update(recipe: str, overrides: list[str], rows: int) -> None:
 
 
 def tiny_checkpoint(path: Path) -> Path:
-    """A random tiny UniAR with UniAR's geometry: 4x4 cells x 64 bits = 1,024 factors."""
-    codec = BSQCodec(latent_dim=64, patch=1, group=4)
+    """A random tiny UniAR with UniAR's geometry: a 64 px `BSQTokenizer` of 8 px cells
+    grouped 4x4 x 64 bits = 1,024 factors per position (a 2x2 grid)."""
     torch.manual_seed(0)
-    codec.net = codec._build().eval()
+    codec = BSQTokenizer(
+        BSQTokenizerConfig(
+            image_size=64,
+            patch_size=8,
+            hidden_size=32,
+            num_layers=1,
+            embed_dim=64,
+            spatial_group=4,
+        )  # fmt: skip
+    )
     model = build_tiny_uniar(codec, TinyUniARSizes(hidden_size=256, num_layers=4, num_heads=8))
     model.save_pretrained(path)
     return path

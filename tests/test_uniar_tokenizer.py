@@ -231,3 +231,19 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
         assert metrics["grad_norm"] > 0 and math.isfinite(metrics["grad_norm"])
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
     assert metrics["reward/total_std"] > 0
+
+
+def test_uniar_loader_refuses_a_tokenizer_that_makes_another_grid_or_width(tmp_path):
+    model = build_tiny_uniar(tiny_tokenizer(), TinyUniARSizes())
+    for name, fields, message in [
+        ("grid", {"spatial_group": 2}, r"codec/config\.json: field image_size/patch_size/"
+         r"spatial_group: the codec makes a 4x4 grid but unirl_model\.json field image_grid"),
+        ("bits", {"embed_dim": 32}, r"codec/config\.json: field embed_dim/spatial_group: the "
+         r"codec gives 512 bits per position but unirl_model\.json field bits_per_position"),
+        ("kind", {"kind": "vq"}, r"codec/config\.json: field kind is 'vq'; UniAR needs one of"),
+    ]:  # fmt: skip
+        model.save_pretrained(tmp_path / name)
+        _edit(tmp_path / name / "codec" / "config.json", **fields)
+        with pytest.raises(ValueError, match=message) as info:
+            UniARModel.from_pretrained(tmp_path / name)
+        assert "\n" not in str(info.value)

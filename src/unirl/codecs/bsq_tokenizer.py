@@ -4,7 +4,7 @@ Geometry (all from `BSQTokenizerConfig`): an S x S image with C channels is cut 
 (S/p) x (S/p) cells by a patch conv of stride p; each cell gets an L-bit code
 (L = `embed_dim`); k x k neighbouring cells (k = `spatial_group`) form one composite
 visual position of k*k*L bits, so the grid is (S/p/k) x (S/p/k). UniAR's geometry is
-k = 4, L = 64: 1,024 bits per position.
+k = 4, L = 64: 1,024 bits per position (the defaults: 384 px at /16 -> a 6x6 grid).
 
     v = enc(2x - 1)                 patch conv, `num_layers` residual 3x3 conv blocks
     u = normalize(quant_embed(v))   1x1 conv to L dims, L2-normalised per cell
@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -49,7 +48,7 @@ WEIGHTS_FILE = "model.safetensors"
 class BSQTokenizerConfig:
     """Geometry and widths (module docstring); `check` validates them."""
 
-    image_size: int = 256
+    image_size: int = 384
     num_channels: int = 3
     patch_size: int = 16
     hidden_size: int = 256
@@ -202,7 +201,7 @@ class BSQTokenizer:
     # ---- pixels <-> bits -------------------------------------------------------------
     def _pixels(self, pixels: ArrayLike) -> torch.Tensor:
         """[N, S, S, C] (or grey [N, S, S]) in [0, 1] -> float32 [N, C, S, S]."""
-        x = as_tensor(np.asarray(pixels) if isinstance(pixels, np.ndarray) else pixels, "pixels")
+        x = as_tensor(pixels, "pixels")
         s, c = self.cfg.image_size, self.cfg.num_channels
         if x.dim() == 3:
             x = x.unsqueeze(-1).expand(*x.shape, c)
