@@ -135,7 +135,9 @@ def build_sft_job(
     cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
 ) -> tuple[BatchSource, Objective]:
     """SFT: the serialised training rows walked by a dataset cursor; cross-entropy loss."""
-    n_train = cfg.data.train_size or len(load_split("train"))
+    n_train = cfg.data.train_size
+    if not n_train and not cfg.data.path:  # a dataset's own rows need no digits count
+        n_train = len(load_split("train"))
     trajs = sft_trajectories(cfg, model, "train", n_train)
     source = DatasetSource(
         trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
