@@ -140,6 +140,15 @@ class Parallel:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_reduce_scatter_unused_params(True)
+        # FSDP2 makes its all-gather buffers and unsharded parameters at the first
+        # all-gather and keeps them; made inside `torch.inference_mode` (the rollout
+        # engine decodes under it) they would be inference tensors that training cannot
+        # update in place. Gather every unit once here, outside it.
+        with torch.no_grad():
+            for unit in self._units:
+                unit.unshard()
+            for unit in self._units:
+                unit.reshard()
 
     @property
     def sharded(self) -> bool:
