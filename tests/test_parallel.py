@@ -318,3 +318,36 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
     assert sharded_unset == unset
     for name, value in reference.items():
         assert (value - sharded[name]).abs().max() <= 1e-6, name
+
+
+def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(tmp_path, codec_dir, monkeypatch):
+    """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
+    updates, which parameters have gradients): the adapter switch around the reference
+    pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
+    from test_grpo_loop import grpo_config
+
+    from unirl.train.distributed import DistInfo
+
+    torch.set_num_threads(1)
+    train = load_split("train")
+    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
+    assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+
+    def run(mode: str, info):
+        lora = {"enabled": True, "r": 4}
+        cfg = grpo_config(tmp_path / mode, assets, trainer={"lora": lora, "total_updates": 2})
+        t = one_process_trainer(cfg, mode, info)
+        unset = []
+        for _ in range(2):
+            t.step()
+            t.update += 1
+            unset.append({n for n, p in t.named_params if p.grad is None})
+        return unset, {n: full(p.detach()).clone() for n, p in t.named_params}
+
+    unset, reference = run("none", DistInfo())
+    with one_process_fsdp2(monkeypatch) as info:
+        sharded_unset, sharded = run("fsdp2", info)
+    assert sharded_unset == unset
+    assert reference and all("lora_" in n for n in reference)
+    for name, value in reference.items():
+        assert (value - sharded[name]).abs().max() <= 1e-6, name

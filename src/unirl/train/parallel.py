@@ -149,6 +149,9 @@ class Parallel:
                 unit.unshard()
             for unit in self._units:
                 unit.reshard()
+        # Watch now, while every unsharded parameter's requires_grad is its trainable
+        # flag (LoRA's adapter switch toggles it later, e.g. around a reference pass).
+        self._watch_unsharded()
 
     @property
     def sharded(self) -> bool:
@@ -168,8 +171,8 @@ class Parallel:
 
     def _watch_unsharded(self) -> None:
         """fsdp2: a hook on every trainable unsharded parameter (FSDP2 creates each at its
-        first all-gather and keeps it) that records, per update, which parameters autograd
-        gave a gradient on this rank (`drop_unreached`)."""
+        first all-gather, here at wrap time, and keeps it) that records, per update, which
+        parameters autograd gave a gradient on this rank (`drop_unreached`)."""
         for unit in self._units:
             for fp in unit._get_fsdp_state()._fsdp_param_group.fsdp_params:
                 unsharded = getattr(fp, "_unsharded_param", None)
