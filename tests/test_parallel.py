@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -214,37 +215,11 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
         init_distributed(torch.device("cpu"), "none", 60.0)
 
 
-def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch):
-    """A 1-process fsdp2 job (torchrun's environment, gloo): the micro-batches but the
-    last leave the sharded gradients unset (accumulated locally, no reduce-scatter); the
-    last reduce-scatters their sum, which equals the one-process accumulated gradient."""
-    from unirl.core.trajectory import TrajectoryBatch
-    from unirl.train.distributed import DistInfo, shutdown_distributed
-    from unirl.train.run import JOBS, _prepare_model
-    from unirl.train.trainer import Trainer, rank_micro_batches
+@contextmanager
+def one_process_fsdp2(monkeypatch):
+    """A 1-process fsdp2 job in this process, as torchrun would set it up (gloo)."""
+    from unirl.train.distributed import shutdown_distributed
 
-    torch.set_num_threads(1)
-
-    def grads(mode: str, info: DistInfo) -> dict[str, torch.Tensor]:
-        trainer_cfg = {**TRAINER, "parallel": mode, "fsdp": {"param_dtype": "fp32"}}
-        trainer_cfg["micro_batch_size"] = 2
-        cfg = validate_config(tiny_config(tmp_path / mode, codec_dir, trainer=trainer_cfg))
-        model = _prepare_model(cfg, tmp_path / mode, torch.device("cpu"))
-        source, objective = JOBS["sft"](cfg, model, tmp_path / mode, info)
-        t = Trainer(model, source, objective, cfg, tmp_path / mode, info, model.special_ids.pad)
-        groups = rank_micro_batches(source.global_batch(0), info, cfg.trainer)
-        micros = [TrajectoryBatch.collate(g, t.pad_id) for g in groups]
-        assert len(micros) == 4
-        n = sum(objective.count(m) for m in micros)
-        for i, micro in enumerate(micros):
-            with t.parallel.accumulation(last=i == len(micros) - 1):
-                t.parallel.run(objective.loss, micro, n)[0].backward()
-            if mode == "fsdp2" and i < len(micros) - 1:
-                assert all(p.grad is None for p in t.params), i
-        full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
-        return {name: full(p.grad) for name, p in t.named_params}
-
-    reference = grads("none", DistInfo())
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -253,9 +228,126 @@ def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch)
         monkeypatch.setenv(key, value)
     info, _ = init_distributed(torch.device("cpu"), "fsdp2", 60.0)
     try:
-        sharded = grads("fsdp2", info)
+        yield info
     finally:
         shutdown_distributed()
+
+
+def one_process_trainer(cfg: dict, mode: str, info):
+    """The Trainer `unirl train` builds for `cfg` under `trainer.parallel = mode`."""
+    from unirl.train.run import JOBS, _prepare_model
+    from unirl.train.trainer import Trainer
+
+    trainer = {**cfg["trainer"], "parallel": mode, "fsdp": {"param_dtype": "fp32"}}
+    cfg = validate_config({**cfg, "trainer": trainer})
+    run_dir = Path(cfg.run.output_dir)
+    model = _prepare_model(cfg, run_dir, torch.device("cpu"))
+    source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, info)
+    return Trainer(model, source, objective, cfg, run_dir, info, model.special_ids.pad)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch):
+    """A 1-process fsdp2 job: the micro-batches but the last leave the sharded gradients
+    unset (accumulated locally, no reduce-scatter); the last reduce-scatters their sum,
+    which equals the one-process accumulated gradient."""
+    from unirl.core.trajectory import TrajectoryBatch
+    from unirl.train.distributed import DistInfo
+    from unirl.train.trainer import rank_micro_batches
+
+    torch.set_num_threads(1)
+
+    def grads(mode: str, info: DistInfo) -> dict[str, torch.Tensor]:
+        cfg = tiny_config(tmp_path / mode, codec_dir, trainer={**TRAINER, "micro_batch_size": 2})
+        t = one_process_trainer(cfg, mode, info)
+        groups = rank_micro_batches(t.source.global_batch(0), info, t.t)
+        micros = [TrajectoryBatch.collate(g, t.pad_id) for g in groups]
+        assert len(micros) == 4
+        n = sum(t.objective.count(m) for m in micros)
+        for i, micro in enumerate(micros):
+            with t.parallel.accumulation(last=i == len(micros) - 1):
+                t.parallel.run(t.objective.loss, micro, n)[0].backward()
+            if mode == "fsdp2" and i < len(micros) - 1:
+                assert all(p.grad is None for p in t.params), i
+        return {name: full(p.grad) for name, p in t.named_params}
+
+    reference = grads("none", DistInfo())
+    with one_process_fsdp2(monkeypatch) as info:
+        sharded = grads("fsdp2", info)
     assert sharded.keys() == reference.keys()
+    for name, value in reference.items():
+        assert (value - sharded[name]).abs().max() <= 1e-6, name
+
+
+def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_path, monkeypatch):
+    """Tiny Janus-Pro, t2i rows only: the understanding aligner gets no gradient. One
+    process leaves its `.grad` None and AdamW skips it; fsdp2 reduce-scatters zeros for
+    it, and `drop_unreached` sets it back to None, so one update with weight decay gives
+    the same parameters (aligner untouched) as one process."""
+    from unirl.train.distributed import DistInfo
+
+    torch.set_num_threads(1)
+    ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(grid=2), vocabulary_texts())
+
+    def step(mode: str, info) -> tuple[set[str], dict[str, torch.Tensor]]:
+        cfg = {
+            "run": {"name": "j", "seed": 0, "output_dir": str(tmp_path / mode), "device": "cpu"},
+            "model": {"kind": "janus_pro", "path": str(ckpt)},
+            "data": {"tasks": ["t2i"], "train_size": 8, "val_size": 0, "test_size": 0},
+            "trainer": {
+                "total_updates": 1,
+                "global_batch_size": 4,
+                "micro_batch_size": 2,
+                "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
+            },
+            "checkpoint": {"every_updates": 0},
+            "logging": {"tensorboard": False, "progress_bar": False},
+        }
+        t = one_process_trainer(cfg, mode, info)
+        t.step()
+        unset = {n for n, p in t.named_params if p.grad is None}
+        return unset, {n: full(p.detach()).clone() for n, p in t.named_params}
+
+    unset, reference = step("none", DistInfo())
+    assert unset and all(".aligner." in n for n in unset)
+    with one_process_fsdp2(monkeypatch) as info:
+        sharded_unset, sharded = step("fsdp2", info)
+    assert sharded_unset == unset
+    for name, value in reference.items():
+        assert (value - sharded[name]).abs().max() <= 1e-6, name
+
+
+def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(tmp_path, codec_dir, monkeypatch):
+    """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
+    updates, which parameters have gradients): the adapter switch around the reference
+    pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
+    from test_grpo_loop import grpo_config
+
+    from unirl.train.distributed import DistInfo
+
+    torch.set_num_threads(1)
+    train = load_split("train")
+    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
+    assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+
+    def run(mode: str, info):
+        lora = {"enabled": True, "r": 4}
+        cfg = grpo_config(tmp_path / mode, assets, trainer={"lora": lora, "total_updates": 2})
+        t = one_process_trainer(cfg, mode, info)
+        unset = []
+        for _ in range(2):
+            t.step()
+            t.update += 1
+            unset.append({n for n, p in t.named_params if p.grad is None})
+        return unset, {n: full(p.detach()).clone() for n, p in t.named_params}
+
+    unset, reference = run("none", DistInfo())
+    with one_process_fsdp2(monkeypatch) as info:
+        sharded_unset, sharded = run("fsdp2", info)
+    assert sharded_unset == unset
+    assert reference and all("lora_" in n for n in reference)
     for name, value in reference.items():
         assert (value - sharded[name]).abs().max() <= 1e-6, name

@@ -17,7 +17,9 @@ SHORT_HASH_LEN = 12
 # checkpoint cadence, logging and progress, and execution-only settings — how a global
 # batch is split into micro-batches (the objective is normalised by global counts; the
 # invariance tests in tests/test_trainer.py prove it), how many rows the rollout engine
-# decodes together (per-row seeds), activation recomputation and deterministic kernels.
+# decodes together (per-row seeds), activation recomputation and deterministic kernels,
+# and whether rollouts and rewards run in Ray workers (`rollout.workers`,
+# `reward.workers`, `ray`: the same engine batches and scores, tests/test_ray_workers.py).
 # These change how the numbers are computed, not what is computed: a resume under a
 # changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (

@@ -21,12 +21,11 @@ the heads) rather than its `forward`:
   once per update: the micro-batches but the last accumulate unsharded gradients
   locally (`set_requires_gradient_sync(False)`, FSDP2's `no_sync`) — more memory
   (a full gradient per rank while accumulating), one collective instead of one per
-  micro-batch. A parameter that no rank reaches in a whole update gets a zero gradient
-  (the zeros above), where one process leaves `.grad` None: AdamW then still steps it
-  (moments decay, weight decay shrinks it). On the tiny Janus-Pro with t2i rows only,
-  the understanding aligner is such a parameter (one update at lr 1e-2, weight decay
-  0.1: it moves by 7e-4 under fsdp2, not at all in one process); the tiny model reaches
-  every parameter on every task.
+  micro-batch. A parameter that no rank reaches in a whole update would keep the zeros
+  FSDP2 reduce-scattered for it, where one process leaves `.grad` None and AdamW skips
+  it (no moment decay, no weight decay): hooks on the unsharded parameters record which
+  ones got a gradient, and after the last backward `drop_unreached` sets `.grad = None`
+  on those no rank reached (e.g. Janus-Pro's understanding aligner in a t2i-only batch).
   Frozen models the objective uses (the GRPO reference: `objective.frozen_models()`) are
   sharded the same way under the same root, never replicated per rank. Rollouts and other
   no-grad uses of the policy go through `run` as well (`gathered`).
@@ -103,6 +102,9 @@ class Parallel:
             raise ValueError(f"trainer.parallel=none with {info.world_size} processes")
         self.runner = Runner(model, frozen if self.mode == "fsdp2" else ())
         self.wrapped: nn.Module = self.runner
+        self._units: list[nn.Module] = []
+        self._watched: set[int] = set()
+        self._reached: set[int] = set()
         if self.mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -133,10 +135,23 @@ class Parallel:
             param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=False
         )
         fully_shard(self.runner, mp_policy=root_policy)
-        for unit in [*units, self.runner]:
+        self._units = [*units, self.runner]
+        for unit in self._units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_reduce_scatter_unused_params(True)
+        # FSDP2 makes its all-gather buffers and unsharded parameters at the first
+        # all-gather and keeps them; made inside `torch.inference_mode` (the rollout
+        # engine decodes under it) they would be inference tensors that training cannot
+        # update in place. Gather every unit once here, outside it.
+        with torch.no_grad():
+            for unit in self._units:
+                unit.unshard()
+            for unit in self._units:
+                unit.reshard()
+        # Watch now, while every unsharded parameter's requires_grad is its trainable
+        # flag (LoRA's adapter switch toggles it later, e.g. around a reference pass).
+        self._watch_unsharded()
 
     @property
     def sharded(self) -> bool:
@@ -149,7 +164,42 @@ class Parallel:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(model, *args)` through the wrapper's forward."""
-        return self.wrapped(fn, *args)
+        out = self.wrapped(fn, *args)
+        if self.sharded and torch.is_grad_enabled():
+            self._watch_unsharded()
+        return out
+
+    def _watch_unsharded(self) -> None:
+        """fsdp2: a hook on every trainable unsharded parameter (FSDP2 creates each at its
+        first all-gather, here at wrap time, and keeps it) that records, per update, which
+        parameters autograd gave a gradient on this rank (`drop_unreached`)."""
+        for unit in self._units:
+            for fp in unit._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is None or not unsharded.requires_grad:
+                    continue
+                if id(unsharded) in self._watched:
+                    continue
+                key = id(fp.sharded_param)
+                unsharded.register_post_accumulate_grad_hook(
+                    lambda _t, key=key: self._reached.add(key)
+                )
+                self._watched.add(id(unsharded))
+
+    def drop_unreached(self, params: Sequence[nn.Parameter]) -> None:
+        """fsdp2, after an update's last backward: the parameters no rank gave a gradient
+        get `.grad = None` (FSDP2 reduce-scattered zeros for them), as in one process,
+        so the optimizer skips them. One MAX all-reduce of a flag per parameter."""
+        if not self.sharded:
+            return
+        device = next(self.model.parameters()).device
+        flags = torch.tensor([float(id(p) in self._reached) for p in params], device=device)
+        self._reached.clear()
+        if self.info.enabled:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for p, reached in zip(params, flags.tolist()):
+            if not reached:
+                p.grad = None
 
     def gathered(self, fn: Callable[[], Any]) -> Any:
         """`fn()` (batch production: rollouts, anchor replays) with the policy usable as

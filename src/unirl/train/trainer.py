@@ -349,6 +349,7 @@ class Trainer:
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        self.parallel.drop_unreached(self.params)
         if not self._grads_checked:
             grads = {n: p.grad for n, p in self.named_params if p.grad is not None}
             self.parallel.check_replicas(grads, "gradient")
