@@ -61,6 +61,8 @@ class RolloutEngine:
     format, the image announcement and the special ids come from the model's hooks
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
+    `share_prefill` prefills each distinct prompt once (`_Batch.prefill`); False prefills
+    every row (the A/B baseline of `bench/rollout.py`).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class RolloutEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_positions: int | None = None,
         finished: Finished = "compact",
+        share_prefill: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -83,6 +86,7 @@ class RolloutEngine:
             self.parse_header = partial(parse_image_header, tokenizer=self.tokenizer)
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
+        self.share_prefill = share_prefill
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
@@ -202,7 +206,7 @@ class RolloutEngine:
         return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
 
     def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
-        batch = _Batch.prefill(self.model, prompts, self.special.pad)
+        batch = _Batch.prefill(self.model, prompts, self.special.pad, self.share_prefill)
         while True:
             self._act(states, gens, rows, batch.hidden)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
@@ -331,15 +335,31 @@ class _Batch:
         self._length += 1
 
     @classmethod
-    def prefill(cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int) -> _Batch:
+    def prefill(
+        cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int, share: bool = True
+    ) -> _Batch:
         """Left-pad `prompts` (`UnifiedModel.prepare_prompts`) and run them through the
-        body in one forward."""
-        inputs = model.prepare_prompts(prompts, pad_id)
-        out = model.hidden(inputs, preallocate(model.new_cache()))
+        body in one forward. With `share` (and a cache that can select rows), each
+        distinct prompt is prefilled once and its cache, mask, positions and last hidden
+        state are copied to every row that holds it (a GRPO group's G rows): the same
+        left-padded width, positions and mask as prefilling every row."""
+        cache = preallocate(model.new_cache())
+        first_of, inverse = distinct_rows(prompts)
+        shared = share and len(first_of) < len(prompts)
+        shared = shared and hasattr(cache, "batch_select_indices")
+        run = [prompts[i] for i in first_of] if shared else prompts
+        inputs = model.prepare_prompts(run, pad_id)
+        out = model.hidden(inputs, cache)
         first = prompts[0].visual_codes
         bits = int(first.shape[1]) if first.dim() == 2 else None
         positions = model.decode_positions(inputs)
-        return cls(out.cache, inputs.attention_mask, positions, out.hidden[:, -1], bits)
+        mask, hidden = inputs.attention_mask, out.hidden[:, -1]
+        if shared:
+            idx = torch.tensor(inverse, device=mask.device)
+            out.cache.batch_select_indices(idx)
+            positions.select(idx)
+            mask, hidden = mask[idx], hidden[idx]
+        return cls(out.cache, mask, positions, hidden, bits)
 
     def select(self, rows: list[int]) -> None:
         """Keep only batch `rows` (in this order), in the cache too."""
@@ -375,6 +395,25 @@ class _Batch:
         )
         out = model.hidden(step, self.cache)
         self.cache, self.hidden = out.cache, out.hidden[:, -1]
+
+
+def distinct_rows(prompts: list[Trajectory]) -> tuple[list[int], list[int]]:
+    """(index of the first row of each distinct prompt, in order; for every row, the
+    number of its distinct prompt). Prompts are equal when their tokens, modalities,
+    visual codes and understanding images are."""
+    first_of: list[int] = []
+    inverse: list[int] = []
+    seen: dict[tuple, int] = {}
+    for r, p in enumerate(prompts):
+        key = tuple(
+            (tuple(x.shape), str(x.dtype), x.cpu().numpy().tobytes())
+            for x in (p.token_ids, p.modality, p.visual_codes, *p.images)
+        )
+        if key not in seen:
+            seen[key] = len(first_of)
+            first_of.append(r)
+        inverse.append(seen[key])
+    return first_of, inverse
 
 
 def _append_prompt(traj: Trajectory, ids: list[int]) -> Trajectory:
