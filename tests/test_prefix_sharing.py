@@ -76,7 +76,10 @@ def test_shared_prefill_gives_the_same_trajectories(kind, guidance):
     assert n_alone == len(requests) + n_twins
     # one row per distinct prompt; all t2i rows' unconditional twins hold one prompt
     assert n_shared == len(distinct) + (n_twins > 0) < n_alone
-    for a, b in zip(shared, alone):
+    for a, b, p, r in zip(shared, alone, prompts, requests):
+        # prompts serialised once per forked sample (`RolloutEngine._prompt`) are the
+        # request's own prompt, under its own id
+        assert a.sample_id == r.prompt.id and torch.equal(a.token_ids[: len(p)], p.token_ids)
         assert torch.equal(a.token_ids, b.token_ids)
         assert torch.equal(a.visual_codes, b.visual_codes)
         assert torch.equal(a.rollout_logp, b.rollout_logp)

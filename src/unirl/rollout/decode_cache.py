@@ -75,7 +75,11 @@ class GrowingLayer(DynamicLayer):
             return
         k, n = len(indices), self._n
         if k > self._keys.shape[0]:
-            self._keys, self._values = self._keys[indices], self._values[indices]
+            keys, values = self._keys, self._values
+            self._keys = keys.new_empty((k, *keys.shape[1:]))
+            self._values = values.new_empty((k, *values.shape[1:]))
+            self._keys[:, :, :n] = keys[indices, :, :n]
+            self._values[:, :, :n] = values[indices, :, :n]
             self._views()
             return
         self._keys[:k, :, :n] = self._keys[indices, :, :n]

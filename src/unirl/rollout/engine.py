@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Any, Literal
 
@@ -35,6 +37,7 @@ from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
+from unirl.rollout.decode_attention import use_decode_attention
 from unirl.rollout.decode_cache import RESERVE, preallocate
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.params import SamplingParams
@@ -62,7 +65,9 @@ class RolloutEngine:
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
     `share_prefill` prefills each distinct prompt once (`_Batch.prefill`); False prefills
-    every row (the A/B baseline of `bench/rollout.py`).
+    every row (the A/B baseline of `bench/rollout.py`). `direct_attention` runs the
+    one-query attention of decode steps as two matmuls (`decode_attention`) instead of
+    torch's SDPA kernel; False keeps SDPA (the A/B baseline).
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class RolloutEngine:
         max_positions: int | None = None,
         finished: Finished = "compact",
         share_prefill: bool = True,
+        direct_attention: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -87,6 +93,7 @@ class RolloutEngine:
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
+        self.direct_attention = direct_attention
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
@@ -138,6 +145,23 @@ class RolloutEngine:
         self._check_request(request, traj, grid)
         return traj, grid
 
+    def _prompt(
+        self, request: RolloutRequest, memo: dict[tuple, tuple[Trajectory, tuple | None]]
+    ) -> tuple[Trajectory, tuple | None]:
+        """`prompt_trajectory(request)`, serialised once per distinct sample: requests whose
+        `Sample` holds the very same part objects (`Sample.fork`: a GRPO group's G members)
+        and the same forced grid reuse the first one's positions (under their own id); each
+        request is still checked against its own parameters."""
+        if not isinstance(request.prompt, Sample):
+            return self.prompt_trajectory(request)
+        key = (tuple(map(id, request.prompt.parts)), request.image_grid)
+        if key not in memo:
+            memo[key] = self.prompt_trajectory(request)
+            return memo[key]
+        traj, grid = memo[key]
+        self._check_request(request, traj, grid)
+        return replace(traj, sample_id=request.id), grid
+
     def _check_request(self, request: RolloutRequest, prompt: Trajectory, grid: tuple | None):
         p, where = request.params, f"request {request.id!r}"
         if grid is not None and not p.grid_allowed(*grid):
@@ -176,8 +200,9 @@ class RolloutEngine:
     def _generate(self, requests: list[RolloutRequest]) -> list[RolloutTrajectory]:
         device = self.model.device
         states, prompts, twins = [], [], []
+        memo: dict[tuple, tuple[Trajectory, tuple | None]] = {}
         for k, req in enumerate(requests):
-            prompt, grid = self.prompt_trajectory(req)
+            prompt, grid = self._prompt(req, memo)
             extra = 0
             if req.params.guided:
                 twin = unconditional_prompt(self.model, prompt)
@@ -201,7 +226,8 @@ class RolloutEngine:
         rows = [(k, False) for k in range(len(requests))] + [(k, True) for k, _ in twins]
         # The decode loop runs in inference mode (no version counters or autograd
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
-        with torch.inference_mode():
+        attention = use_decode_attention(self.model) if self.direct_attention else nullcontext()
+        with torch.inference_mode(), attention:
             self._decode(states, gens, rows, prompts + [t for _, t in twins])
         return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
 
