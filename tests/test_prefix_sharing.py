@@ -165,4 +165,11 @@ def test_refusals():
     }
     with pytest.raises(ValueError, match="algorithm.share_prompt_prefix"):
         validate_config(base)  # the default tiny body has the conv prior
-    validate_config({**base, "model": {"kind": "tiny", "tiny": {"mixer_kernel": 0}}})
+    plain = {**base, "model": {"kind": "tiny", "tiny": {"mixer_kernel": 0}}}
+    validate_config(plain)
+    with pytest.raises(ValueError, match="algorithm.share_prompt_prefix.*gradient checkpointing"):
+        validate_config({**plain, "trainer": {"gradient_checkpointing": True}})
+    model.train()
+    model.enable_gradient_checkpointing()  # transformers would drop the prompt's cache
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        shared_prefix_hidden(model, batch, lengths)

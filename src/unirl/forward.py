@@ -108,10 +108,16 @@ def shared_prefix_hidden(
     real position sees the same keys, values and position as in the full forward, so
     the hidden states (and gradients, which sum over the rows sharing a prompt) are the
     same function of the weights. Padding positions hold no meaningful value. Needs a
-    model with `supports_prefix_sharing` (RoPE positions [B, T], a plain KV cache).
+    model with `supports_prefix_sharing` (RoPE positions [B, T], a plain KV cache) and,
+    in training mode, no gradient checkpointing (transformers then drops the cache).
     """
     if not model.supports_prefix_sharing:
         raise ValueError(f"{type(model).__name__} does not support prompt-prefix sharing")
+    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        raise ValueError(
+            "prompt-prefix sharing continues from a KV cache, which transformers' gradient "
+            "checkpointing drops in training: turn one of them off"
+        )
     inputs = model.prepare(batch)
     if inputs.attention_mask.dim() != 2 or inputs.position_ids.dim() != 2:
         raise ValueError("prompt-prefix sharing needs a key-padding mask and positions [B, T]")
