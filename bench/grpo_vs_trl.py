@@ -18,10 +18,9 @@ Alternation in one process: a TRL trainer callback times each TRL step (on_step_
 on_step_end) and, at the end of each step, runs one update of each unirl variant on the
 prompts TRL just used (the variants' order alternates step by step). Each variant trains
 its own copy of the initial weights: "shared" prefills each distinct prompt once in the
-rollout and runs its decode attention as two matmuls (the engine's defaults), and runs
-each prompt once in the update's replay (`algorithm.share_prompt_prefix`); "unshared"
-runs every row on its own with torch's SDPA kernel (the engine before these levers, the
-A/B baseline; TRL, too, runs every row on its own). The first `--warmup` steps are dropped. Printed: median
+rollout (the engine's default) and runs it once in the update's replay
+(`algorithm.share_prompt_prefix`); "unshared" runs every row on its own in both (the A/B
+baseline; TRL, too, runs every row on its own). The first `--warmup` steps are dropped. Printed: median
 wall seconds and CPU seconds per update for each side, the ratios unirl / TRL, the mean
 generated length on all sides (random init: most rows run to the cap), and the phase
 splits.
@@ -153,7 +152,6 @@ class UnirlSide:
         )
         self.service = RolloutService(model, batch_size=n)
         self.service.engine.share_prefill = share
-        self.service.engine.direct_attention = share
         self.digit_ids = args.digit_ids
         self.batch: list = []
         self.trainer = Trainer(

@@ -8,9 +8,8 @@ tokens. The engine runs with its cycle detector off and `<|vision_start|>` treat
 text, so it does exactly what `generate` does. Useful tokens/s = generated tokens of all
 rows / wall time (median of `--repeats` alternating runs).
 
-`engine_compact` is the default engine; `engine_sdpa` and `engine_unshared` switch off
-one lever each (the one-query decode attention as two matmuls; one prefill per distinct
-prompt), for a one-process A/B.
+`engine_compact` is the default engine; `engine_unshared` prefills every row on its own
+instead of each distinct prompt once (a one-process A/B of that lever).
 
 Two scenarios: "varied" (the model's EOS head row is scaled so that greedy rows end at
 different lengths, as a trained model's rows do) and "all-cap" (no row emits EOS, every
@@ -113,11 +112,7 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         "engine_mask": lambda: run_engine(
             RolloutEngine(model, finished="mask"), trajs, args.max_new_tokens
         ),
-        # A/B of two engine levers (both on in engine_compact): torch's SDPA kernel for
-        # the one-query decode attention, and every row prefilled on its own
-        "engine_sdpa": lambda: run_engine(
-            RolloutEngine(model, direct_attention=False), trajs, args.max_new_tokens
-        ),
+        # A/B of one engine lever (on in engine_compact): every row prefilled on its own
         "engine_unshared": lambda: run_engine(
             RolloutEngine(model, share_prefill=False), trajs, args.max_new_tokens
         ),
@@ -156,7 +151,7 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"  ratio engine_mask / hf_generate tokens/s:    "
         f"{tps['engine_mask'] / tps['hf_generate']:.2f}x"
     )
-    for other in ("engine_mask", "engine_sdpa", "engine_unshared"):
+    for other in ("engine_mask", "engine_unshared"):
         print(
             f"  ratio engine_compact / {other} tokens/s: {tps['engine_compact'] / tps[other]:.2f}x"
         )

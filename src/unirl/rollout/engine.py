@@ -15,8 +15,7 @@ them in the batch, as transformers' `generate` does, for caches that cannot drop
 
 Per-step overhead: the decode loop runs under `torch.inference_mode`; KV appends write
 in place into preallocated buffers (`unirl.rollout.decode_cache`, no per-step `cat` of
-the whole cache) and so does the attention mask; one-query attention runs as two batched
-matmuls (`unirl.rollout.decode_attention`). Shared work: each distinct prompt is
+the whole cache) and so does the attention mask. Shared work: each distinct prompt is
 serialised once per forked sample and prefilled once, its cache copied to the rows that
 hold it (`unirl.rollout.decode_batch`: a GRPO group's G rows). `bench/rollout.py`
 measures the engine against transformers' `generate` on the same body (identical tokens
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import replace
 from functools import lru_cache, partial
 from typing import Literal
@@ -41,7 +39,6 @@ from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import UnifiedModel
-from unirl.rollout.decode_attention import use_decode_attention
 from unirl.rollout.decode_batch import DecodeBatch
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.params import SamplingParams
@@ -69,9 +66,7 @@ class RolloutEngine:
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
     `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
-    every row (the A/B baseline of `bench/rollout.py`). `direct_attention` runs the
-    one-query attention of decode steps as two matmuls (`decode_attention`) instead of
-    torch's SDPA kernel; False keeps SDPA (the A/B baseline).
+    every row (the A/B baseline of `bench/rollout.py`).
     """
 
     def __init__(
@@ -81,7 +76,6 @@ class RolloutEngine:
         max_positions: int | None = None,
         finished: Finished = "compact",
         share_prefill: bool = True,
-        direct_attention: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -97,7 +91,6 @@ class RolloutEngine:
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
-        self.direct_attention = direct_attention
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
@@ -230,8 +223,7 @@ class RolloutEngine:
         rows = [(k, False) for k in range(len(requests))] + [(k, True) for k, _ in twins]
         # The decode loop runs in inference mode (no version counters or autograd
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
-        attention = use_decode_attention(self.model) if self.direct_attention else nullcontext()
-        with torch.inference_mode(), attention:
+        with torch.inference_mode():
             self._decode(states, gens, rows, prompts + [t for _, t in twins])
         return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
 
