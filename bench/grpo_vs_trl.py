@@ -15,13 +15,19 @@ Token-mean aggregation over the global batch (TRL's default `dapo`, unirl's
 transformers `generate` path.
 
 Alternation in one process: a TRL trainer callback times each TRL step (on_step_begin ..
-on_step_end) and, at the end of each step, runs one unirl update on the prompts TRL just
-used. The first `--warmup` pairs are dropped. Printed: median wall seconds and CPU
-seconds per update for each side, the ratio unirl / TRL, the mean generated length on
-both sides (random init: most rows run to the cap), and unirl's phase split.
+on_step_end) and, at the end of each step, runs one update of each unirl variant on the
+prompts TRL just used (the variants' order alternates step by step). Each variant trains
+its own copy of the initial weights: "shared" prefills each distinct prompt once in the
+rollout (the engine's default) and runs it once in the update's replay
+(`algorithm.share_prompt_prefix`); "unshared" runs every row on its own in both (the A/B
+baseline; TRL, too, runs every row on its own). The first `--warmup` steps are dropped. Printed: median
+wall seconds and CPU seconds per update for each side, the ratios unirl / TRL, the mean
+generated length on all sides (random init: most rows run to the cap), and the phase
+splits.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/grpo_vs_trl.py [--prompts 16 4] [--group 8]
         [--max-new-tokens 20] [--updates 6] [--warmup 2] [--threads 1]
+        [--variants shared unshared]
 """
 
 from __future__ import annotations
@@ -110,19 +116,21 @@ class UnirlSide:
         args: argparse.Namespace,
         run_dir: str,
         phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext(),
+        share: bool = True,
     ) -> None:
         self.phase = phase
         n = args.n_prompts * args.group
         cfg = validate_config(
             {
                 "run": {"name": "bench", "seed": 0, "output_dir": run_dir, "device": "cpu"},
-                "model": {"kind": "tiny"},
+                "model": {"kind": "tiny", "tiny": {"mixer_kernel": 0}},
                 "algorithm": {
                     "name": "grpo",
                     "group_size": args.group,
                     "kl": {"type": "none"},
                     "old_logp_source": "replay",
                     "eps": 1e-4,
+                    "share_prompt_prefix": share,
                 },
                 "trainer": {
                     "optimizer": {"lr": LR},
@@ -143,6 +151,7 @@ class UnirlSide:
             max_new_tokens=args.max_new_tokens, cycle_max_period=0, on_invalid_header="text"
         )
         self.service = RolloutService(model, batch_size=n)
+        self.service.engine.share_prefill = share
         self.digit_ids = args.digit_ids
         self.batch: list = []
         self.trainer = Trainer(
@@ -201,7 +210,10 @@ class Alternate(TrainerCallback):
     """Times each TRL step and runs one unirl update after it, on TRL's prompts."""
 
     def __init__(
-        self, unirl: UnirlSide, by_text: dict[str, Sample], generate_seconds: list[float]
+        self,
+        unirl: dict[str, UnirlSide],
+        by_text: dict[str, Sample],
+        generate_seconds: list[float],
     ) -> None:
         self.unirl, self.by_text = unirl, by_text
         self.generate_seconds = generate_seconds
@@ -225,7 +237,11 @@ class Alternate(TrainerCallback):
         self.trl.add_phase("generate (transformers)", gen)
         self.trl.add_phase("rest (scoring, loss, backward, AdamW)", w - gen)
         unique = list(dict.fromkeys(self.step_prompts))
-        self.unirl.update([self.by_text[p] for p in unique], state.global_step)
+        sides = list(self.unirl.values())
+        if state.global_step % 2:  # alternate which unirl variant runs first
+            sides.reverse()
+        for side in sides:
+            side.update([self.by_text[p] for p in unique], state.global_step)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -275,7 +291,16 @@ def run(args: argparse.Namespace) -> None:
 
     n = args.n_prompts * args.group
     with tempfile.TemporaryDirectory() as tmp:
-        unirl = UnirlSide(model, args, f"{tmp}/unirl")
+        start = copy.deepcopy(model)
+        unirl = {
+            variant: UnirlSide(
+                model if k == 0 else copy.deepcopy(start),
+                args,
+                f"{tmp}/unirl_{variant}",
+                share=variant == "shared",
+            )
+            for k, variant in enumerate(args.variants)
+        }
         cb = Alternate(unirl, by_text, generate_seconds)
         config = GRPOConfig(
             output_dir=f"{tmp}/trl",
@@ -314,14 +339,14 @@ def run(args: argparse.Namespace) -> None:
             callbacks=[cb],
         )
         trainer.train()
-    report(args, cb.trl, unirl.timings)
+    report(args, cb.trl, {k: side.timings for k, side in unirl.items()})
 
 
 def med(xs: list[float], skip: int) -> float:
     return statistics.median(xs[skip:])
 
 
-def report(args: argparse.Namespace, trl: Timings, unirl: Timings) -> None:
+def report(args: argparse.Namespace, trl: Timings, unirl: dict[str, Timings]) -> None:
     k = args.warmup
     print(
         f"\n[{args.n_prompts} prompts x G={args.group}] max_new_tokens {args.max_new_tokens}, "
@@ -329,14 +354,18 @@ def report(args: argparse.Namespace, trl: Timings, unirl: Timings) -> None:
         f"{len(trl.wall) - k} timed updates per side (after {k} warm-up)"
     )
     print(f"  {'':8s} {'wall s/update':>14s} {'CPU s/update':>13s} {'mean gen length':>16s}")
-    for name, t in (("TRL", trl), ("unirl", unirl)):
+    sides = [("TRL", trl)] + [(f"unirl {v}", t) for v, t in unirl.items()]
+    for name, t in sides:
         print(
-            f"  {name:8s} {med(t.wall, k):14.3f} {med(t.cpu, k):13.3f} "
+            f"  {name:14s} {med(t.wall, k):8.3f} {med(t.cpu, k):13.3f} "
             f"{statistics.mean(t.lengths[k:]):16.2f}"
         )
-    print(f"  ratio unirl / TRL seconds per update: {med(unirl.wall, k) / med(trl.wall, k):.2f}x")
-    print(f"  ratio unirl / TRL CPU seconds:        {med(unirl.cpu, k) / med(trl.cpu, k):.2f}x")
-    for side, t in (("TRL", trl), ("unirl", unirl)):
+    for v, t in unirl.items():
+        print(
+            f"  ratio unirl {v} / TRL: seconds per update {med(t.wall, k) / med(trl.wall, k):.2f}x"
+            f", CPU seconds {med(t.cpu, k) / med(trl.cpu, k):.2f}x"
+        )
+    for side, t in sides:
         print(f"  {side} phases (median wall s):")
         for name, xs in t.phases.items():
             print(f"    {name:38s} {med(xs, k):8.3f}")
@@ -356,6 +385,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
     parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["shared", "unshared"],
+        default=["shared", "unshared"],
+        help="unirl variants, each on its own copy of the initial weights: shared = each "
+        "prompt prefilled once in rollout and run once in the update's replay "
+        "(algorithm.share_prompt_prefix); unshared = every row on its own",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")

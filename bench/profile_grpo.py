@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
     parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
+    parser.add_argument(
+        "--unshared", action="store_true", help="every row prefilled and replayed on its own"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.n_prompts = args.prompts
@@ -53,7 +56,13 @@ def main() -> None:
     args.digit_ids = frozenset(i for w, i in tok.get_vocab().items() if w.isdigit())
     samples = text_prompts(tok, 64)
     with tempfile.TemporaryDirectory() as tmp:
-        side = UnirlSide(model, args, tmp, phase=lambda name: record_function(f"phase: {name}"))
+        side = UnirlSide(
+            model,
+            args,
+            tmp,
+            phase=lambda name: record_function(f"phase: {name}"),
+            share=not args.unshared,
+        )
         for u in range(args.warmup):
             side.update(samples[u * args.prompts : (u + 1) * args.prompts], u)
         u = args.warmup

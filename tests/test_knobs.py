@@ -655,6 +655,29 @@ def _ray_workers(kit):
     differs(kit, plan, "ray.max_worker_restarts", 3, 0, grpo, **on)
 
 
+@probe("algorithm[grpo].share_prompt_prefix")
+def _prefix_sharing(kit):
+    """One GRPO update of the tiny body without the conv prior: with sharing the replay
+    runs one row per distinct prompt through the decoder before the rows' completions
+    (rows per decoder call differ; loss and gradients equal the unshared replay's to
+    1e-6, tests/test_prefix_sharing.py)."""
+
+    def decoder_rows(c):
+        trainer = make_trainer(c)
+        rows = []
+        hook = trainer.model.decoder.register_forward_pre_hook(
+            lambda m, a, k: rows.append(k["inputs_embeds"].shape[0]), with_kwargs=True
+        )
+        trainer.step()
+        hook.remove()
+        return rows
+
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    plain = {"model__tiny__mixer_kernel": 0, "trainer__total_updates": 1}
+    differs(kit, decoder_rows, "algorithm.share_prompt_prefix", False, True, grpo, **plain)
+
+
 # -- trainer ---------------------------------------------------------------------
 
 

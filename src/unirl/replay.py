@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from unirl.core.distributions import TextCategorical
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.forward import body_hidden, scored_indices
+from unirl.forward import body_hidden, prompt_lengths, scored_indices, shared_prefix_hidden
 from unirl.models.base import UnifiedModel
 from unirl.rollout.guidance import unconditional_twin
 from unirl.rollout.params import SamplingParams, check_same_policy
@@ -88,10 +88,12 @@ class _Plan:
         batch: TrajectoryBatch,
         records: Sequence[SamplingRecord],
         params: SamplingParams | None,
+        share_prefix: bool = False,
     ) -> None:
         if len(records) != len(batch):
             raise ValueError(f"got {len(records)} sampling records for {len(batch)} rows")
         self.model, self.batch = model, batch
+        self.share_prefix = share_prefix
         self.row_params = []
         for i, rec in enumerate(records):
             if not isinstance(rec, SamplingRecord):
@@ -122,8 +124,9 @@ class _Plan:
         guided = [i for i in sorted(visual_rows) if self.row_params[i].needs_uncond_for_scoring]
         self.twin_row = torch.full((B,), -1, dtype=torch.long, device=batch.token_ids.device)
         self.twin_shift = torch.zeros(B, dtype=torch.long, device=batch.token_ids.device)
+        lengths = prompt_lengths(batch, [rec.prompt_length for rec in records])
         if not guided:
-            self.hidden = body_hidden(self.model, batch)
+            self.hidden = self._body(batch, lengths)
             return
         trajs = [replace(t, rollout_logp=None, rollout_logp_factors=None) for t in batch.unbatch()]
         twins = []
@@ -133,8 +136,16 @@ class _Plan:
             twins.append(twin)
             self.twin_row[i] = B + j
             self.twin_shift[i] = len(twin) - len(trajs[i])
+            lengths.append(n + len(twin) - len(trajs[i]))
         combined = TrajectoryBatch.collate(trajs + twins, batch.pad_id, validate=False)
-        self.hidden = body_hidden(self.model, combined)
+        self.hidden = self._body(combined, lengths)
+
+    def _body(self, batch: TrajectoryBatch, lengths: list[int]) -> torch.Tensor:
+        """The body's hidden states; with `share_prefix` each distinct prompt runs once
+        (`shared_prefix_hidden`, rows' prompts are their first lengths[r] positions)."""
+        if self.share_prefix:
+            return shared_prefix_hidden(self.model, batch, lengths)
+        return body_hidden(self.model, batch)
 
     def chunks(self, chunk_size: int) -> Iterator[tuple[_Group, torch.Tensor, torch.Tensor]]:
         """(group, rows, cols) of every chunk, in the deterministic order."""
@@ -202,13 +213,16 @@ def replay_map(
     fn: Callable[[DistributionChunk], torch.Tensor],
     params: SamplingParams | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    share_prefix: bool = False,
 ) -> torch.Tensor:
     """out[B, T, ...] with out[r, t] = fn(chunk)[k] at the k-th position (r, t) of a chunk,
     0 off the policy positions. `fn` maps a `DistributionChunk` to a tensor [n, ...] (the
     same trailing shape for every chunk), e.g. a per-position JSD to a teacher; under
     autograd it is recomputed chunk by chunk in backward. `params`, when given, must be
-    the policy every row was sampled with (else ValueError, `check_same_policy`)."""
-    plan = _Plan(model, batch, records, params)
+    the policy every row was sampled with (else ValueError, `check_same_policy`).
+    `share_prefix` runs each distinct prompt through the body once
+    (`unirl.forward.shared_prefix_hidden`; the same function of the weights)."""
+    plan = _Plan(model, batch, records, params, share_prefix)
     out: torch.Tensor | None = None
     for _, rows, cols, value in _apply(plan, chunk_size, fn):
         if out is None:
@@ -232,11 +246,13 @@ def replay_logprobs(
     records: Sequence[SamplingRecord],
     params: SamplingParams | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    share_prefix: bool = False,
 ) -> ReplayOutput:
     """log pi(token t | tokens < t) at every policy position, under each row's sampling
     policy (module docstring); BSQ positions also per factor. Refuses (ValueError) a
-    `params` whose policy fields differ from a row's record."""
-    plan = _Plan(model, batch, records, params)
+    `params` whose policy fields differ from a row's record; `share_prefix` as in
+    `replay_map`."""
+    plan = _Plan(model, batch, records, params, share_prefix)
     B, T = len(batch), batch.max_length
     kw = {"device": batch.token_ids.device, "dtype": _score_dtype(plan.hidden)}
     factors = torch.zeros(B, T, batch.n_factors, **kw) if batch.is_bits else None
@@ -289,8 +305,9 @@ class ReplayPlan:
         records: Sequence[SamplingRecord],
         params: SamplingParams | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        share_prefix: bool = False,
     ) -> None:
-        self._plan = _Plan(model, batch, records, params)
+        self._plan = _Plan(model, batch, records, params, share_prefix)
         self._chunks = list(self._plan.chunks(chunk_size))
 
     def __len__(self) -> int:

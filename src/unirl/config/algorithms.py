@@ -155,6 +155,12 @@ class GRPOConfig(StrictModel):
     chunk_size: int = Field(
         128, gt=0, description="Scored positions per head chunk in replay (memory vs speed)."
     )
+    share_prompt_prefix: bool = Field(
+        False,
+        description="Replay runs each distinct prompt through the body once and the group's "
+        "completions against its KV cache (same loss and gradients; tiny model with "
+        "model.tiny.mixer_kernel 0).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:

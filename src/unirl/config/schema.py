@@ -423,6 +423,21 @@ class UnirlConfig(StrictModel):
                 )
             if not self.reward.plugins:
                 raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
+            if algo.share_prompt_prefix and (
+                self.model.kind != "tiny"
+                or (self.model.path is None and self.model.tiny.mixer_kernel)
+            ):
+                raise incompatible(
+                    "algorithm.share_prompt_prefix",
+                    "built for the tiny model without the conv prior (model.kind tiny, "
+                    "model.tiny.mixer_kernel 0)",
+                )
+            if algo.share_prompt_prefix and self.trainer.gradient_checkpointing:
+                raise incompatible(
+                    "algorithm.share_prompt_prefix",
+                    "continues from a KV cache, which gradient checkpointing drops: turn "
+                    "trainer.gradient_checkpointing off",
+                )
         if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
             raise incompatible(
                 "reward.plugins",

@@ -230,6 +230,10 @@ class UnifiedModel(nn.Module, ABC):
     # Whether `prepare` accepts packed batches (`TrajectoryBatch.segment_ids`): the body
     # honours a block-causal [B, 1, T, T] mask and positions restart per sequence.
     supports_packing: bool = False
+    # Replay may run each distinct prompt once and its rows' completions against its KV
+    # cache (`unirl.forward.shared_prefix_hidden`): RoPE positions [B, T], and a body
+    # whose cached continuation equals the full forward with gradient.
+    supports_prefix_sharing: bool = False
 
     @abstractmethod
     def embed(self, inputs: ModelInputs) -> torch.Tensor:

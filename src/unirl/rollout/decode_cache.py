@@ -68,10 +68,20 @@ class GrowingLayer(DynamicLayer):
         return self._n
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows `indices` (in this order), moved to the front of the same buffer."""
+        """Keep rows `indices` (in this order), moved to the front of the same buffer;
+        more rows than the buffer holds (a shared prefill copied to its group's rows) get
+        a new buffer."""
         if self._keys is None:
             return
         k, n = len(indices), self._n
+        if k > self._keys.shape[0]:
+            keys, values = self._keys, self._values
+            self._keys = keys.new_empty((k, *keys.shape[1:]))
+            self._values = values.new_empty((k, *values.shape[1:]))
+            self._keys[:, :, :n] = keys[indices, :, :n]
+            self._values[:, :, :n] = values[indices, :, :n]
+            self._views()
+            return
         self._keys[:k, :, :n] = self._keys[indices, :, :n]
         self._values[:k, :, :n] = self._values[indices, :, :n]
         self._keys, self._values = self._keys[:k], self._values[:k]

@@ -15,16 +15,20 @@ them in the batch, as transformers' `generate` does, for caches that cannot drop
 
 Per-step overhead: the decode loop runs under `torch.inference_mode`; KV appends write
 in place into preallocated buffers (`unirl.rollout.decode_cache`, no per-step `cat` of
-the whole cache) and so does the attention mask. `bench/rollout.py` measures the engine
-against transformers' `generate` on the same body (identical tokens checked).
+the whole cache) and so does the attention mask. Shared work: each distinct prompt is
+serialised once per forked sample and prefilled once, its cache copied to the rows that
+hold it (`unirl.rollout.decode_batch`: a GRPO group's G rows). `bench/rollout.py`
+measures the engine against transformers' `generate` on the same body (identical tokens
+checked).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache, partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -34,8 +38,8 @@ from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
-from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
-from unirl.rollout.decode_cache import RESERVE, preallocate
+from unirl.models.base import UnifiedModel
+from unirl.rollout.decode_batch import DecodeBatch
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.params import SamplingParams
 from unirl.rollout.policy import text_distribution, visual_distribution
@@ -61,6 +65,8 @@ class RolloutEngine:
     format, the image announcement and the special ids come from the model's hooks
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
+    `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
+    every row (the A/B baseline of `bench/rollout.py`).
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class RolloutEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         max_positions: int | None = None,
         finished: Finished = "compact",
+        share_prefill: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -83,6 +90,7 @@ class RolloutEngine:
             self.parse_header = partial(parse_image_header, tokenizer=self.tokenizer)
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
+        self.share_prefill = share_prefill
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
@@ -134,6 +142,23 @@ class RolloutEngine:
         self._check_request(request, traj, grid)
         return traj, grid
 
+    def _prompt(
+        self, request: RolloutRequest, memo: dict[tuple, tuple[Trajectory, tuple | None]]
+    ) -> tuple[Trajectory, tuple | None]:
+        """`prompt_trajectory(request)`, serialised once per distinct sample: requests whose
+        `Sample` holds the very same part objects (`Sample.fork`: a GRPO group's G members)
+        and the same forced grid reuse the first one's positions (under their own id); each
+        request is still checked against its own parameters."""
+        if not isinstance(request.prompt, Sample):
+            return self.prompt_trajectory(request)
+        key = (tuple(map(id, request.prompt.parts)), request.image_grid)
+        if key not in memo:
+            memo[key] = self.prompt_trajectory(request)
+            return memo[key]
+        traj, grid = memo[key]
+        self._check_request(request, traj, grid)
+        return replace(traj, sample_id=request.id), grid
+
     def _check_request(self, request: RolloutRequest, prompt: Trajectory, grid: tuple | None):
         p, where = request.params, f"request {request.id!r}"
         if grid is not None and not p.grid_allowed(*grid):
@@ -172,8 +197,9 @@ class RolloutEngine:
     def _generate(self, requests: list[RolloutRequest]) -> list[RolloutTrajectory]:
         device = self.model.device
         states, prompts, twins = [], [], []
+        memo: dict[tuple, tuple[Trajectory, tuple | None]] = {}
         for k, req in enumerate(requests):
-            prompt, grid = self.prompt_trajectory(req)
+            prompt, grid = self._prompt(req, memo)
             extra = 0
             if req.params.guided:
                 twin = unconditional_prompt(self.model, prompt)
@@ -202,7 +228,7 @@ class RolloutEngine:
         return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
 
     def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
-        batch = _Batch.prefill(self.model, prompts, self.special.pad)
+        batch = DecodeBatch.prefill(self.model, prompts, self.special.pad, self.share_prefill)
         while True:
             self._act(states, gens, rows, batch.hidden)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
@@ -295,86 +321,6 @@ def _rows(hidden: torch.Tensor, idx: list[int]) -> torch.Tensor:
     if len(idx) == hidden.shape[0] and idx == list(range(len(idx))):
         return hidden
     return hidden[idx]
-
-
-class _Batch:
-    """Device-side state of the decode loop: KV cache, attention mask, the model's
-    next-position source and the last hidden state of every batch row."""
-
-    def __init__(
-        self,
-        cache: Any,
-        mask: torch.Tensor,
-        positions: DecodePositions,
-        hidden: torch.Tensor,
-        bits: int | None,
-    ) -> None:
-        self.cache, self.positions, self.hidden = cache, positions, hidden
-        self.bits = bits
-        # The attention mask lives in a buffer with spare columns (`_extend` writes in place).
-        self._length = mask.shape[1]
-        self._mask = mask.new_zeros(mask.shape[0], self._length + RESERVE)
-        self._mask[:, : self._length] = mask
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """bool [B, cached + fed positions]."""
-        return self._mask[:, : self._length]
-
-    def _extend(self) -> None:
-        """Append one valid column to every row's attention mask."""
-        if self._length == self._mask.shape[1]:
-            grown = self._mask.new_zeros(self._mask.shape[0], 2 * self._length)
-            grown[:, : self._length] = self._mask
-            self._mask = grown
-        self._mask[:, self._length] = True
-        self._length += 1
-
-    @classmethod
-    def prefill(cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int) -> _Batch:
-        """Left-pad `prompts` (`UnifiedModel.prepare_prompts`) and run them through the
-        body in one forward."""
-        inputs = model.prepare_prompts(prompts, pad_id)
-        out = model.hidden(inputs, preallocate(model.new_cache()))
-        first = prompts[0].visual_codes
-        bits = int(first.shape[1]) if first.dim() == 2 else None
-        positions = model.decode_positions(inputs)
-        return cls(out.cache, inputs.attention_mask, positions, out.hidden[:, -1], bits)
-
-    def select(self, rows: list[int]) -> None:
-        """Keep only batch `rows` (in this order), in the cache too."""
-        idx = torch.tensor(rows, device=self.mask.device)
-        if not hasattr(self.cache, "batch_select_indices"):
-            raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
-        self.cache.batch_select_indices(idx)
-        self.positions.select(idx)
-        self._mask, self.hidden = self._mask[idx], self.hidden[idx]
-
-    def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
-        """Feed one position per row; updates cache, mask, positions and hidden."""
-        ids, modality, codes, where = inputs
-        device = self.mask.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
-        mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
-        if self.bits is None:
-            codes_t = torch.tensor([-1 if c is None else c for c in codes], device=device)
-        else:
-            zero = torch.zeros(self.bits)
-            codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
-        codes_t = codes_t[:, None]
-        self._extend()
-        where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
-        step = ModelInputs(
-            token_ids=ids_t,
-            modality=mod_t,
-            visual_codes=codes_t,
-            attention_mask=self.mask,
-            position_ids=self.positions.next(mod_t, where_t, ids_t),
-            image_position=where_t,
-            images=[[] for _ in ids],
-        )
-        out = model.hidden(step, self.cache)
-        self.cache, self.hidden = out.cache, out.hidden[:, -1]
 
 
 def _append_prompt(traj: Trajectory, ids: list[int]) -> Trajectory:

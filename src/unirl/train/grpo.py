@@ -179,7 +179,13 @@ class GRPOObjective:
         if kind == "jsd":
             return jsd
         with self.reference.active() as ref_model:
-            ref = replay_logprobs(ref_model, micro, records, chunk_size=self.algo.chunk_size)
+            ref = replay_logprobs(
+                ref_model,
+                micro,
+                records,
+                chunk_size=self.algo.chunk_size,
+                share_prefix=self.algo.share_prompt_prefix,
+            )
         kl = kl_penalty(logp, ref.logp, kind)
         if factors is not None:
             kl = torch.where(visual, kl_penalty_factors(factors, ref.logp_factors, kind), kl)
@@ -219,9 +225,17 @@ class GRPOObjective:
         ref_plan = None
         if a.kl.type == "jsd":
             with self.reference.active() as ref_model:
-                ref_plan = ReplayPlan(ref_model, scoring, records, chunk_size=a.chunk_size)
+                ref_plan = ReplayPlan(
+                    ref_model,
+                    scoring,
+                    records,
+                    chunk_size=a.chunk_size,
+                    share_prefix=a.share_prompt_prefix,
+                )
         fn = self._columns(micro, ref_plan)
-        out = replay_map(model, scoring, records, fn, chunk_size=a.chunk_size)
+        out = replay_map(
+            model, scoring, records, fn, chunk_size=a.chunk_size, share_prefix=a.share_prompt_prefix
+        )
         logp, entropy = out[..., 0], out[..., 1].detach()
         jsd = out[..., 2] if ref_plan is not None else None
         factors = out[..., 3 if jsd is not None else 2 :] if micro.is_bits else None
@@ -313,7 +327,13 @@ def anchor_old_logprobs(
         batch = TrajectoryBatch.collate(group, model.special_ids.pad).to(model.device)
         records = _records(batch)
         with autocast(cfg.trainer, model.device):
-            out = replay_logprobs(model, batch, records, chunk_size=cfg.algorithm.chunk_size)
+            out = replay_logprobs(
+                model,
+                batch,
+                records,
+                chunk_size=cfg.algorithm.chunk_size,
+                share_prefix=cfg.algorithm.share_prompt_prefix,
+            )
         for b, traj in enumerate(group):
             n, device = len(traj), traj.token_ids.device
             traj.old_logp = out.logp[b, :n].to(device)
@@ -329,6 +349,11 @@ def build_grpo_job(
     Call before the trainer resumes: the reference is the model as given (the initial
     policy, e.g. the SFT checkpoint of `model.path`)."""
     algo = cfg.algorithm
+    if algo.share_prompt_prefix and not model.supports_prefix_sharing:
+        raise ValueError(
+            f"algorithm.share_prompt_prefix: {type(model).__name__} does not support it "
+            "(the tiny model with model.tiny.mixer_kernel 0 does)"
+        )
     resources = {"digit_classifier": _classifier(run_dir, info)} if _needs_classifier(cfg) else {}
     sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     anchor = None

@@ -111,6 +111,13 @@ class TinyUnifiedModel(UnifiedModel):
         )
 
     @property
+    def supports_prefix_sharing(self) -> bool:
+        """True without the conv prior (`mixer_kernel` 0): its cache carries detached,
+        end-aligned inputs, so a prompt's cached continuation would not get the prompt's
+        gradient through the mixers."""
+        return self._mix is None
+
+    @property
     def n_visual_outputs(self) -> int:
         return self._n_visual
 
