@@ -113,6 +113,22 @@ def test_i2t_mc():
     assert set(letters) == set(LETTERS)  # the true option is shuffled
 
 
+def test_i2t_mc_say_answers_the_digit_then_its_letter():
+    samples = make_task_samples("i2t_mc_say", "train", 60, seed=2)
+    letters = Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and image.role == question.role == "user"
+        assert question.text.startswith("Which digit is shown? A) ")
+        assert question.text.endswith(". Answer with the digit and the letter.")
+        options = {k: int(v) for k, v in OPTION_RE.findall(question.text)}
+        assert list(options.values()) == s.meta["options"] and len(set(options.values())) == 4
+        digit, letter = answer.text.split(" ")
+        assert int(digit) == s.meta["digit"] == options[letter] and answer.text == s.answer
+        letters[letter] += 1
+    assert set(letters) == set(LETTERS)
+
+
 def test_i2t_open():
     samples = make_task_samples("i2t_open", "train", 30, seed=2)
     for s in samples:

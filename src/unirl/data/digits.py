@@ -20,6 +20,10 @@ Tasks (parts are user prompt parts followed by assistant target parts):
   to put there; the correct option is `solution`, the inverse of `permutation`, because
   `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. The three
   distractors are distinct permutations that do not restore the image. -> the letter.
+- `i2t_mc_say` (a helper for i2t_mc): ImagePart + "Which digit is shown? A) 3 B) 7 C) 1
+  D) 9. Answer with the digit and the letter." -> "7 B" (same options as i2t_mc). It trains
+  the option lookup from the digit the model has just said (a one-hop match of the
+  current token against the option digits) next to recognition.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -37,7 +41,14 @@ import numpy as np
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.data.digits_images import SPLITS, DigitImages, Split, load_split
 
-TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open")
+TASKS: tuple[str, ...] = (
+    "t2i",
+    "i2t_mc",
+    "jigsaw_mc",
+    "draw_then_answer",
+    "i2t_open",
+    "i2t_mc_say",
+)
 LETTERS = "ABCD"
 QUADRANT = 4
 
@@ -50,6 +61,7 @@ JIGSAW_PROMPT = (
     "restores the digit? {options}. Answer with the letter only."
 )
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
+I2T_SAY_PROMPT = "Which digit is shown? {options}. Answer with the digit and the letter."
 NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
 NEXT_RESPONSE = "The next digit is drawn below."
 
@@ -106,13 +118,19 @@ def _t2i(
     return parts, str(digit), {}
 
 
-def _i2t_mc(
-    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
-) -> tuple[list, str, dict]:
+def _digit_options(rng: np.random.Generator, digit: int) -> tuple[list[int], str]:
+    """Four digit options (`digit` and three distinct distractors, shuffled) and the
+    letter of `digit` among them."""
     others = [d for d in range(10) if d != digit]
     options = [digit] + [int(d) for d in rng.choice(others, size=3, replace=False)]
     options = [options[k] for k in rng.permutation(4)]
-    letter = LETTERS[options.index(digit)]
+    return options, LETTERS[options.index(digit)]
+
+
+def _i2t_mc(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
     parts = [
         ImagePart(pixels=image, role="user"),
         TextPart(I2T_PROMPT.format(options=format_options(options)), "user"),
@@ -130,6 +148,19 @@ def _i2t_open(
         TextPart(str(digit), "assistant"),
     ]
     return parts, str(digit), {}
+
+
+def _i2t_mc_say(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    answer = f"{digit} {letter}"
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_SAY_PROMPT.format(options=format_options(options)), "user"),
+        TextPart(answer, "assistant"),
+    ]
+    return parts, answer, {"options": options}
 
 
 def _jigsaw_mc(
@@ -179,6 +210,7 @@ _BUILDERS = {
     "jigsaw_mc": _jigsaw_mc,
     "draw_then_answer": _draw_then_answer,
     "i2t_open": _i2t_open,
+    "i2t_mc_say": _i2t_mc_say,
 }
 
 
@@ -233,5 +265,6 @@ def vocabulary_texts() -> list[str]:
     texts.append(JIGSAW_PROMPT.format(options=format_options(_PERMUTATIONS[:4])))
     texts += [NEXT_PROMPT, NEXT_RESPONSE]
     texts.append(I2T_OPEN_PROMPT)
+    texts.append(I2T_SAY_PROMPT.format(options=format_options([0, 1, 2, 3])))
     texts += list(LETTERS) + [str(d) for d in range(10)]
     return texts

@@ -41,6 +41,7 @@ METRIC = {
     "t2i": "score",
     "draw_then_answer": "exact_match",
     "i2t_open": "accuracy",
+    "i2t_mc_say": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
 __all__ = ["CLASSIFIER_DIR", "evaluate_digits", "evaluate_task", "load_or_fit_classifier"]
@@ -53,7 +54,7 @@ def _plugin(task: str, classifier: DigitClassifier):
         return JigsawVerifier()
     if task == "t2i":
         return DigitClassifierReward(classifier)
-    if task == "i2t_open":
+    if task in ("i2t_open", "i2t_mc_say"):
         return TextExact()
     return ExactAnswer()
 
@@ -66,7 +67,7 @@ def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
             RolloutRequest(s, seed_for(seed, 0, i, 0), params, image_grid=grid)
             for i, s in enumerate(samples)
         ]
-    cap = 8 if task in ("i2t_mc", "jigsaw_mc", "i2t_open") else 24 + grid[0] * grid[1]
+    cap = 8 if task in ("i2t_mc", "jigsaw_mc", "i2t_open", "i2t_mc_say") else 24 + grid[0] * grid[1]
     params = SamplingParams(greedy=True, max_new_tokens=cap)
     return [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
 
