@@ -29,6 +29,9 @@ def _digits():
     return load_digits()
 
 
+TEXT_ONLY = ("mc_lookup",)
+
+
 def image_of(index: int) -> tuple[np.ndarray, int]:
     """The real image and label at scikit-learn row `index` (independent of the tasks)."""
     bunch = _digits()
@@ -74,6 +77,9 @@ def test_images_come_from_their_split(task):
             images = images[:1]
         else:
             assert s.meta["digit"] == label
+        if task in TEXT_ONLY:  # the split's label picks the digit; no image is shown
+            assert images == []
+            continue
         assert len(images) == 1 and images[0].pixels.shape == (8, 8)
         if task != "jigsaw_mc":
             np.testing.assert_allclose(images[0].pixels, original, atol=1e-7)
@@ -127,6 +133,19 @@ def test_i2t_mc_say_answers_the_digit_then_its_letter():
         assert int(digit) == s.meta["digit"] == options[letter] and answer.text == s.answer
         letters[letter] += 1
     assert set(letters) == set(LETTERS)
+
+
+def test_mc_lookup_is_text_only_and_names_the_digit():
+    samples = make_task_samples("mc_lookup", "train", 60, seed=2)
+    for s in samples:
+        question, answer = s.parts
+        assert question.role == "user" and answer.role == "assistant"
+        assert question.text.startswith(f"Which option is {s.meta['digit']}? A) ")
+        assert question.text.endswith(". Answer with the letter only.")
+        options = {k: int(v) for k, v in OPTION_RE.findall(question.text)}
+        assert list(options.values()) == s.meta["options"] and len(set(options.values())) == 4
+        assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
+    assert {s.answer for s in samples} == set(LETTERS)
 
 
 def test_i2t_open():

@@ -24,6 +24,9 @@ Tasks (parts are user prompt parts followed by assistant target parts):
   D) 9. Answer with the digit and the letter." -> "7 B" (same options as i2t_mc). It trains
   the option lookup from the digit the model has just said (a one-hop match of the
   current token against the option digits) next to recognition.
+- `mc_lookup` (text only, a helper for i2t_mc): "Which option is 7? A) 3 B) 7 C) 1 D) 9.
+  Answer with the letter only." -> "B". It trains the letter lookup that i2t_mc composes
+  with recognition, on rows a fraction of an image row's length.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -48,6 +51,7 @@ TASKS: tuple[str, ...] = (
     "draw_then_answer",
     "i2t_open",
     "i2t_mc_say",
+    "mc_lookup",
 )
 LETTERS = "ABCD"
 QUADRANT = 4
@@ -60,6 +64,7 @@ JIGSAW_PROMPT = (
     "for positions 0 1 2 3, which quadrant of the shown image to put there. Which option "
     "restores the digit? {options}. Answer with the letter only."
 )
+LOOKUP_PROMPT = "Which option is {digit}? {options}. Answer with the letter only."
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
 I2T_SAY_PROMPT = "Which digit is shown? {options}. Answer with the digit and the letter."
 NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
@@ -139,6 +144,14 @@ def _i2t_mc(
     return parts, letter, {"options": options}
 
 
+def _mc_lookup(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    prompt = LOOKUP_PROMPT.format(digit=digit, options=format_options(options))
+    return [TextPart(prompt, "user"), TextPart(letter, "assistant")], letter, {"options": options}
+
+
 def _i2t_open(
     rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
@@ -211,6 +224,7 @@ _BUILDERS = {
     "draw_then_answer": _draw_then_answer,
     "i2t_open": _i2t_open,
     "i2t_mc_say": _i2t_mc_say,
+    "mc_lookup": _mc_lookup,
 }
 
 
@@ -266,5 +280,6 @@ def vocabulary_texts() -> list[str]:
     texts += [NEXT_PROMPT, NEXT_RESPONSE]
     texts.append(I2T_OPEN_PROMPT)
     texts.append(I2T_SAY_PROMPT.format(options=format_options([0, 1, 2, 3])))
+    texts.append(LOOKUP_PROMPT.format(digit=0, options=format_options([0, 1, 2, 3])))
     texts += list(LETTERS) + [str(d) for d in range(10)]
     return texts
