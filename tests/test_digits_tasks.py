@@ -148,6 +148,25 @@ def test_mc_lookup_is_text_only_and_names_the_digit():
     assert {s.answer for s in samples} == set(LETTERS)
 
 
+def test_i2t_pick_lists_one_to_four_options_under_shuffled_letters():
+    samples = make_task_samples("i2t_pick", "train", 80, seed=2)
+    counts, letters = Counter(), Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and question.role == "user"
+        assert question.text.startswith("Which digit is shown? ")
+        assert question.text.endswith(". Answer with the letter only.")
+        pairs = OPTION_RE.findall(question.text)
+        labels = "".join(k for k, _ in pairs)
+        options = [int(v) for _, v in pairs]
+        assert labels == s.meta["labels"] and options == s.meta["options"]
+        assert len(set(labels)) == len(labels) and len(set(options)) == len(options)
+        assert dict(pairs)[s.answer] == str(s.meta["digit"]) and answer.text == s.answer
+        counts[len(pairs)] += 1
+        letters[s.answer] += 1
+    assert set(counts) == {1, 2, 3, 4} and set(letters) == set(LETTERS)
+
+
 def test_i2t_open():
     samples = make_task_samples("i2t_open", "train", 30, seed=2)
     for s in samples:

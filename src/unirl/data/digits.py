@@ -27,6 +27,10 @@ Tasks (parts are user prompt parts followed by assistant target parts):
 - `mc_lookup` (text only, a helper for i2t_mc): "Which option is 7? A) 3 B) 7 C) 1 D) 9.
   Answer with the letter only." -> "B". It trains the letter lookup that i2t_mc composes
   with recognition, on rows a fraction of an image row's length.
+- `i2t_pick` (a helper for i2t_mc): i2t_mc's prompt with 1-4 options under distinct
+  letters in random order, e.g. "Which digit is shown? C) 7 A) 2. Answer with the letter
+  only." -> "C". One option copies its letter (no image needed), two halve the search:
+  easier steps towards i2t_mc's lookup. meta "labels" holds the letters in option order.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -52,6 +56,7 @@ TASKS: tuple[str, ...] = (
     "i2t_open",
     "i2t_mc_say",
     "mc_lookup",
+    "i2t_pick",
 )
 LETTERS = "ABCD"
 QUADRANT = 4
@@ -152,6 +157,24 @@ def _mc_lookup(
     return [TextPart(prompt, "user"), TextPart(letter, "assistant")], letter, {"options": options}
 
 
+def _i2t_pick(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    n = int(rng.integers(1, 5))
+    others = [d for d in range(10) if d != digit]
+    options = [digit] + [int(d) for d in rng.choice(others, size=n - 1, replace=False)]
+    options = [options[k] for k in rng.permutation(n)]
+    labels = "".join(LETTERS[k] for k in rng.permutation(4)[:n])
+    letter = labels[options.index(digit)]
+    listed = " ".join(f"{a}) {d}" for a, d in zip(labels, options))
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_PROMPT.format(options=listed), "user"),
+        TextPart(letter, "assistant"),
+    ]
+    return parts, letter, {"options": options, "labels": labels}
+
+
 def _i2t_open(
     rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
@@ -225,6 +248,7 @@ _BUILDERS = {
     "i2t_open": _i2t_open,
     "i2t_mc_say": _i2t_mc_say,
     "mc_lookup": _mc_lookup,
+    "i2t_pick": _i2t_pick,
 }
 
 
