@@ -167,6 +167,16 @@ def test_i2t_pick_lists_one_to_four_options_under_shuffled_letters():
     assert set(counts) == {1, 2, 3, 4} and set(letters) == set(LETTERS)
 
 
+def test_i2t_mc_first_puts_the_options_before_the_image():
+    for s in make_task_samples("i2t_mc_first", "train", 40, seed=2):
+        options_part, image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and options_part.role == question.role == "user"
+        assert question.text == "Which digit is shown? Answer with the letter only."
+        options = {k: int(v) for k, v in OPTION_RE.findall(options_part.text)}
+        assert list(options) == list(LETTERS) and list(options.values()) == s.meta["options"]
+        assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
+
+
 def test_i2t_open():
     samples = make_task_samples("i2t_open", "train", 30, seed=2)
     for s in samples:

@@ -28,6 +28,7 @@ DIGITS_TASKS: tuple[str, ...] = (
     "i2t_mc_say",
     "mc_lookup",
     "i2t_pick",
+    "i2t_mc_first",
 )
 """The built-in digits data provider's tasks (== unirl.data.digits.TASKS)."""
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})

@@ -31,6 +31,9 @@ Tasks (parts are user prompt parts followed by assistant target parts):
   letters in random order, e.g. "Which digit is shown? C) 7 A) 2. Answer with the letter
   only." -> "C". One option copies its letter (no image needed), two halve the search:
   easier steps towards i2t_mc's lookup. meta "labels" holds the letters in option order.
+- `i2t_mc_first` (i2t_mc with the options before the image): "A) 3 B) 7 C) 1 D) 9." +
+  ImagePart + "Which digit is shown? Answer with the letter only." -> "B"; the text after
+  the image is as short as i2t_open's, so the answer position sees the image as closely.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -57,6 +60,7 @@ TASKS: tuple[str, ...] = (
     "i2t_mc_say",
     "mc_lookup",
     "i2t_pick",
+    "i2t_mc_first",
 )
 LETTERS = "ABCD"
 QUADRANT = 4
@@ -71,6 +75,7 @@ JIGSAW_PROMPT = (
 )
 LOOKUP_PROMPT = "Which option is {digit}? {options}. Answer with the letter only."
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
+I2T_FIRST_PROMPT = "Which digit is shown? Answer with the letter only."
 I2T_SAY_PROMPT = "Which digit is shown? {options}. Answer with the digit and the letter."
 NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
 NEXT_RESPONSE = "The next digit is drawn below."
@@ -175,6 +180,19 @@ def _i2t_pick(
     return parts, letter, {"options": options, "labels": labels}
 
 
+def _i2t_mc_first(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    parts = [
+        TextPart(f"{format_options(options)}.", "user"),
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_FIRST_PROMPT, "user"),
+        TextPart(letter, "assistant"),
+    ]
+    return parts, letter, {"options": options}
+
+
 def _i2t_open(
     rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
@@ -249,6 +267,7 @@ _BUILDERS = {
     "i2t_mc_say": _i2t_mc_say,
     "mc_lookup": _mc_lookup,
     "i2t_pick": _i2t_pick,
+    "i2t_mc_first": _i2t_mc_first,
 }
 
 

@@ -44,13 +44,14 @@ METRIC = {
     "i2t_mc_say": "accuracy",
     "mc_lookup": "accuracy",
     "i2t_pick": "accuracy",
+    "i2t_mc_first": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
 __all__ = ["CLASSIFIER_DIR", "evaluate_digits", "evaluate_task", "load_or_fit_classifier"]
 
 
 def _plugin(task: str, classifier: DigitClassifier):
-    if task in ("i2t_mc", "mc_lookup", "i2t_pick"):
+    if task in ("i2t_mc", "mc_lookup", "i2t_pick", "i2t_mc_first"):
         return MultipleChoiceExact()
     if task == "jigsaw_mc":
         return JigsawVerifier()
@@ -69,7 +70,15 @@ def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
             RolloutRequest(s, seed_for(seed, 0, i, 0), params, image_grid=grid)
             for i, s in enumerate(samples)
         ]
-    short = ("i2t_mc", "jigsaw_mc", "i2t_open", "i2t_mc_say", "mc_lookup", "i2t_pick")
+    short = (
+        "i2t_mc",
+        "jigsaw_mc",
+        "i2t_open",
+        "i2t_mc_say",
+        "mc_lookup",
+        "i2t_pick",
+        "i2t_mc_first",
+    )
     cap = 8 if task in short else 24 + grid[0] * grid[1]
     params = SamplingParams(greedy=True, max_new_tokens=cap)
     return [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
