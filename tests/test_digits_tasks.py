@@ -29,6 +29,9 @@ def _digits():
     return load_digits()
 
 
+TEXT_ONLY = ("mc_lookup",)
+
+
 def image_of(index: int) -> tuple[np.ndarray, int]:
     """The real image and label at scikit-learn row `index` (independent of the tasks)."""
     bunch = _digits()
@@ -74,6 +77,9 @@ def test_images_come_from_their_split(task):
             images = images[:1]
         else:
             assert s.meta["digit"] == label
+        if task in TEXT_ONLY:  # the split's label picks the digit; no image is shown
+            assert images == []
+            continue
         assert len(images) == 1 and images[0].pixels.shape == (8, 8)
         if task != "jigsaw_mc":
             np.testing.assert_allclose(images[0].pixels, original, atol=1e-7)
@@ -111,6 +117,64 @@ def test_i2t_mc():
         assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
         letters[s.answer] += 1
     assert set(letters) == set(LETTERS)  # the true option is shuffled
+
+
+def test_i2t_mc_say_answers_the_digit_then_its_letter():
+    samples = make_task_samples("i2t_mc_say", "train", 60, seed=2)
+    letters = Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and image.role == question.role == "user"
+        assert question.text.startswith("Which digit is shown? A) ")
+        assert question.text.endswith(". Answer with the digit and the letter.")
+        options = {k: int(v) for k, v in OPTION_RE.findall(question.text)}
+        assert list(options.values()) == s.meta["options"] and len(set(options.values())) == 4
+        digit, letter = answer.text.split(" ")
+        assert int(digit) == s.meta["digit"] == options[letter] and answer.text == s.answer
+        letters[letter] += 1
+    assert set(letters) == set(LETTERS)
+
+
+def test_mc_lookup_is_text_only_and_names_the_digit():
+    samples = make_task_samples("mc_lookup", "train", 60, seed=2)
+    for s in samples:
+        question, answer = s.parts
+        assert question.role == "user" and answer.role == "assistant"
+        assert question.text.startswith(f"Which option is {s.meta['digit']}? A) ")
+        assert question.text.endswith(". Answer with the letter only.")
+        options = {k: int(v) for k, v in OPTION_RE.findall(question.text)}
+        assert list(options.values()) == s.meta["options"] and len(set(options.values())) == 4
+        assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
+    assert {s.answer for s in samples} == set(LETTERS)
+
+
+def test_i2t_pick_lists_one_to_four_options_under_shuffled_letters():
+    samples = make_task_samples("i2t_pick", "train", 80, seed=2)
+    counts, letters = Counter(), Counter()
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and question.role == "user"
+        assert question.text.startswith("Which digit is shown? ")
+        assert question.text.endswith(". Answer with the letter only.")
+        pairs = OPTION_RE.findall(question.text)
+        labels = "".join(k for k, _ in pairs)
+        options = [int(v) for _, v in pairs]
+        assert labels == s.meta["labels"] and options == s.meta["options"]
+        assert len(set(labels)) == len(labels) and len(set(options)) == len(options)
+        assert dict(pairs)[s.answer] == str(s.meta["digit"]) and answer.text == s.answer
+        counts[len(pairs)] += 1
+        letters[s.answer] += 1
+    assert set(counts) == {1, 2, 3, 4} and set(letters) == set(LETTERS)
+
+
+def test_i2t_mc_first_puts_the_options_before_the_image():
+    for s in make_task_samples("i2t_mc_first", "train", 40, seed=2):
+        options_part, image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and options_part.role == question.role == "user"
+        assert question.text == "Which digit is shown? Answer with the letter only."
+        options = {k: int(v) for k, v in OPTION_RE.findall(options_part.text)}
+        assert list(options) == list(LETTERS) and list(options.values()) == s.meta["options"]
+        assert options[s.answer] == s.meta["digit"] and answer.text == s.answer
 
 
 def test_i2t_open():

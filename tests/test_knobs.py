@@ -298,6 +298,7 @@ def _run_deterministic(kit):
     "model.tiny.num_heads",
     "model.tiny.intermediate_size",
     "model.tiny.mixer_kernel",
+    "model.tiny.tie_embeddings",
     "model.visual_head",
     "model.codec.path",
     "model.path",
@@ -312,6 +313,7 @@ def _model_weights(kit):
         ("model.tiny.num_heads", 2, 4),
         ("model.tiny.intermediate_size", 32, 48),
         ("model.tiny.mixer_kernel", 4, 0),
+        ("model.tiny.tie_embeddings", False, True),
         ("model.codec.path", str(kit.base["model"]["codec"]["path"]), str(kit.vq_b)),
         ("model.path", None, str(kit.saved)),
     ]:

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from unirl.codecs import build_codec
 from unirl.core.trajectory import TrajectoryBatch
@@ -17,6 +18,7 @@ from unirl.forward import forward_interleaved, scored_indices
 from unirl.models import load_model
 from unirl.models.base import image_positions
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.train import checkpoint as ckpt
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 
@@ -184,3 +186,35 @@ def test_visual_embedding_depends_on_the_image_position(kind, tokenizer, codecs)
     assert torch.allclose(full, one_by_one, atol=1e-6)
     visual = batch.modality == 1
     assert visual.any() and (shifted[visual] - full[visual]).abs().amax(-1).min() > 1e-3
+
+
+def test_tied_embeddings_share_one_matrix(tokenizer, codecs, tmp_path):
+    """tie_embeddings: text logits are h @ E^T with E the input embedding; the shared
+    matrix's gradient is the sum of the untied model's two gradients when both start from
+    the same values; save/load and a checkpoint keep the tie."""
+    untied = _model("vq", tokenizer, codecs)
+    torch.manual_seed(0)
+    tied = TinyUnifiedModel(replace(untied.config, tie_embeddings=True), tokenizer, codecs["vq"])
+    tied.load_state_dict(
+        {**untied.state_dict(), "text_head.weight": untied.decoder.embed_tokens.weight}
+    )
+    E = tied.decoder.embed_tokens.weight
+    assert tied.text_head.weight is E
+    h = torch.randn(5, untied.config.hidden_size)
+    torch.testing.assert_close(tied.text_logits(h), h @ E.T, rtol=0, atol=0)
+    with torch.no_grad():
+        untied.text_head.weight.copy_(untied.decoder.embed_tokens.weight)
+    batch = _mixed_batch(tokenizer, codecs["vq"])
+    for model in (tied, untied):
+        forward_interleaved(model, batch).text_logits.logsumexp(-1).sum().backward()
+    expected = untied.decoder.embed_tokens.weight.grad + untied.text_head.weight.grad
+    torch.testing.assert_close(E.grad, expected, rtol=1e-5, atol=1e-7)
+    tied.save_pretrained(tmp_path / "m")
+    loaded = load_model(tmp_path / "m")
+    assert loaded.text_head.weight is loaded.decoder.embed_tokens.weight
+    assert torch.equal(loaded.text_head.weight, E)
+    saved = ckpt.commit_checkpoint(tmp_path / "run", 1, tied.state_dict(), {}, {"step": 1}, 1)
+    state = load_file(str(saved / ckpt.MODEL))
+    assert torch.equal(state["text_head.weight"], E) and torch.equal(
+        state["decoder.embed_tokens.weight"], E
+    )

@@ -20,7 +20,17 @@ from unirl.config.trainer import TrainerConfig
 
 Task = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=64)]
 """A task label: any name a dataset row carries in its `task` field."""
-DIGITS_TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open")
+DIGITS_TASKS: tuple[str, ...] = (
+    "t2i",
+    "i2t_mc",
+    "jigsaw_mc",
+    "draw_then_answer",
+    "i2t_open",
+    "i2t_mc_say",
+    "mc_lookup",
+    "i2t_pick",
+    "i2t_mc_first",
+)
 """The built-in digits data provider's tasks (== unirl.data.digits.TASKS)."""
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
 """The digits tasks whose answers hold an image (dataset rows say so themselves)."""
@@ -69,6 +79,11 @@ class TinyModelConfig(StrictModel):
         ge=0,
         description="Depthwise causal conv over the last k positions after each layer norm "
         "(0 = off).",
+    )
+    tie_embeddings: bool = Field(
+        False,
+        description="Share one matrix between the input token embedding and the text "
+        "output head (logits = h @ E^T).",
     )
 
     @model_validator(mode="after")

@@ -20,6 +20,20 @@ Tasks (parts are user prompt parts followed by assistant target parts):
   to put there; the correct option is `solution`, the inverse of `permutation`, because
   `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. The three
   distractors are distinct permutations that do not restore the image. -> the letter.
+- `i2t_mc_say` (a helper for i2t_mc): ImagePart + "Which digit is shown? A) 3 B) 7 C) 1
+  D) 9. Answer with the digit and the letter." -> "7 B" (same options as i2t_mc). It trains
+  the option lookup from the digit the model has just said (a one-hop match of the
+  current token against the option digits) next to recognition.
+- `mc_lookup` (text only, a helper for i2t_mc): "Which option is 7? A) 3 B) 7 C) 1 D) 9.
+  Answer with the letter only." -> "B". It trains the letter lookup that i2t_mc composes
+  with recognition, on rows a fraction of an image row's length.
+- `i2t_pick` (a helper for i2t_mc): i2t_mc's prompt with 1-4 options under distinct
+  letters in random order, e.g. "Which digit is shown? C) 7 A) 2. Answer with the letter
+  only." -> "C". One option copies its letter (no image needed), two halve the search:
+  easier steps towards i2t_mc's lookup. meta "labels" holds the letters in option order.
+- `i2t_mc_first` (i2t_mc with the options before the image): "A) 3 B) 7 C) 1 D) 9." +
+  ImagePart + "Which digit is shown? Answer with the letter only." -> "B"; the text after
+  the image is as short as i2t_open's, so the answer position sees the image as closely.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -37,7 +51,17 @@ import numpy as np
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.data.digits_images import SPLITS, DigitImages, Split, load_split
 
-TASKS: tuple[str, ...] = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer", "i2t_open")
+TASKS: tuple[str, ...] = (
+    "t2i",
+    "i2t_mc",
+    "jigsaw_mc",
+    "draw_then_answer",
+    "i2t_open",
+    "i2t_mc_say",
+    "mc_lookup",
+    "i2t_pick",
+    "i2t_mc_first",
+)
 LETTERS = "ABCD"
 QUADRANT = 4
 
@@ -49,7 +73,10 @@ JIGSAW_PROMPT = (
     "for positions 0 1 2 3, which quadrant of the shown image to put there. Which option "
     "restores the digit? {options}. Answer with the letter only."
 )
+LOOKUP_PROMPT = "Which option is {digit}? {options}. Answer with the letter only."
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
+I2T_FIRST_PROMPT = "Which digit is shown? Answer with the letter only."
+I2T_SAY_PROMPT = "Which digit is shown? {options}. Answer with the digit and the letter."
 NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
 NEXT_RESPONSE = "The next digit is drawn below."
 
@@ -106,16 +133,61 @@ def _t2i(
     return parts, str(digit), {}
 
 
-def _i2t_mc(
-    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
-) -> tuple[list, str, dict]:
+def _digit_options(rng: np.random.Generator, digit: int) -> tuple[list[int], str]:
+    """Four digit options (`digit` and three distinct distractors, shuffled) and the
+    letter of `digit` among them."""
     others = [d for d in range(10) if d != digit]
     options = [digit] + [int(d) for d in rng.choice(others, size=3, replace=False)]
     options = [options[k] for k in rng.permutation(4)]
-    letter = LETTERS[options.index(digit)]
+    return options, LETTERS[options.index(digit)]
+
+
+def _i2t_mc(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
     parts = [
         ImagePart(pixels=image, role="user"),
         TextPart(I2T_PROMPT.format(options=format_options(options)), "user"),
+        TextPart(letter, "assistant"),
+    ]
+    return parts, letter, {"options": options}
+
+
+def _mc_lookup(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    prompt = LOOKUP_PROMPT.format(digit=digit, options=format_options(options))
+    return [TextPart(prompt, "user"), TextPart(letter, "assistant")], letter, {"options": options}
+
+
+def _i2t_pick(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    n = int(rng.integers(1, 5))
+    others = [d for d in range(10) if d != digit]
+    options = [digit] + [int(d) for d in rng.choice(others, size=n - 1, replace=False)]
+    options = [options[k] for k in rng.permutation(n)]
+    labels = "".join(LETTERS[k] for k in rng.permutation(4)[:n])
+    letter = labels[options.index(digit)]
+    listed = " ".join(f"{a}) {d}" for a, d in zip(labels, options))
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_PROMPT.format(options=listed), "user"),
+        TextPart(letter, "assistant"),
+    ]
+    return parts, letter, {"options": options, "labels": labels}
+
+
+def _i2t_mc_first(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    parts = [
+        TextPart(f"{format_options(options)}.", "user"),
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_FIRST_PROMPT, "user"),
         TextPart(letter, "assistant"),
     ]
     return parts, letter, {"options": options}
@@ -130,6 +202,19 @@ def _i2t_open(
         TextPart(str(digit), "assistant"),
     ]
     return parts, str(digit), {}
+
+
+def _i2t_mc_say(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    options, letter = _digit_options(rng, digit)
+    answer = f"{digit} {letter}"
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(I2T_SAY_PROMPT.format(options=format_options(options)), "user"),
+        TextPart(answer, "assistant"),
+    ]
+    return parts, answer, {"options": options}
 
 
 def _jigsaw_mc(
@@ -179,6 +264,10 @@ _BUILDERS = {
     "jigsaw_mc": _jigsaw_mc,
     "draw_then_answer": _draw_then_answer,
     "i2t_open": _i2t_open,
+    "i2t_mc_say": _i2t_mc_say,
+    "mc_lookup": _mc_lookup,
+    "i2t_pick": _i2t_pick,
+    "i2t_mc_first": _i2t_mc_first,
 }
 
 
@@ -233,5 +322,7 @@ def vocabulary_texts() -> list[str]:
     texts.append(JIGSAW_PROMPT.format(options=format_options(_PERMUTATIONS[:4])))
     texts += [NEXT_PROMPT, NEXT_RESPONSE]
     texts.append(I2T_OPEN_PROMPT)
+    texts.append(I2T_SAY_PROMPT.format(options=format_options([0, 1, 2, 3])))
+    texts.append(LOOKUP_PROMPT.format(digit=0, options=format_options([0, 1, 2, 3])))
     texts += list(LETTERS) + [str(d) for d in range(10)]
     return texts

@@ -125,6 +125,21 @@ def write_rank_rng(staging: Path, rank: int) -> None:
     torch.save(rng_states(), staging / f"rng-rank{rank}.pt")
 
 
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of `state` in which no two entries share storage (tied
+    weights are stored once per name, as safetensors requires)."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in state.items():
+        tensor = value.detach().contiguous().cpu()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen:
+            tensor = tensor.clone()
+        seen.add(pointer)
+        out[name] = tensor
+    return out
+
+
 def commit_checkpoint(
     run_dir: Path,
     update: int,
@@ -139,9 +154,7 @@ def commit_checkpoint(
     """
     staging = staging_dir(run_dir, update)
     staging.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(staging / MODEL)
-    )
+    save_file(_unshared(model_state), str(staging / MODEL))
     torch.save(optimizer_state, staging / OPTIMIZER)
     return seal_checkpoint(run_dir, update, state, keep_last)
 

@@ -41,19 +41,23 @@ METRIC = {
     "t2i": "score",
     "draw_then_answer": "exact_match",
     "i2t_open": "accuracy",
+    "i2t_mc_say": "accuracy",
+    "mc_lookup": "accuracy",
+    "i2t_pick": "accuracy",
+    "i2t_mc_first": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
 __all__ = ["CLASSIFIER_DIR", "evaluate_digits", "evaluate_task", "load_or_fit_classifier"]
 
 
 def _plugin(task: str, classifier: DigitClassifier):
-    if task == "i2t_mc":
+    if task in ("i2t_mc", "mc_lookup", "i2t_pick", "i2t_mc_first"):
         return MultipleChoiceExact()
     if task == "jigsaw_mc":
         return JigsawVerifier()
     if task == "t2i":
         return DigitClassifierReward(classifier)
-    if task == "i2t_open":
+    if task in ("i2t_open", "i2t_mc_say"):
         return TextExact()
     return ExactAnswer()
 
@@ -66,7 +70,16 @@ def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
             RolloutRequest(s, seed_for(seed, 0, i, 0), params, image_grid=grid)
             for i, s in enumerate(samples)
         ]
-    cap = 8 if task in ("i2t_mc", "jigsaw_mc", "i2t_open") else 24 + grid[0] * grid[1]
+    short = (
+        "i2t_mc",
+        "jigsaw_mc",
+        "i2t_open",
+        "i2t_mc_say",
+        "mc_lookup",
+        "i2t_pick",
+        "i2t_mc_first",
+    )
+    cap = 8 if task in short else 24 + grid[0] * grid[1]
     params = SamplingParams(greedy=True, max_new_tokens=cap)
     return [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
 

@@ -67,6 +67,7 @@ def build_tiny(
             intermediate_size=t.intermediate_size,
             max_positions=t.max_position_embeddings,
             mixer_kernel=t.mixer_kernel,
+            tie_embeddings=t.tie_embeddings,
         ),
         build_tokenizer() if tokenizer is None else tokenizer,
         codec,

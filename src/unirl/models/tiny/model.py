@@ -43,6 +43,7 @@ class TinyModelConfig:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     mixer_kernel: int = 4
+    tie_embeddings: bool = False
 
 
 class TinyUnifiedModel(UnifiedModel):
@@ -93,6 +94,9 @@ class TinyUnifiedModel(UnifiedModel):
         self.visual_head_proj = nn.Linear(d, self._n_visual, bias=False)
         for module in (self.visual_embed, self.text_head, self.visual_head_proj):
             nn.init.normal_(module.weight, std=config.initializer_range)
+        if config.tie_embeddings:
+            # One matrix E for tokens in and text logits out (logits = h @ E^T).
+            self.text_head.weight = self.decoder.embed_tokens.weight
 
     @staticmethod
     def _llama_config(config: TinyModelConfig, vocab_size: int) -> LlamaConfig:
@@ -188,7 +192,8 @@ class TinyUnifiedModel(UnifiedModel):
         meta = {"kind": self.kind, "config": asdict(self.config)}
         (path / MODEL_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
         source = self.state_dict() if state_dict is None else state_dict
-        state = {k: v.detach().contiguous().cpu() for k, v in source.items()}
+        # clone: tied embeddings share storage, which safetensors refuses to save.
+        state = {k: v.detach().cpu().clone() for k, v in source.items()}
         save_file(state, str(path / WEIGHTS))
         self.tokenizer.save_pretrained(str(path / "tokenizer"))
         self.codec.save_pretrained(path / "codec")
