@@ -49,6 +49,18 @@ def ungroup_bits(bits: torch.Tensor, k: int, latent_dim: int) -> torch.Tensor:
     return x.reshape(n, gh * k, gw * k, latent_dim)
 
 
+def bits_to_code_vectors(bits: ArrayLike, bits_per_position: int, latent_dim: int) -> torch.Tensor:
+    """Bits {0,1} [..., bits_per_position] -> code values (2b - 1)/sqrt(L) (float32); each
+    L-bit cell is a unit vector. ValueError for another last dim or a non-bit value."""
+    t = as_tensor(bits, "bits")
+    if t.dim() == 0 or t.shape[-1] != bits_per_position:
+        raise ValueError(f"bits must end in a dim of {bits_per_position}, got {list(t.shape)}")
+    t = t.float()
+    if not ((t == 0) | (t == 1)).all():
+        raise ValueError("bits must have values in {0, 1}")
+    return (2.0 * t - 1.0) / math.sqrt(latent_dim)
+
+
 def sub_codebook(group_size: int, latent_dim: int) -> torch.Tensor:
     """All 2^g sub-codes of one bit group, {+-1/sqrt(L)}^g: [2^g, g] (bit 0 is the MSB)."""
     ids = torch.arange(2**group_size).unsqueeze(1)
@@ -249,15 +261,7 @@ class BSQCodec(ImageCodec):
 
         Each underlying position's L-vector has unit norm (a composite has norm k).
         """
-        t = as_tensor(bits, "bits")
-        if t.dim() == 0 or t.shape[-1] != self.bits_per_position:
-            raise ValueError(
-                f"bits must end in a dim of {self.bits_per_position}, got {list(t.shape)}"
-            )
-        t = t.float()
-        if not ((t == 0) | (t == 1)).all():
-            raise ValueError("bits must have values in {0, 1}")
-        return (2.0 * t - 1.0) / math.sqrt(self.latent_dim)
+        return bits_to_code_vectors(bits, self.bits_per_position, self.latent_dim)
 
     def decode(self, codes: ArrayLike) -> torch.Tensor:
         """Bits [N, gh, gw, bits_per_position] -> pixels float32 [N, 8, 8] in [0, 1]."""

@@ -27,7 +27,6 @@ tokenizer's weights. Training is not built (the codec is frozen in unirl).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from unirl.codecs.base import ArrayLike, as_tensor
-from unirl.codecs.bsq import group_bits, ungroup_bits
+from unirl.codecs.bsq import bits_to_code_vectors, group_bits, ungroup_bits
 
 KIND = "bsq_tokenizer"
 CONFIG_FILE = "config.json"
@@ -221,15 +220,7 @@ class BSQTokenizer:
 
     def bits_to_vectors(self, bits: ArrayLike) -> torch.Tensor:
         """Bits {0,1} [..., k*k*L] -> code values (2b - 1)/sqrt(L) (each cell unit norm)."""
-        t = as_tensor(bits, "bits")
-        if t.dim() == 0 or t.shape[-1] != self.bits_per_position:
-            raise ValueError(
-                f"bits must end in a dim of {self.bits_per_position}, got {list(t.shape)}"
-            )
-        t = t.float()
-        if not ((t == 0) | (t == 1)).all():
-            raise ValueError("bits must have values in {0, 1}")
-        return (2.0 * t - 1.0) / math.sqrt(self.latent_dim)
+        return bits_to_code_vectors(bits, self.bits_per_position, self.latent_dim)
 
     @torch.no_grad()
     def decode(self, codes: ArrayLike) -> torch.Tensor:
