@@ -83,7 +83,7 @@ def test_round_trip_all_tasks(tok, task, kind):
     make = (lambda: vq_codes(g)) if kind == "vq" else (lambda: bsq_codes(g))
     for sample in make_task_samples(task, "val", 4, seed=1):
         coded = with_codes(sample, make)
-        traj = serialize(coded, tok)
+        traj = serialize(coded, tok, bits=BITS if kind == "bsq" else None)  # text-only: needs L
         n_images = sum(isinstance(p, ImagePart) for p in coded.parts)
         assert traj.image_grids == [GRID] * n_images
         assert traj.is_bits == (kind == "bsq")
@@ -247,7 +247,7 @@ def test_multi_turn_round_trip(tok):
 def test_serialized_trajectories_collate(tok):
     g = torch.Generator().manual_seed(0)
     samples = [with_codes(make_task_samples(t, "val", 1)[0], lambda: bsq_codes(g)) for t in TASKS]
-    trajs = [serialize(s, tok) for s in samples]
+    trajs = [serialize(s, tok, bits=BITS) for s in samples]  # mc_lookup is text-only
     trajs.append(serialize(Sample("text", [TextPart("hi")]), tok, bits=BITS))
     batch = TrajectoryBatch.collate(trajs, pad_id=tok.pad_token_id)
     back = batch.unbatch()
