@@ -31,7 +31,7 @@ DIGITS_TASKS: tuple[str, ...] = (
     "i2t_pick",
     "i2t_mc_first",
 )
-"""The built-in digits data provider's tasks (== unirl.data.digits.TASKS)."""
+"""The built-in digits data provider's tasks (`unirl.data.digits.TASKS` is this tuple)."""
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
 """The digits tasks whose answers hold an image (dataset rows say so themselves)."""
 DIGITS_IMAGE_SIZE = 8  # == unirl.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)

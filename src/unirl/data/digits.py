@@ -48,20 +48,11 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from unirl.config.schema import DIGITS_TASKS
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.data.digits_images import SPLITS, DigitImages, Split, load_split
 
-TASKS: tuple[str, ...] = (
-    "t2i",
-    "i2t_mc",
-    "jigsaw_mc",
-    "draw_then_answer",
-    "i2t_open",
-    "i2t_mc_say",
-    "mc_lookup",
-    "i2t_pick",
-    "i2t_mc_first",
-)
+TASKS: tuple[str, ...] = DIGITS_TASKS  # the config layer validates `data.tasks` against it
 LETTERS = "ABCD"
 QUADRANT = 4
 
