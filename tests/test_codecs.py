@@ -13,7 +13,7 @@ from sklearn.cluster import KMeans
 from unirl.codecs import BSQCodec, VQCodec, build_codec, load_codec
 from unirl.codecs.base import to_patches
 from unirl.codecs.bsq import bsq_entropy_terms, group_bits, quantize, sub_codebook, ungroup_bits
-from unirl.codecs.vq import kmeans
+from unirl.codecs.vq import DIST_ROWS, _sq_dists, kmeans
 from unirl.data.digits_images import load_split
 from unirl.rewards.codec_report import codec_report
 from unirl.rewards.digit_classifier import DigitClassifier
@@ -68,6 +68,16 @@ def test_vq_encode_is_the_nearest_codeword(vq, test_images):
     np.testing.assert_array_equal(
         decoded[:, :2, :2].reshape(50, 4), book[codes[:, 0, 0]].astype(np.float32)
     )
+
+
+@pytest.mark.parametrize("dim", [4, 16])
+def test_sq_dists_in_blocks_equal_the_one_pass_formula(dim):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2 * DIST_ROWS + 37, dim, generator=g, dtype=torch.float64)
+    centers = torch.rand(9, dim, generator=g, dtype=torch.float64)
+    assert torch.equal(_sq_dists(x, centers), (x[:, None] - centers[None]).pow(2).sum(-1))
+    x32, c32 = x.float(), centers.float()
+    assert torch.equal(_sq_dists(x32, c32), (x32[:, None] - c32[None]).pow(2).sum(-1))
 
 
 def test_kmeans_inertia_close_to_sklearn(train):

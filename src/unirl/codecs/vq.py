@@ -25,9 +25,19 @@ from unirl.codecs.base import (
 DEFAULT_CODEBOOK_SIZE = 32
 
 
+DIST_ROWS = 512
+"""Rows of x per block of `_sq_dists`: the [rows, K, D] differences stay in cache."""
+
+
 def _sq_dists(x: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
-    """Squared distances [N, K] between rows of x [N, D] and centers [K, D]."""
-    return (x.unsqueeze(1) - centers.unsqueeze(0)).pow(2).sum(-1)
+    """Squared distances [N, K] between rows of x [N, D] and centers [K, D]:
+    d[n, k] = sum_d (x[n, d] - centers[k, d])^2, torch's sum over d, evaluated in blocks of
+    `DIST_ROWS` rows (a row's value does not depend on the blocking)."""
+    out = torch.empty(x.shape[0], centers.shape[0], dtype=torch.result_type(x, centers))
+    for start in range(0, x.shape[0], DIST_ROWS):
+        block = x[start : start + DIST_ROWS].unsqueeze(1) - centers.unsqueeze(0)
+        torch.sum(block.square_(), dim=-1, out=out[start : start + DIST_ROWS])
+    return out
 
 
 def kmeans_pp_init(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -51,13 +61,18 @@ def kmeans(
     """Lloyd's algorithm from a k-means++ start; returns (centers [k, D], inertia).
 
     An empty cluster is re-seeded with the point farthest from its current centre.
-    Stops when assignments no longer change or after `max_iter` iterations.
+    Stops when assignments no longer change or after `max_iter` iterations. Distances are
+    computed once per distinct row of x and gathered back to every row (the same values).
     """
     centers = kmeans_pp_init(x, k, generator)
+    points, inverse = torch.unique(x, dim=0, return_inverse=True)
+
+    def nearest_d2() -> torch.Tensor:
+        return _sq_dists(points, centers).min(dim=1).values[inverse]
+
     assign = torch.full((x.shape[0],), -1, dtype=torch.long)
     for _ in range(max_iter):
-        d2 = _sq_dists(x, centers)
-        new_assign = d2.argmin(dim=1)
+        new_assign = _sq_dists(points, centers).argmin(dim=1)[inverse]
         if torch.equal(new_assign, assign):
             break
         assign = new_assign
@@ -65,9 +80,8 @@ def kmeans(
         sums = torch.zeros_like(centers).index_add_(0, assign, x)
         centers = sums / counts.clamp(min=1).unsqueeze(1).to(x.dtype)
         for empty in torch.nonzero(counts == 0).flatten().tolist():
-            point_d2 = _sq_dists(x, centers).min(dim=1).values
-            centers[empty] = x[int(point_d2.argmax())]
-    inertia = float(_sq_dists(x, centers).min(dim=1).values.sum())
+            centers[empty] = x[int(nearest_d2().argmax())]
+    inertia = float(nearest_d2().sum())
     return centers, inertia
 
 
