@@ -290,3 +290,28 @@ def test_parse_rejects_malformed_streams(tok, sp):
     wrong_grid = dataclasses.replace(traj, image_grids=[(3, 2)])
     with pytest.raises(ValueError, match="image 0 is 2x3"):
         parse(wrong_grid, tok)
+
+
+def test_memoized_encodings_serialize_the_same_rows_encoding_each_image_once(tok):
+    from unirl.codecs import VQCodec
+    from unirl.data.digits_images import load_split
+    from unirl.data.memo import memoized_encodings
+
+    codec = VQCodec(codebook_size=16, n_init=1).fit(load_split("train").images[:200], seed=0)
+    images: list[bytes] = []
+
+    def encode_image(pixels: torch.Tensor) -> torch.Tensor:
+        images.append(pixels.numpy().tobytes())
+        return codec.encode(pixels)
+
+    samples = [s for task in TASKS for s in make_task_samples(task, "train", 12, seed=0)]
+    plain = [serialize(s, tok, encode_image=encode_image) for s in samples]
+    n_plain = len(images)
+    images.clear()
+    with memoized_encodings():
+        memo = [serialize(s, tok, encode_image=encode_image) for s in samples]
+    assert len(images) == len(set(images)) < n_plain  # each distinct image encoded once
+    for a, b in zip(plain, memo, strict=True):
+        for field in ("token_ids", "modality", "owner", "visual_codes"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (a.sample_id, field)
+        assert a.image_grids == b.image_grids and a.sample_id == b.sample_id

@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 from unirl.core.sample import ROLES, GenerationRequest, ImagePart, Part, Sample, TextPart
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality, Owner
+from unirl.data.memo import memoized
 from unirl.data.tokenizer import NEWLINE, SpecialIds
 
 EncodeImage = Callable[[torch.Tensor], torch.Tensor]
@@ -51,12 +52,19 @@ def header_text(h: int, w: int) -> str:
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    def encode() -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return list(memoized(("text", tokenizer, text), encode))
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> SpecialIds:
+    return memoized(("special", tokenizer), lambda: SpecialIds.from_tokenizer(tokenizer))
 
 
 def image_generation_prefix(h: int, w: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Token ids of `<image_gen> generate image H W<|vision_start|>`."""
-    sp = SpecialIds.from_tokenizer(tokenizer)
+    sp = _special_ids(tokenizer)
     return [sp.image_gen, *_encode(tokenizer, header_text(h, w)), sp.vision_start]
 
 
@@ -88,26 +96,26 @@ class _Stream:
         self.ids: list[int] = []
         self.modality: list[int] = []
         self.owner: list[int] = []
-        self.codes: list[torch.Tensor | None] = []
+        self.images: list[tuple[int, torch.Tensor]] = []  # (first position, codes [h*w, ...])
         self.grids: list[tuple[int, int]] = []
 
     def text(self, ids: Sequence[int], owner: Owner) -> None:
         self.ids += ids
         self.modality += [Modality.TEXT] * len(ids)
         self.owner += [owner] * len(ids)
-        self.codes += [None] * len(ids)
 
     def image(self, codes: torch.Tensor, pad_id: int, owner: Owner) -> None:
         h, w = int(codes.shape[0]), int(codes.shape[1])
         flat = codes.reshape(h * w, *codes.shape[2:])
+        if h * w:
+            self.images.append((len(self.ids), flat))
         self.ids += [pad_id] * (h * w)
         self.modality += [Modality.VISUAL] * (h * w)
         self.owner += [owner] * (h * w)
-        self.codes += list(flat)
         self.grids.append((h, w))
 
     def visual_codes(self, bits: int | None, where: str) -> torch.Tensor:
-        found = {(c.dim(), c.shape[-1] if c.dim() else 0) for c in self.codes if c is not None}
+        found = {(c.dim() - 1, c.shape[-1] if c.dim() > 1 else 0) for _, c in self.images}
         if len(found) > 1:
             raise ValueError(f"{where}: images mix VQ and BSQ codes (or bit widths)")
         if found:
@@ -122,9 +130,8 @@ class _Stream:
             out = torch.full((T,), -1, dtype=torch.long)
         else:
             out = torch.zeros((T, bits), dtype=torch.float32)
-        at = [t for t, c in enumerate(self.codes) if c is not None]
-        if at:
-            out[at] = torch.stack([self.codes[t] for t in at]).to(out.dtype)
+        for start, codes in self.images:
+            out[start : start + codes.shape[0]] = codes.to(out.dtype)
         return out
 
 
@@ -135,7 +142,8 @@ def _image_codes(part: ImagePart, encode_image: EncodeImage | None, where: str) 
         raise ValueError(f"{where}: the image has pixels but no codes; pass encode_image")
     else:
         pixels = torch.as_tensor(part.pixels, dtype=torch.float32)[None]
-        codes = encode_image(pixels)[0]
+        key = ("image", encode_image, tuple(pixels.shape), pixels.numpy().tobytes())
+        codes = memoized(key, lambda: encode_image(pixels)[0])
     if codes.dim() == 2 and codes.dtype == torch.long:
         if (codes < 0).any():
             raise ValueError(f"{where}: VQ codes must be >= 0")
@@ -183,7 +191,7 @@ def serialize(
     assistant header `\\n<|im_start|>assistant\\n`, for rollout. `bits` gives the BSQ code
     width L for a stream without images (codes float [T, L]); None means VQ (long [T]).
     """
-    sp = SpecialIds.from_tokenizer(tokenizer)
+    sp = _special_ids(tokenizer)
     specials = sp.as_set()
     newline = _encode(tokenizer, NEWLINE)
     parts = _prompt_for_generation(sample.parts) if add_generation_prompt else list(sample.parts)

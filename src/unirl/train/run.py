@@ -35,6 +35,7 @@ import torch
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
+from unirl.data.memo import memoized_encodings
 from unirl.data.rows import has_split
 from unirl.eval.runner import evaluate, split_config
 from unirl.models.base import UnifiedModel
@@ -119,7 +120,8 @@ def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_ta
             for task, n in task_sizes(cfg, n_per_task).items()
             for s in make_task_samples(task, split, n, seed=cfg.data.seed)
         ]
-    return [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
+    with memoized_encodings():  # repeated texts and images are encoded once
+        return [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
 
 
 def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> UnifiedModel:
