@@ -259,7 +259,17 @@ def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = Non
         return None
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False)
+    width, height = 4.5 * cols, 3.0 * rows
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
+    # fixed margins in inches (tight_layout would draw every tick label once more)
+    fig.subplots_adjust(
+        left=0.75 / width,
+        right=1 - 0.2 / width,
+        bottom=0.5 / height,
+        top=1 - 0.35 / height,
+        wspace=0.9 * cols / (width - 0.95),
+        hspace=0.85 * rows / (height - 0.85),
+    )
     for ax, key in zip(axes.flat, keys):
         points = [(r["update"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
@@ -268,7 +278,6 @@ def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = Non
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
-    fig.tight_layout()
     tmp = out_png.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
