@@ -12,7 +12,7 @@ from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples
 from unirl.data.template import serialize
 from unirl.models.base import ModelInputs, image_positions
-from unirl.train.evaluate import evaluate_task
+from unirl.train.evaluate import evaluate_task, rollout_task
 from unirl.train.evaluate_masked import (
     cut_after_drawn_image,
     evaluate_masked_answer,
@@ -95,3 +95,13 @@ def test_end_to_end_unmasked_matches_the_engine_evaluation():
     }
     engine = evaluate_task(model, "draw_then_answer", samples, classifier=None)
     assert out["draw_then_answer/exact_match_unmasked"] == engine["draw_then_answer/exact_match"]
+
+
+def test_the_task_evaluation_rollouts_give_the_same_metrics():
+    model = tiny_model("vq")
+    samples = make_task_samples("draw_then_answer", "val", 5, seed=4)
+    trajs = rollout_task(model, "draw_then_answer", samples, seed=7)
+    reused = evaluate_masked_answer(model, samples, seed=7, trajectories=trajs)
+    assert reused == evaluate_masked_answer(model, samples, seed=7)
+    with pytest.raises(ValueError, match="4 trajectories for 5 samples"):
+        evaluate_masked_answer(model, samples, seed=7, trajectories=trajs[:4])

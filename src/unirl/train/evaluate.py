@@ -33,7 +33,7 @@ from unirl.rewards.plugins import (
     build_responses,
     parse_response,
 )
-from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
+from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory, SamplingParams
 
 METRIC = {
     "i2t_mc": "accuracy",
@@ -47,7 +47,14 @@ METRIC = {
     "i2t_mc_first": "accuracy",
 }
 CLASSIFIER_DIR = "classifier"
-__all__ = ["CLASSIFIER_DIR", "evaluate_digits", "evaluate_task", "load_or_fit_classifier"]
+__all__ = [
+    "CLASSIFIER_DIR",
+    "evaluate_digits",
+    "evaluate_task",
+    "load_or_fit_classifier",
+    "rollout_task",
+    "score_task",
+]
 
 
 def _plugin(task: str, classifier: DigitClassifier):
@@ -85,6 +92,13 @@ def _requests(model: UnifiedModel, task: str, samples: list[Sample], seed: int):
 
 
 @torch.no_grad()
+def rollout_task(
+    model: UnifiedModel, task: str, samples: list[Sample], seed: int = 0, batch_size: int = 64
+) -> list[RolloutTrajectory]:
+    """The trajectories `evaluate_task` scores: one per sample, in order."""
+    return RolloutService(model, batch_size).generate(_requests(model, task, samples, seed))
+
+
 def evaluate_task(
     model: UnifiedModel,
     task: str,
@@ -94,8 +108,18 @@ def evaluate_task(
     batch_size: int = 64,
 ) -> dict[str, float]:
     """Metrics of one task on `samples` (see the module docstring)."""
-    requests = _requests(model, task, samples, seed)
-    trajs = RolloutService(model, batch_size).generate(requests)
+    trajs = rollout_task(model, task, samples, seed, batch_size)
+    return score_task(model, task, samples, trajs, classifier)
+
+
+def score_task(
+    model: UnifiedModel,
+    task: str,
+    samples: list[Sample],
+    trajs: list[RolloutTrajectory],
+    classifier: DigitClassifier,
+) -> dict[str, float]:
+    """Metrics of one task from its `rollout_task` trajectories of `samples`."""
     parsed = [parse_response(t, model.tokenizer) for t in trajs]
     responses, _ = build_responses(parsed, model.codec.decode)
     plugin = _plugin(task, classifier)
@@ -119,10 +143,15 @@ def evaluate_digits(
     n_per_task: int,
     classifier: DigitClassifier,
     seed: int = 0,
+    rollouts: dict[str, list[RolloutTrajectory]] | None = None,
 ) -> dict[str, float]:
-    """Metrics of every task on `n_per_task` prompts of `split`."""
+    """Metrics of every task on `n_per_task` prompts of `split`; `rollouts`, when given,
+    receives each task's trajectories (for a further evaluation of the same rows)."""
     out: dict[str, float] = {}
     for task in tasks:
         samples = make_task_samples(task, split, n_per_task, seed=seed)
-        out.update(evaluate_task(model, task, samples, classifier, seed=seed))
+        trajs = rollout_task(model, task, samples, seed)
+        if rollouts is not None:
+            rollouts[task] = trajs
+        out.update(score_task(model, task, samples, trajs, classifier))
     return out

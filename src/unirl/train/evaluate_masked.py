@@ -1,7 +1,7 @@
 """Does the interleaved task's answer depend on the image the model drew?
 
-For each prompt of `draw_then_answer`: the greedy trajectory (through the rollout engine,
-as `evaluate.evaluate_task` does) is cut right after the drawn image's `<|vision_end|>`;
+For each prompt of `draw_then_answer`: the greedy trajectory (`evaluate.rollout_task`, the
+one `evaluate.evaluate_task` scores) is cut right after the drawn image's `<|vision_end|>`;
 the final answer is then decoded greedily again, teacher-forced over that prefix, twice:
 
 - `unmasked`: with the plain attention mask (reproduces the engine's answer, a check);
@@ -22,12 +22,12 @@ from dataclasses import replace
 import torch
 
 from unirl.core.sample import Sample
-from unirl.core.seeding import seed_for
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality, Owner
 from unirl.models.base import UnifiedModel
 from unirl.rewards.plugins import ExactAnswer, build_responses, parse_response
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from unirl.rollout import RolloutTrajectory
+from unirl.train.evaluate import rollout_task
 
 TASK = "draw_then_answer"
 MAX_ANSWER_TOKENS = 4
@@ -120,19 +120,23 @@ def _decode_answers(
 
 @torch.no_grad()
 def evaluate_masked_answer(
-    model: UnifiedModel, samples: list[Sample], seed: int = 0, batch_size: int = 64
+    model: UnifiedModel,
+    samples: list[Sample],
+    seed: int = 0,
+    batch_size: int = 64,
+    trajectories: list[RolloutTrajectory] | None = None,
 ) -> dict[str, float]:
     """Answer exact match of `draw_then_answer` with and without the drawn image's keys
-    (module docstring)."""
+    (module docstring). `trajectories`: the `evaluate.rollout_task` trajectories of
+    `samples` (with this `seed`) when the task evaluation already generated them."""
     if any(s.task != TASK for s in samples):
         raise ValueError(f"evaluate_masked_answer scores {TASK} samples only")
-    engine = RolloutEngine(model, model.tokenizer)
+    if trajectories is not None and len(trajectories) != len(samples):
+        raise ValueError(f"{len(trajectories)} trajectories for {len(samples)} samples")
     grid = tuple(model.codec.grid)
-    params = SamplingParams(greedy=True, max_new_tokens=24 + grid[0] * grid[1])
-    requests = [RolloutRequest(s, seed_for(seed, 0, i, 0), params) for i, s in enumerate(samples)]
-    trajs = []
-    for start in range(0, len(requests), batch_size):
-        trajs.extend(engine.generate(requests[start : start + batch_size]))
+    trajs = trajectories
+    if trajs is None:
+        trajs = rollout_task(model, TASK, samples, seed, batch_size)
     vision_end = model.special_ids.vision_end
     cuts = [cut_after_drawn_image(t.to("cpu"), vision_end) for t in trajs]
     keep = [i for i, c in enumerate(cuts) if c is not None]

@@ -289,12 +289,15 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
     results = None
     if _digits_tasks(cfg) and cfg.data.test_size > 0:
         classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-        results = evaluate_digits(
-            model, list(cfg.data.tasks), "test", cfg.data.test_size, classifier, cfg.data.seed
-        )
+        rollouts: dict = {}
+        tasks, size, seed = list(cfg.data.tasks), cfg.data.test_size, cfg.data.seed
+        results = evaluate_digits(model, tasks, "test", size, classifier, seed, rollouts)
         if MASKED_TASK in cfg.data.tasks:  # does the answer read the drawn image?
             samples = make_task_samples(MASKED_TASK, "test", cfg.data.test_size, cfg.data.seed)
-            results.update(evaluate_masked_answer(model, samples, seed=cfg.data.seed))
+            trajs = rollouts[MASKED_TASK]  # the same rows, already generated
+            results.update(
+                evaluate_masked_answer(model, samples, cfg.data.seed, trajectories=trajs)
+            )
     elif _rows_of(cfg, "test", cfg.data.test_size):
         out = run_dir / EVALS / f"test-update-{cfg.trainer.total_updates:06d}"
         results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
