@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -230,6 +233,33 @@ def test_validation_names_the_field():
     bits.visual_codes = bits.visual_codes * 2
     with pytest.raises(ValueError, match="visual_codes"):
         bits.validate()
+
+
+def test_code_checks_accept_and_refuse_exactly_the_conventions():
+    """Each single-entry change of a valid row is refused with the message of the rule it
+    breaks; -0.0 is a valid BSQ zero."""
+    vq = _traj(3, (2, 2), 2)
+    at_visual = int(torch.nonzero(vq.modality == Modality.VISUAL)[0])
+    off_visual = 0
+    cases = [(off_visual, -5, "-1 at non-visual"), (off_visual, 0, "-1 at non-visual")]
+    cases += [(at_visual, -1, ">= 0 at visual"), (at_visual, -7, ">= 0 at visual")]
+    for pos, value, message in cases:
+        t = dataclasses.replace(vq, visual_codes=vq.visual_codes.clone())
+        t.visual_codes[pos] = value
+        with pytest.raises(ValueError, match=message):
+            t.validate()
+    bsq = _traj(3, (2, 2), 2, bits=3)
+    cases = [(at_visual, v, "values in") for v in (0.5, -1.0, 2.0, math.inf, math.nan)]
+    cases += [(off_visual, 1.0, "0 at non-visual"), (off_visual, math.inf, "values in")]
+    for pos, value, message in cases:
+        t = dataclasses.replace(bsq, visual_codes=bsq.visual_codes.clone())
+        t.visual_codes[pos, 1] = value
+        with pytest.raises(ValueError, match=message):
+            t.validate()
+    t = dataclasses.replace(bsq, visual_codes=bsq.visual_codes.clone())
+    t.visual_codes[off_visual, 0] = -0.0
+    t.visual_codes[at_visual] = torch.where(t.visual_codes[at_visual] == 0, -0.0, 1.0)
+    t.validate()
 
 
 def test_truncated_row_may_stop_inside_last_image():

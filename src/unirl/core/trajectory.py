@@ -63,8 +63,17 @@ _OPTIONAL_PER_ROW = (
 )
 
 
+_LOGP_FIELDS = ("rollout_logp", "old_logp", "rollout_logp_factors", "old_logp_factors")
+
+
 def _fail(name: str, what: str) -> None:
     raise ValueError(f"{name}: {what}")
+
+
+def _ints_within(values: torch.Tensor, lo: int, hi: int) -> bool:
+    """Every entry of a non-empty integer tensor lies in [lo, hi] (one reduction)."""
+    low, high = torch.aminmax(values)
+    return int(low) >= lo and int(high) <= hi
 
 
 def _check_grids(name: str, grids: Sequence[Any]) -> list[int]:
@@ -156,9 +165,9 @@ class Trajectory:
         for name in ("modality", "owner"):
             if getattr(self, name).shape[0] != T:
                 _fail(name, f"length {getattr(self, name).shape[0]} != len(token_ids) {T}")
-        if not ((self.modality == Modality.TEXT) | (self.modality == Modality.VISUAL)).all():
+        if not _ints_within(self.modality, Modality.TEXT, Modality.VISUAL):
             _fail("modality", "values must be Modality.TEXT (0) or Modality.VISUAL (1)")
-        if not ((self.owner >= Owner.PROMPT) & (self.owner <= Owner.CONTROLLER)).all():
+        if not _ints_within(self.owner, Owner.PROMPT, Owner.CONTROLLER):
             _fail("owner", "values must be Owner.PROMPT/POLICY/CONTROLLER (0/1/2)")
         if int(self.owner[0]) == Owner.POLICY:
             _fail("owner", "position 0 cannot be POLICY (it has no preceding state)")
@@ -178,11 +187,12 @@ class Trajectory:
                 f"grids {self.image_grids} give {expected} visual positions, "
                 f"modality has {n_visual}",
             )
-        non_policy = self.owner != Owner.POLICY
-        for name in ("rollout_logp", "old_logp"):
-            self._validate_logp(name, non_policy, T)
-        for name in ("rollout_logp_factors", "old_logp_factors"):
-            self._validate_logp_factors(name, non_policy)
+        if any(getattr(self, name) is not None for name in _LOGP_FIELDS):
+            non_policy = self.owner != Owner.POLICY
+            for name in ("rollout_logp", "old_logp"):
+                self._validate_logp(name, non_policy, T)
+            for name in ("rollout_logp_factors", "old_logp_factors"):
+                self._validate_logp_factors(name, non_policy)
         self._validate_training_data()
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             _fail(
@@ -237,16 +247,18 @@ class Trajectory:
         if c.dim() == 1:
             if c.dtype != torch.long or c.shape[0] != T:
                 _fail("visual_codes", f"VQ codes must be long [{T}], got {_describe(c)}")
-            if (c[~visual] != VQ_PAD).any():
-                _fail("visual_codes", "VQ codes must be -1 at non-visual positions")
-            if (c[visual] < 0).any():
+            # valid <=> (c >= 0 exactly at visual positions) and min(c) >= -1
+            if not (torch.equal(c >= 0, visual) and int(c.min()) >= VQ_PAD):
+                if (c[~visual] != VQ_PAD).any():
+                    _fail("visual_codes", "VQ codes must be -1 at non-visual positions")
                 _fail("visual_codes", "VQ codes must be >= 0 at visual positions")
         elif c.dim() == 2:
             if not c.is_floating_point() or c.shape[0] != T or c.shape[1] == 0:
                 _fail("visual_codes", f"BSQ codes must be float [{T}, L], got {_describe(c)}")
-            if not ((c == 0) | (c == 1)).all():
-                _fail("visual_codes", "BSQ codes must have values in {0, 1}")
-            if (c[~visual] != BITS_PAD).any():
+            # valid <=> c equals its bits rounded into {0, 1} and zeroed off visual positions
+            if not torch.equal(c, c.round().clamp(0, 1) * visual.unsqueeze(1)):
+                if not ((c == 0) | (c == 1)).all():
+                    _fail("visual_codes", "BSQ codes must have values in {0, 1}")
                 _fail("visual_codes", "BSQ codes must be 0 at non-visual positions")
         else:
             _fail("visual_codes", f"expected VQ [T] or BSQ [T, L], got {_describe(c)}")
