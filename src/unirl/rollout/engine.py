@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from unirl.core.sample import GenerationRequest, Sample
-from unirl.core.trajectory import Trajectory
+from unirl.core.trajectory import Trajectory, validate_all
 from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
@@ -94,8 +94,11 @@ class RolloutEngine:
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
-    def prompt_trajectory(self, request: RolloutRequest) -> tuple[Trajectory, tuple | None]:
-        """The prompt positions of `request` and its forced image grid (or None)."""
+    def prompt_trajectory(
+        self, request: RolloutRequest, validated: bool = False
+    ) -> tuple[Trajectory, tuple | None]:
+        """The prompt positions of `request` and its forced image grid (or None).
+        `validated`: a prompt `Trajectory` was already validated (`validate_all`)."""
         grid = request.image_grid
         if isinstance(request.prompt, Sample):
             sample = request.prompt
@@ -123,7 +126,7 @@ class RolloutEngine:
                     bits=self.bits,
                 )
         else:
-            traj = request.prompt.validate()
+            traj = request.prompt if validated else request.prompt.validate()
             if (traj.owner != Owner.PROMPT).any():
                 raise ValueError(f"request {request.id!r}: a prompt trajectory must be all PROMPT")
             if grid is not None:
@@ -150,10 +153,10 @@ class RolloutEngine:
         and the same forced grid reuse the first one's positions (under their own id); each
         request is still checked against its own parameters."""
         if not isinstance(request.prompt, Sample):
-            return self.prompt_trajectory(request)
+            return self.prompt_trajectory(request, validated=True)
         key = (tuple(map(id, request.prompt.parts)), request.image_grid)
         if key not in memo:
-            memo[key] = self.prompt_trajectory(request)
+            memo[key] = self.prompt_trajectory(request, validated=True)
             return memo[key]
         traj, grid = memo[key]
         self._check_request(request, traj, grid)
@@ -198,6 +201,8 @@ class RolloutEngine:
         device = self.model.device
         states, prompts, twins = [], [], []
         memo: dict[tuple, tuple[Trajectory, tuple | None]] = {}
+        given = {id(r.prompt): r.prompt for r in requests if isinstance(r.prompt, Trajectory)}
+        validate_all(list(given.values()))
         for k, req in enumerate(requests):
             prompt, grid = self._prompt(req, memo)
             extra = 0
@@ -225,7 +230,9 @@ class RolloutEngine:
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
         with torch.inference_mode():
             self._decode(states, gens, rows, prompts + [t for _, t in twins])
-        return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
+        out = [s.to_trajectory(r.id, r.seed, validate=False) for s, r in zip(states, requests)]
+        validate_all(out)
+        return out
 
     def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
         batch = DecodeBatch.prefill(self.model, prompts, self.special.pad, self.share_prefill)
