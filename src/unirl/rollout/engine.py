@@ -66,7 +66,9 @@ class RolloutEngine:
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
     `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
-    every row (the A/B baseline of `bench/rollout.py`).
+    every row. `lean` runs the decode steps of a plain Llama body through
+    `unirl.rollout.lean_step` (bit-identical); False runs the model's forward. Both False
+    options are the A/B baselines of `bench/rollout.py`.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class RolloutEngine:
         max_positions: int | None = None,
         finished: Finished = "compact",
         share_prefill: bool = True,
+        lean: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -91,6 +94,7 @@ class RolloutEngine:
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
+        self.lean = lean
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
@@ -235,7 +239,9 @@ class RolloutEngine:
         return out
 
     def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
-        batch = DecodeBatch.prefill(self.model, prompts, self.special.pad, self.share_prefill)
+        batch = DecodeBatch.prefill(
+            self.model, prompts, self.special.pad, self.share_prefill, self.lean
+        )
         while True:
             self._act(states, gens, rows, batch.hidden)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
