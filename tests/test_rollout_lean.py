@@ -15,7 +15,7 @@ import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 
 from unirl.rollout import RolloutEngine, SamplingParams
-from unirl.rollout.decode_cache import preallocate
+from unirl.rollout.decode_cache import compact, holes_filled, preallocate
 from unirl.rollout.lean_step import lean_step
 
 
@@ -83,3 +83,23 @@ def test_no_lean_step_for_bodies_it_does_not_reproduce():
     assert lean_step(model) is None
     handle.remove()
     assert lean_step(model) is not None
+
+
+def test_compaction_moving_only_the_holes_equals_a_full_select():
+    """`compact` with a `holes_filled` order leaves the cache a full
+    `batch_select_indices` of the same order leaves, and orders every kept row once."""
+    kept = [0, 2, 3, 6, 7, 9]
+    order = holes_filled(kept)
+    assert sorted(order) == kept and order[:4:3] == [0, 3]
+    model = tiny_model("vq", mixer_kernel=0)
+    g = torch.Generator().manual_seed(1)
+    caches = [preallocate(model.new_cache()) for _ in range(2)]
+    x = torch.randn(10, 5, model.config.hidden_size, generator=g)
+    with torch.inference_mode():
+        for cache in caches:
+            model.decoder(inputs_embeds=x, cache=cache, use_cache=True)
+        compact(caches[0], order, torch.device("cpu"))
+        caches[1].batch_select_indices(torch.tensor(order))
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.keys.shape[0] == len(kept)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

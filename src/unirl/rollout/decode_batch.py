@@ -16,7 +16,7 @@ import torch
 
 from unirl.core.trajectory import Trajectory
 from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
-from unirl.rollout.decode_cache import RESERVE, preallocate
+from unirl.rollout.decode_cache import RESERVE, compact, preallocate
 from unirl.rollout.lean_step import LeanLlamaStep, lean_step
 
 
@@ -90,11 +90,12 @@ class DecodeBatch:
         return cls(out.cache, mask, positions, hidden, bits, lean_step(model) if lean else None)
 
     def select(self, rows: list[int]) -> None:
-        """Keep only batch `rows` (in this order), in the cache too."""
+        """Keep only batch `rows` (in this order), in the cache too (`decode_cache.compact`:
+        with `holes_filled` orders only the rows that change place move)."""
         idx = torch.tensor(rows, device=self.mask.device)
         if not hasattr(self.cache, "batch_select_indices"):
             raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
-        self.cache.batch_select_indices(idx)
+        compact(self.cache, rows, idx.device)
         self.positions.select(idx)
         self._mask, self.hidden = self._mask[idx], self.hidden[idx]
         self._padded = not bool(self.mask.all())

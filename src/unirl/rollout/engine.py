@@ -9,7 +9,8 @@ from its own generator (seeded by its request's seed), so a trajectory does not 
 on the batch it was sampled in, its size or its order.
 
 Finished rows stop costing compute: by default (`finished="compact"`) their rows are
-removed from the KV cache and the batch in place, once at least 1/8 of the batch has
+removed from the KV cache and the batch in place (live rows from the end fill their
+places, so only those move: `decode_cache.holes_filled`), once at least 1/8 of the batch has
 finished (until then they are fed padding, outputs ignored); `finished="mask"` keeps
 them in the batch, as transformers' `generate` does, for caches that cannot drop rows.
 
@@ -40,6 +41,7 @@ from unirl.data.template import image_generation_prefix, parse_image_header, ser
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import UnifiedModel
 from unirl.rollout.decode_batch import DecodeBatch
+from unirl.rollout.decode_cache import holes_filled
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.params import SamplingParams
 from unirl.rollout.policy import text_distribution, visual_distribution
@@ -248,8 +250,9 @@ class RolloutEngine:
             if not live:
                 break
             if self.finished == "compact" and _compact_now(len(rows) - len(live), len(rows)):
-                batch.select(live)
-                rows = [rows[b] for b in live]
+                order = holes_filled(live)
+                batch.select(order)
+                rows = [rows[b] for b in order]
             batch.step(self.model, self._inputs(states, rows))
 
     def _act(self, states: list[RowState], gens, rows, hidden: torch.Tensor) -> None:
@@ -318,7 +321,7 @@ class RolloutEngine:
 def _compact_now(n_finished: int, n_rows: int) -> bool:
     """Compact once at least 1/8 of the batch rows (and at least one) have finished: a
     finished row left in the batch costs one padded position per step until then, and
-    each compaction moves every kept row's cache once."""
+    each compaction moves the cache of the live rows that fill the finished rows' places."""
     return n_finished > 0 and 8 * n_finished >= n_rows
 
 
