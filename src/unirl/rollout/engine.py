@@ -235,17 +235,20 @@ class RolloutEngine:
         # The decode loop runs in inference mode (no version counters or autograd
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
         with torch.inference_mode():
-            self._decode(states, gens, rows, prompts + [t for _, t in twins])
+            keys = [_keys(r.params) for r in requests]
+            self._decode(states, gens, rows, prompts + [t for _, t in twins], keys)
         out = [s.to_trajectory(r.id, r.seed, validate=False) for s, r in zip(states, requests)]
         validate_all(out)
         return out
 
-    def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
+    def _decode(
+        self, states: list[RowState], gens, rows, prompts: list[Trajectory], keys: list[tuple]
+    ) -> None:
         batch = DecodeBatch.prefill(
             self.model, prompts, self.special.pad, self.share_prefill, self.lean
         )
         while True:
-            self._act(states, gens, rows, batch.hidden)
+            self._act(states, gens, rows, batch.hidden, keys)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
             if not live:
                 break
@@ -255,8 +258,11 @@ class RolloutEngine:
                 rows = [rows[b] for b in order]
             batch.step(self.model, self._inputs(states, rows))
 
-    def _act(self, states: list[RowState], gens, rows, hidden: torch.Tensor) -> None:
-        """Append one position to every live row, sampling in groups of equal params."""
+    def _act(
+        self, states: list[RowState], gens, rows, hidden: torch.Tensor, keys: list[tuple]
+    ) -> None:
+        """Append one position to every live row, sampling in groups of equal params
+        (`keys[k]`: the group keys of request k, `_keys`)."""
         cond, uncond = {}, {}
         for b, (k, is_twin) in enumerate(rows):
             (uncond if is_twin else cond)[k] = b
@@ -267,9 +273,9 @@ class RolloutEngine:
                 continue
             action = s.action
             if action == "text":
-                text[_keys(s.params)[0]].append(k)
+                text[keys[k][0]].append(k)
             elif action == "visual":
-                visual[_keys(s.params)[1]].append(k)
+                visual[keys[k][1]].append(k)
             else:
                 s.push_controller()
         model = self.model
