@@ -9,7 +9,9 @@ text, so it does exactly what `generate` does. Useful tokens/s = generated token
 rows / wall time (median of `--repeats` alternating runs).
 
 `engine_compact` is the default engine; `engine_unshared` prefills every row on its own
-instead of each distinct prompt once (a one-process A/B of that lever).
+instead of each distinct prompt once, and `engine_generic` runs each decode step through
+the body's transformers forward instead of the lean step (one-process A/Bs of those
+levers).
 
 Two scenarios: "varied" (the model's EOS head row is scaled so that greedy rows end at
 different lengths, as a trained model's rows do) and "all-cap" (no row emits EOS, every
@@ -116,6 +118,10 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         "engine_unshared": lambda: run_engine(
             RolloutEngine(model, share_prefill=False), trajs, args.max_new_tokens
         ),
+        # A/B of the lean decode step (on in engine_compact): the body's own forward
+        "engine_generic": lambda: run_engine(
+            RolloutEngine(model, lean=False), trajs, args.max_new_tokens
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in runners}
     cpu: dict[str, list[float]] = {k: [] for k in runners}
@@ -151,7 +157,7 @@ def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
         f"  ratio engine_mask / hf_generate tokens/s:    "
         f"{tps['engine_mask'] / tps['hf_generate']:.2f}x"
     )
-    for other in ("engine_mask", "engine_unshared"):
+    for other in ("engine_mask", "engine_unshared", "engine_generic"):
         print(
             f"  ratio engine_compact / {other} tokens/s: {tps['engine_compact'] / tps[other]:.2f}x"
         )

@@ -38,7 +38,9 @@ def codec(kind: str):
     return build_codec("bsq", latent_dim=4, entropy_group=4, hidden=16, epochs=1).fit(images)
 
 
-def tiny_model(kind: str, init: float = 0.1, seed: int = 0, max_positions: int = 512):
+def tiny_model(
+    kind: str, init: float = 0.1, seed: int = 0, max_positions: int = 512, mixer_kernel: int = 4
+):
     torch.manual_seed(seed)
     config = TinyModelConfig(
         visual_head=kind,
@@ -48,6 +50,7 @@ def tiny_model(kind: str, init: float = 0.1, seed: int = 0, max_positions: int =
         intermediate_size=128,
         max_positions=max_positions,
         initializer_range=init,
+        mixer_kernel=mixer_kernel,
     )
     return TinyUnifiedModel(config, tokenizer(), codec(kind)).eval()
 

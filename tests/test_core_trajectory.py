@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from unirl.core import Modality, Owner, Trajectory, TrajectoryBatch
+from unirl.core.trajectory import validate_all
 
 PAD, IMG = 0, 9
 P, POL, C = int(Owner.PROMPT), int(Owner.POLICY), int(Owner.CONTROLLER)
@@ -205,11 +206,17 @@ def test_cuda_round_trip_and_slicing():
 
 
 def _bad(field: str, **changes) -> None:
-    t = _traj(3, (2, 2), 2, bits=changes.pop("bits", 0))
+    """`validate` names `field`; so does `validate_all` on a list where the bad trajectory
+    sits between valid ones (its bulk value checks must catch what `validate` catches)."""
+    bits = changes.pop("bits", 0)
+    t = _traj(3, (2, 2), 2, bits=bits)
     for k, v in changes.items():
         setattr(t, k, v)
     with pytest.raises(ValueError, match=field):
         t.validate()
+    good = [_traj(2 + k, (2, 2), k, bits=bits, seed=k, sid=f"ok{k}") for k in range(2)]
+    with pytest.raises(ValueError, match=rf"trajectory 1 \(.*\): .*{field}"):
+        validate_all([good[0], t, good[1]])
 
 
 def test_validation_names_the_field():
@@ -229,10 +236,29 @@ def test_validation_names_the_field():
     _bad("rollout_logp_factors", rollout_logp_factors=torch.zeros(T, 2))  # VQ has no factors
     _bad("finish_reason", finish_reason="stopped")
     _bad("length_semantics", length_semantics="soft")
-    bits = _traj(3, (2, 2), 2, bits=4)
-    bits.visual_codes = bits.visual_codes * 2
-    with pytest.raises(ValueError, match="visual_codes"):
-        bits.validate()
+    _bad("visual_codes", bits=4, visual_codes=t.visual_codes.new_zeros(T, 4) + 2)
+    _bad("visual_codes", visual_codes=torch.where(t.modality == 1, -2, -1))  # < 0 on visual
+    _bad("rollout_logp_factors", bits=4, rollout_logp_factors=torch.full((T, 4), -1.0))
+    _bad("old_logp", old_logp=torch.full((T,), -1.0))
+    _bad("sample_id", sample_id=3)
+
+
+def test_validate_all_accepts_what_validate_accepts():
+    """Mixed code kinds, rows with and without log-probs, truncated rows: no error."""
+    vq = [_traj(3, (2, 2), k, seed=k) for k in range(3)] + [_traj(2, None, 4, logp=False)]
+    cut = _traj(3, (2, 2), 0)
+    cut = Trajectory(
+        token_ids=cut.token_ids[:-3],
+        modality=cut.modality[:-3],
+        owner=cut.owner[:-3],
+        visual_codes=cut.visual_codes[:-3],
+        image_grids=[(2, 2)],
+        finish_reason="cap",
+    )
+    for trajs in (vq, vq + [cut], [_traj(3, (2, 2), 1, bits=4)] + vq[:1], []):
+        for t in trajs:
+            t.validate()
+        validate_all(trajs)
 
 
 def test_code_checks_accept_and_refuse_exactly_the_conventions():

@@ -61,19 +61,11 @@ _OPTIONAL_PER_ROW = (
     "old_logp",
     "old_logp_factors",
 )
-
-
 _LOGP_FIELDS = ("rollout_logp", "old_logp", "rollout_logp_factors", "old_logp_factors")
 
 
 def _fail(name: str, what: str) -> None:
     raise ValueError(f"{name}: {what}")
-
-
-def _ints_within(values: torch.Tensor, lo: int, hi: int) -> bool:
-    """Every entry of a non-empty integer tensor lies in [lo, hi] (one reduction)."""
-    low, high = torch.aminmax(values)
-    return int(low) >= lo and int(high) <= hi
 
 
 def _check_grids(name: str, grids: Sequence[Any]) -> list[int]:
@@ -154,7 +146,29 @@ class Trajectory:
         visual position count equals sum(H*W) of `image_grids` (a truncated row, finish
         reason cap/context/cycle, may stop inside its last image); rollout log-probs float
         of shape [T] / [T, L] and 0 at non-policy positions; finish/length labels valid.
+        The layout (types, shapes, labels) is checked before the values.
+        `validate_all` runs the same checks over many trajectories at once.
         """
+        sizes = self._validate_layout()
+        visual = self.modality == Modality.VISUAL
+        if not ((self.modality == Modality.TEXT) | visual).all():
+            _fail("modality", "values must be Modality.TEXT (0) or Modality.VISUAL (1)")
+        if not ((self.owner >= Owner.PROMPT) & (self.owner <= Owner.CONTROLLER)).all():
+            _fail("owner", "values must be Owner.PROMPT/POLICY/CONTROLLER (0/1/2)")
+        if int(self.owner[0]) == Owner.POLICY:
+            _fail("owner", "position 0 cannot be POLICY (it has no preceding state)")
+        _check_code_values(self.visual_codes, visual)
+        self._check_visual_count(int(visual.sum()), sizes)
+        non_policy = self.owner != Owner.POLICY
+        for name in _LOGP_FIELDS:
+            lp = getattr(self, name)
+            if lp is not None and (lp[non_policy] != 0).any():
+                _fail(name, "must be 0 at non-policy positions")
+        return self
+
+    def _validate_layout(self) -> list[int]:
+        """The checks that read no tensor values: types, dtypes, shapes, grids and labels.
+        Returns H*W of each image grid."""
         for name in ("token_ids", "modality", "owner"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 1:
@@ -165,34 +179,33 @@ class Trajectory:
         for name in ("modality", "owner"):
             if getattr(self, name).shape[0] != T:
                 _fail(name, f"length {getattr(self, name).shape[0]} != len(token_ids) {T}")
-        if not _ints_within(self.modality, Modality.TEXT, Modality.VISUAL):
-            _fail("modality", "values must be Modality.TEXT (0) or Modality.VISUAL (1)")
-        if not _ints_within(self.owner, Owner.PROMPT, Owner.CONTROLLER):
-            _fail("owner", "values must be Owner.PROMPT/POLICY/CONTROLLER (0/1/2)")
-        if int(self.owner[0]) == Owner.POLICY:
-            _fail("owner", "position 0 cannot be POLICY (it has no preceding state)")
-        visual = self.modality == Modality.VISUAL
-        self._validate_codes(visual, T)
-        n_visual = int(visual.sum())
+        c = self.visual_codes
+        if not isinstance(c, torch.Tensor):
+            _fail("visual_codes", f"expected a tensor, got {type(c).__name__}")
+        if c.dim() == 1:
+            if c.dtype != torch.long or c.shape[0] != T:
+                _fail("visual_codes", f"VQ codes must be long [{T}], got {_describe(c)}")
+        elif c.dim() == 2:
+            if not c.is_floating_point() or c.shape[0] != T or c.shape[1] == 0:
+                _fail("visual_codes", f"BSQ codes must be float [{T}, L], got {_describe(c)}")
+        else:
+            _fail("visual_codes", f"expected VQ [T] or BSQ [T, L], got {_describe(c)}")
         sizes = _check_grids("image_grids", self.image_grids)
-        expected = sum(sizes)
-        truncated_inside_last = (
-            self.finish_reason in TRUNCATED_REASONS
-            and bool(sizes)
-            and expected - sizes[-1] < n_visual < expected
-        )
-        if n_visual != expected and not truncated_inside_last:
-            _fail(
-                "image_grids",
-                f"grids {self.image_grids} give {expected} visual positions, "
-                f"modality has {n_visual}",
-            )
-        if any(getattr(self, name) is not None for name in _LOGP_FIELDS):
-            non_policy = self.owner != Owner.POLICY
-            for name in ("rollout_logp", "old_logp"):
-                self._validate_logp(name, non_policy, T)
-            for name in ("rollout_logp_factors", "old_logp_factors"):
-                self._validate_logp_factors(name, non_policy)
+        for name in ("rollout_logp", "old_logp"):
+            lp = getattr(self, name)
+            if lp is not None and (
+                not isinstance(lp, torch.Tensor) or not lp.is_floating_point() or lp.shape != (T,)
+            ):
+                _fail(name, f"expected a float tensor [{T}], got {_describe(lp)}")
+        for name in ("rollout_logp_factors", "old_logp_factors"):
+            lf = getattr(self, name)
+            if lf is None:
+                continue
+            if not self.is_bits:
+                _fail(name, "only BSQ trajectories have per-factor log-probs")
+            shape = tuple(c.shape)
+            if not isinstance(lf, torch.Tensor) or not lf.is_floating_point() or lf.shape != shape:
+                _fail(name, f"expected a float tensor {shape}, got {_describe(lf)}")
         self._validate_training_data()
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             _fail(
@@ -207,28 +220,21 @@ class Trajectory:
             isinstance(x, torch.Tensor) and x.is_floating_point() for x in self.images
         ):
             _fail("images", "expected a list of float tensors (understanding-image inputs)")
-        return self
+        return sizes
 
-    def _validate_logp(self, name: str, non_policy: torch.Tensor, T: int) -> None:
-        lp = getattr(self, name)
-        if lp is None:
-            return
-        if not isinstance(lp, torch.Tensor) or not lp.is_floating_point() or lp.shape != (T,):
-            _fail(name, f"expected a float tensor [{T}], got {_describe(lp)}")
-        if (lp[non_policy] != 0).any():
-            _fail(name, "must be 0 at non-policy positions")
-
-    def _validate_logp_factors(self, name: str, non_policy: torch.Tensor) -> None:
-        lf = getattr(self, name)
-        if lf is None:
-            return
-        if not self.is_bits:
-            _fail(name, "only BSQ trajectories have per-factor log-probs")
-        shape = tuple(self.visual_codes.shape)
-        if not isinstance(lf, torch.Tensor) or not lf.is_floating_point() or lf.shape != shape:
-            _fail(name, f"expected a float tensor {shape}, got {_describe(lf)}")
-        if (lf[non_policy] != 0).any():
-            _fail(name, "must be 0 at non-policy positions")
+    def _check_visual_count(self, n_visual: int, sizes: list[int]) -> None:
+        expected = sum(sizes)
+        truncated_inside_last = (
+            self.finish_reason in TRUNCATED_REASONS
+            and bool(sizes)
+            and expected - sizes[-1] < n_visual < expected
+        )
+        if n_visual != expected and not truncated_inside_last:
+            _fail(
+                "image_grids",
+                f"grids {self.image_grids} give {expected} visual positions, "
+                f"modality has {n_visual}",
+            )
 
     def _validate_training_data(self) -> None:
         a = self.advantage
@@ -240,28 +246,89 @@ class Trajectory:
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
             _fail("seed", f"expected a non-negative int, got {s!r}")
 
-    def _validate_codes(self, visual: torch.Tensor, T: int) -> None:
-        c = self.visual_codes
-        if not isinstance(c, torch.Tensor):
-            _fail("visual_codes", f"expected a tensor, got {type(c).__name__}")
-        if c.dim() == 1:
-            if c.dtype != torch.long or c.shape[0] != T:
-                _fail("visual_codes", f"VQ codes must be long [{T}], got {_describe(c)}")
-            # valid <=> (c >= 0 exactly at visual positions) and min(c) >= -1
-            if not (torch.equal(c >= 0, visual) and int(c.min()) >= VQ_PAD):
-                if (c[~visual] != VQ_PAD).any():
-                    _fail("visual_codes", "VQ codes must be -1 at non-visual positions")
-                _fail("visual_codes", "VQ codes must be >= 0 at visual positions")
-        elif c.dim() == 2:
-            if not c.is_floating_point() or c.shape[0] != T or c.shape[1] == 0:
-                _fail("visual_codes", f"BSQ codes must be float [{T}, L], got {_describe(c)}")
-            # valid <=> c equals its bits rounded into {0, 1} and zeroed off visual positions
-            if not torch.equal(c, c.round().clamp(0, 1) * visual.unsqueeze(1)):
-                if not ((c == 0) | (c == 1)).all():
-                    _fail("visual_codes", "BSQ codes must have values in {0, 1}")
-                _fail("visual_codes", "BSQ codes must be 0 at non-visual positions")
+
+def _check_code_values(c: torch.Tensor, visual: torch.Tensor) -> None:
+    """VQ codes -1 exactly off visual positions and >= 0 on them; BSQ bits in {0, 1} and
+    0 off visual positions (`c` of a valid layout)."""
+    if c.dim() == 1:
+        if (c[~visual] != VQ_PAD).any():
+            _fail("visual_codes", "VQ codes must be -1 at non-visual positions")
+        if (c[visual] < 0).any():
+            _fail("visual_codes", "VQ codes must be >= 0 at visual positions")
+    else:
+        if not ((c == 0) | (c == 1)).all():
+            _fail("visual_codes", "BSQ codes must have values in {0, 1}")
+        if (c[~visual] != BITS_PAD).any():
+            _fail("visual_codes", "BSQ codes must be 0 at non-visual positions")
+
+
+def validate_all(trajs: Sequence[Trajectory]) -> None:
+    """`Trajectory.validate` of every trajectory, with the value checks run once over the
+    positions of all of them concatenated (a fixed handful of tensor ops instead of about
+    twenty per trajectory). Each trajectory's layout is checked on its own; when any value
+    check fails, the trajectories are validated one by one, so the ValueError is
+    `validate`'s own, prefixed 'trajectory k (id)'."""
+    sizes = []
+    for k, t in enumerate(trajs):
+        try:
+            sizes.append(t._validate_layout())
+        except ValueError as err:
+            raise ValueError(f"trajectory {k} ({t.sample_id!r}): {err}") from None
+    if not trajs or not _values_ok(trajs, sizes):
+        for k, t in enumerate(trajs):
+            try:
+                t.validate()
+            except ValueError as err:
+                raise ValueError(f"trajectory {k} ({t.sample_id!r}): {err}") from None
+
+
+def _values_ok(trajs: Sequence[Trajectory], sizes: list[list[int]]) -> bool:
+    """True when every value check of `Trajectory.validate` passes on `trajs` (layouts
+    valid); False also when they mix code kinds or devices (then checked one by one)."""
+    first = trajs[0].visual_codes
+    if any(
+        t.visual_codes.shape[1:] != first.shape[1:] or t.visual_codes.device != first.device
+        for t in trajs
+    ):
+        return False
+    lengths = [len(t) for t in trajs]
+    modality = torch.cat([t.modality for t in trajs])
+    owner = torch.cat([t.owner for t in trajs])
+    codes = torch.cat([t.visual_codes for t in trajs])
+    visual = modality == Modality.VISUAL
+    n = torch.tensor(lengths, device=owner.device)
+    ends = n.cumsum(0)
+    checks = [
+        ((modality == Modality.TEXT) | visual).all(),
+        ((owner >= Owner.PROMPT) & (owner <= Owner.CONTROLLER)).all(),
+        (owner[ends - n] != Owner.POLICY).all(),
+    ]
+    if codes.dim() == 1:
+        checks.append(torch.where(visual, codes >= 0, codes == VQ_PAD).all())
+    else:
+        bits = ((codes == 0) | (codes == 1)).all(-1)
+        checks.append((bits & (visual | (codes == BITS_PAD).all(-1))).all())
+    non_policy = owner != Owner.POLICY
+    for name in _LOGP_FIELDS:
+        have = [getattr(t, name) is not None for t in trajs]
+        if not any(have):
+            continue
+        lp = torch.cat([getattr(t, name) for t, h in zip(trajs, have) if h])
+        if all(have):
+            mask = non_policy
         else:
-            _fail("visual_codes", f"expected VQ [T] or BSQ [T, L], got {_describe(c)}")
+            mask = torch.cat([t.owner for t, h in zip(trajs, have) if h]) != Owner.POLICY
+        checks.append((lp[mask] == 0).all())
+    if not bool(torch.stack(checks).all()):
+        return False
+    counts = visual.long().cumsum(0)[ends - 1]
+    counts = torch.cat([counts[:1], counts[1:] - counts[:-1]]).tolist()
+    for t, n, s in zip(trajs, counts, sizes):
+        try:
+            t._check_visual_count(n, s)
+        except ValueError:
+            return False
+    return True
 
 
 @dataclass
@@ -304,11 +371,7 @@ class TrajectoryBatch:
         if len(trajs) == 0:
             raise ValueError("collate: no trajectories")
         if validate:
-            for k, t in enumerate(trajs):
-                try:
-                    t.validate()
-                except ValueError as err:
-                    raise ValueError(f"trajectory {k} ({t.sample_id!r}): {err}") from None
+            validate_all(trajs)
         first = trajs[0]
         for k, t in enumerate(trajs):
             if t.visual_codes.shape[1:] != first.visual_codes.shape[1:] or (

@@ -337,6 +337,12 @@ class UnifiedModel(nn.Module, ABC):
         embeds = self.embed(inputs)
         return self.body(embeds, inputs.attention_mask, inputs.position_ids, cache)
 
+    def plain_decoder(self) -> nn.Module | None:
+        """The transformers decoder that `body` runs and nothing else (`run_decoder`), so a
+        decode loop may run its steps op for op (`unirl.rollout.lean_step`); None (the
+        default) when `body` does more or is not a transformers decoder."""
+        return None
+
     def new_cache(self) -> Any:
         """An empty KV cache for incremental decoding."""
         from transformers import DynamicCache

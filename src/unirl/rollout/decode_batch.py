@@ -3,7 +3,9 @@
 `DecodeBatch` holds the KV cache, the attention mask (in a buffer with spare columns),
 the model's next-position source and each batch row's last hidden state; `prefill` runs
 the prompts (each distinct prompt once, `distinct_rows`), `step` feeds one position per
-row and `select` keeps rows (compaction).
+row and `select` keeps rows (compaction). A step runs the model's `embed`, then its body
+through `unirl.rollout.lean_step` when the model has a plain Llama decoder (the same
+numbers without the module machinery), else through `model.hidden`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from unirl.core.trajectory import Trajectory
 from unirl.models.base import DecodePositions, ModelInputs, UnifiedModel
-from unirl.rollout.decode_cache import RESERVE, preallocate
+from unirl.rollout.decode_cache import RESERVE, compact, preallocate
+from unirl.rollout.lean_step import LeanLlamaStep, lean_step
 
 
 class DecodeBatch:
@@ -28,9 +31,12 @@ class DecodeBatch:
         positions: DecodePositions,
         hidden: torch.Tensor,
         bits: int | None,
+        lean: LeanLlamaStep | None = None,
     ) -> None:
         self.cache, self.positions, self.hidden = cache, positions, hidden
-        self.bits = bits
+        self.bits, self.lean = bits, lean
+        # Whether some cached key is padding (what transformers checks for its SDPA mask).
+        self._padded = not bool(mask.all())
         # The attention mask lives in a buffer with spare columns (`_extend` writes in place).
         self._length = mask.shape[1]
         self._mask = mask.new_zeros(mask.shape[0], self._length + RESERVE)
@@ -52,13 +58,19 @@ class DecodeBatch:
 
     @classmethod
     def prefill(
-        cls, model: UnifiedModel, prompts: list[Trajectory], pad_id: int, share: bool = True
+        cls,
+        model: UnifiedModel,
+        prompts: list[Trajectory],
+        pad_id: int,
+        share: bool = True,
+        lean: bool = True,
     ) -> DecodeBatch:
         """Left-pad `prompts` (`UnifiedModel.prepare_prompts`) and run them through the
         body in one forward. With `share` (and a cache that can select rows), each
         distinct prompt is prefilled once and its cache, mask, positions and last hidden
         state are copied to every row that holds it (a GRPO group's G rows): the same
-        left-padded width, positions and mask as prefilling every row."""
+        left-padded width, positions and mask as prefilling every row. With `lean`, the
+        steps run the model's plain decoder through `lean_step` when it has one."""
         cache = preallocate(model.new_cache())
         first_of, inverse = distinct_rows(prompts)
         shared = share and len(first_of) < len(prompts)
@@ -75,16 +87,18 @@ class DecodeBatch:
             out.cache.batch_select_indices(idx)
             positions.select(idx)
             mask, hidden = mask[idx], hidden[idx]
-        return cls(out.cache, mask, positions, hidden, bits)
+        return cls(out.cache, mask, positions, hidden, bits, lean_step(model) if lean else None)
 
     def select(self, rows: list[int]) -> None:
-        """Keep only batch `rows` (in this order), in the cache too."""
+        """Keep only batch `rows` (in this order), in the cache too (`decode_cache.compact`:
+        with `holes_filled` orders only the rows that change place move)."""
         idx = torch.tensor(rows, device=self.mask.device)
         if not hasattr(self.cache, "batch_select_indices"):
             raise TypeError(f"{type(self.cache).__name__} cannot drop rows; use finished='mask'")
-        self.cache.batch_select_indices(idx)
+        compact(self.cache, rows, idx.device)
         self.positions.select(idx)
         self._mask, self.hidden = self._mask[idx], self.hidden[idx]
+        self._padded = not bool(self.mask.all())
 
     def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per row; updates cache, mask, positions and hidden."""
@@ -109,8 +123,13 @@ class DecodeBatch:
             image_position=where_t,
             images=[[] for _ in ids],
         )
-        out = model.hidden(step, self.cache)
-        self.cache, self.hidden = out.cache, out.hidden[:, -1]
+        if self.lean is None:
+            out = model.hidden(step, self.cache)
+            self.cache, self.hidden = out.cache, out.hidden[:, -1]
+            return
+        mask = self.mask if self._padded else None
+        hidden = self.lean(model.embed(step), mask, step.position_ids, self.cache)
+        self.hidden = hidden[:, -1]
 
 
 def distinct_rows(prompts: list[Trajectory]) -> tuple[list[int], list[int]]:

@@ -6,8 +6,10 @@ and on the dev CPU the largest cost of a decode step. `GrowingLayer` is a `Dynam
 whose keys and values are views `[:, :, :n]` of a buffer with spare positions: a step
 writes its new positions in place; the buffer doubles when it is full (amortised O(1)
 per position). Compaction (`batch_select_indices`) gathers the kept rows' used positions
-to the front of the same buffer (in place: nothing is reallocated). Attention reads the same numbers as with `cat`, in
-the same layout apart from the row stride, so the decode is unchanged.
+to the front of the same buffer (in place: nothing is reallocated); `compact` with a
+`holes_filled` order moves only the rows that change place. Attention reads the same
+numbers as with `cat`, in the same layout apart from the row stride, so the decode is
+unchanged.
 
 `preallocate(cache)` installs it into an empty cache that would otherwise create plain
 `DynamicLayer`s (any `DynamicCache` subclass, e.g. the tiny model's `MixCache`); any other
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 RESERVE = 64
 
@@ -87,6 +89,16 @@ class GrowingLayer(DynamicLayer):
         self._keys, self._values = self._keys[:k], self._values[:k]
         self._views()
 
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, keep: int) -> None:
+        """Copy rows `src` onto rows `dst` (in place), then keep the first `keep` rows."""
+        if self._keys is None:
+            return
+        n = self._n
+        self._keys[dst, :, :n] = self._keys[src, :, :n]
+        self._values[dst, :, :n] = self._values[src, :, :n]
+        self._keys, self._values = self._keys[:keep], self._values[:keep]
+        self._views()
+
     def reset(self) -> None:
         self._keys = self._values = None
         self._n = 0
@@ -116,3 +128,28 @@ def preallocate(cache: Any) -> Any:
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def holes_filled(kept: list[int]) -> list[int]:
+    """The new batch order when rows `kept` (ascending) stay: a kept row below
+    len(kept) keeps its place, the kept rows beyond it fill the freed places in order.
+    Compaction then moves only those rows (`compact`), not every kept row."""
+    k, keep = len(kept), set(kept)
+    movers = iter([r for r in kept if r >= k])
+    return [b if b in keep else next(movers) for b in range(k)]
+
+
+def compact(cache: Any, order: list[int], device: torch.device) -> None:
+    """Keep batch rows `order` (from `holes_filled`) of `cache`, whose tensors are on
+    `device`. A plain `DynamicCache` of `GrowingLayer`s moves only the rows that change
+    place; any other cache (e.g. one that carries more per-row state) selects through
+    its own `batch_select_indices`."""
+    plain = type(cache).batch_select_indices is DynamicCache.batch_select_indices
+    if not plain or not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+        cache.batch_select_indices(torch.tensor(order, device=device))
+        return
+    moved = [(b, r) for b, r in enumerate(order) if b != r]
+    dst = torch.tensor([b for b, _ in moved], dtype=torch.long, device=device)
+    src = torch.tensor([r for _, r in moved], dtype=torch.long, device=device)
+    for layer in cache.layers:
+        layer.move_rows(dst, src, len(order))

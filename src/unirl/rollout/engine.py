@@ -9,7 +9,8 @@ from its own generator (seeded by its request's seed), so a trajectory does not 
 on the batch it was sampled in, its size or its order.
 
 Finished rows stop costing compute: by default (`finished="compact"`) their rows are
-removed from the KV cache and the batch in place, once at least 1/8 of the batch has
+removed from the KV cache and the batch in place (live rows from the end fill their
+places, so only those move: `decode_cache.holes_filled`), once at least 1/8 of the batch has
 finished (until then they are fed padding, outputs ignored); `finished="mask"` keeps
 them in the batch, as transformers' `generate` does, for caches that cannot drop rows.
 
@@ -34,12 +35,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from unirl.core.sample import GenerationRequest, Sample
-from unirl.core.trajectory import Trajectory
+from unirl.core.trajectory import Trajectory, validate_all
 from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import UnifiedModel
 from unirl.rollout.decode_batch import DecodeBatch
+from unirl.rollout.decode_cache import holes_filled
 from unirl.rollout.guidance import unconditional_prompt
 from unirl.rollout.params import SamplingParams
 from unirl.rollout.policy import text_distribution, visual_distribution
@@ -66,7 +68,9 @@ class RolloutEngine:
     (`UnifiedModel.prompt_trajectory`, `image_generation_prefix`, `parse_image_header`,
     `special_ids`); a `tokenizer` other than the model's serialises ChatML prompts with it.
     `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
-    every row (the A/B baseline of `bench/rollout.py`).
+    every row. `lean` runs the decode steps of a plain Llama body through
+    `unirl.rollout.lean_step` (bit-identical); False runs the model's forward. Both False
+    options are the A/B baselines of `bench/rollout.py`.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class RolloutEngine:
         max_positions: int | None = None,
         finished: Finished = "compact",
         share_prefill: bool = True,
+        lean: bool = True,
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
@@ -91,11 +96,15 @@ class RolloutEngine:
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
+        self.lean = lean
         self.bits = model.n_visual_outputs if model.visual_head == "bsq" else None
 
     # ---- prompts -------------------------------------------------------------------
-    def prompt_trajectory(self, request: RolloutRequest) -> tuple[Trajectory, tuple | None]:
-        """The prompt positions of `request` and its forced image grid (or None)."""
+    def prompt_trajectory(
+        self, request: RolloutRequest, validated: bool = False
+    ) -> tuple[Trajectory, tuple | None]:
+        """The prompt positions of `request` and its forced image grid (or None).
+        `validated`: a prompt `Trajectory` was already validated (`validate_all`)."""
         grid = request.image_grid
         if isinstance(request.prompt, Sample):
             sample = request.prompt
@@ -123,7 +132,7 @@ class RolloutEngine:
                     bits=self.bits,
                 )
         else:
-            traj = request.prompt.validate()
+            traj = request.prompt if validated else request.prompt.validate()
             if (traj.owner != Owner.PROMPT).any():
                 raise ValueError(f"request {request.id!r}: a prompt trajectory must be all PROMPT")
             if grid is not None:
@@ -150,10 +159,10 @@ class RolloutEngine:
         and the same forced grid reuse the first one's positions (under their own id); each
         request is still checked against its own parameters."""
         if not isinstance(request.prompt, Sample):
-            return self.prompt_trajectory(request)
+            return self.prompt_trajectory(request, validated=True)
         key = (tuple(map(id, request.prompt.parts)), request.image_grid)
         if key not in memo:
-            memo[key] = self.prompt_trajectory(request)
+            memo[key] = self.prompt_trajectory(request, validated=True)
             return memo[key]
         traj, grid = memo[key]
         self._check_request(request, traj, grid)
@@ -198,6 +207,8 @@ class RolloutEngine:
         device = self.model.device
         states, prompts, twins = [], [], []
         memo: dict[tuple, tuple[Trajectory, tuple | None]] = {}
+        given = {id(r.prompt): r.prompt for r in requests if isinstance(r.prompt, Trajectory)}
+        validate_all(list(given.values()))
         for k, req in enumerate(requests):
             prompt, grid = self._prompt(req, memo)
             extra = 0
@@ -224,23 +235,34 @@ class RolloutEngine:
         # The decode loop runs in inference mode (no version counters or autograd
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
         with torch.inference_mode():
-            self._decode(states, gens, rows, prompts + [t for _, t in twins])
-        return [s.to_trajectory(r.id, r.seed) for s, r in zip(states, requests)]
+            keys = [_keys(r.params) for r in requests]
+            self._decode(states, gens, rows, prompts + [t for _, t in twins], keys)
+        out = [s.to_trajectory(r.id, r.seed, validate=False) for s, r in zip(states, requests)]
+        validate_all(out)
+        return out
 
-    def _decode(self, states: list[RowState], gens, rows, prompts: list[Trajectory]) -> None:
-        batch = DecodeBatch.prefill(self.model, prompts, self.special.pad, self.share_prefill)
+    def _decode(
+        self, states: list[RowState], gens, rows, prompts: list[Trajectory], keys: list[tuple]
+    ) -> None:
+        batch = DecodeBatch.prefill(
+            self.model, prompts, self.special.pad, self.share_prefill, self.lean
+        )
         while True:
-            self._act(states, gens, rows, batch.hidden)
+            self._act(states, gens, rows, batch.hidden, keys)
             live = [b for b, (k, _) in enumerate(rows) if not states[k].done]
             if not live:
                 break
             if self.finished == "compact" and _compact_now(len(rows) - len(live), len(rows)):
-                batch.select(live)
-                rows = [rows[b] for b in live]
+                order = holes_filled(live)
+                batch.select(order)
+                rows = [rows[b] for b in order]
             batch.step(self.model, self._inputs(states, rows))
 
-    def _act(self, states: list[RowState], gens, rows, hidden: torch.Tensor) -> None:
-        """Append one position to every live row, sampling in groups of equal params."""
+    def _act(
+        self, states: list[RowState], gens, rows, hidden: torch.Tensor, keys: list[tuple]
+    ) -> None:
+        """Append one position to every live row, sampling in groups of equal params
+        (`keys[k]`: the group keys of request k, `_keys`)."""
         cond, uncond = {}, {}
         for b, (k, is_twin) in enumerate(rows):
             (uncond if is_twin else cond)[k] = b
@@ -251,9 +273,9 @@ class RolloutEngine:
                 continue
             action = s.action
             if action == "text":
-                text[_keys(s.params)[0]].append(k)
+                text[keys[k][0]].append(k)
             elif action == "visual":
-                visual[_keys(s.params)[1]].append(k)
+                visual[keys[k][1]].append(k)
             else:
                 s.push_controller()
         model = self.model
@@ -305,7 +327,7 @@ class RolloutEngine:
 def _compact_now(n_finished: int, n_rows: int) -> bool:
     """Compact once at least 1/8 of the batch rows (and at least one) have finished: a
     finished row left in the batch costs one padded position per step until then, and
-    each compaction moves every kept row's cache once."""
+    each compaction moves the cache of the live rows that fill the finished rows' places."""
     return n_finished > 0 and 8 * n_finished >= n_rows
 
 

@@ -194,8 +194,11 @@ class RowState:
             torch.cat([p.visual_codes, new_codes.to(p.visual_codes.dtype)]),
         )
 
-    def to_trajectory(self, sample_id: str, seed: int | None = None) -> RolloutTrajectory:
-        """The row as a validated `RolloutTrajectory` (rollout log-probs 0 off policy)."""
+    def to_trajectory(
+        self, sample_id: str, seed: int | None = None, validate: bool = True
+    ) -> RolloutTrajectory:
+        """The row as a `RolloutTrajectory` (rollout log-probs 0 off policy), validated
+        unless `validate` is False (the caller validates many at once: `validate_all`)."""
         token_ids, modality, owner, codes = self.stream()
         factors = None
         if self.prompt.is_bits:
@@ -218,4 +221,4 @@ class RowState:
             sampling=SamplingRecord(self.params, self.prompt_length, seed),
             images=list(self.prompt.images),
         )
-        return traj.validate()
+        return traj.validate() if validate else traj

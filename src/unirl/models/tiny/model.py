@@ -169,6 +169,10 @@ class TinyUnifiedModel(UnifiedModel):
             self._mix.states = None if cache is None else cache.mix_states
         return run_decoder(self.decoder, embeds, attention_mask, position_ids, cache)
 
+    def plain_decoder(self) -> LlamaModel | None:
+        """The Llama body when `body` only runs it (no conv prior, `mixer_kernel` 0)."""
+        return self.decoder if self._mix is None else None
+
     def new_cache(self) -> Any:
         """A KV cache that also carries the mixers' last inputs (`MixCache`)."""
         return MixCache() if self._mix is not None else super().new_cache()
