@@ -200,27 +200,32 @@ def test_permute_quadrants_against_explicit_blocks():
 
 
 def test_jigsaw_mc():
-    samples = make_task_samples("jigsaw_mc", "val", 40, seed=3)
+    samples = make_task_samples("jigsaw_mc", "val", 200, seed=3)
     letters = Counter()
     for s in samples:
         image, question, answer = s.parts
         original, _ = image_of(s.meta["image_index"])
         perm, solution = s.meta["permutation"], s.meta["solution"]
-        assert perm != [0, 1, 2, 3]
+        assert perm != [0, 1, 2, 3] and inverse_permutation(perm) == tuple(solution)
+        assert not np.allclose(image.pixels, original, atol=1e-7)
         np.testing.assert_allclose(image.pixels, permute_quadrants(original, perm), atol=1e-7)
         options = {k: [int(x) for x in v.split()] for k, v in OPTION_RE.findall(question.text)}
         assert list(options) == list(LETTERS)
         assert list(options.values()) == s.meta["options"]
-        assert len({tuple(o) for o in options.values()}) == 4
+        # canonical order: option k puts shown quadrant k at the top left; never the identity
+        assert [o[0] for o in options.values()] == [0, 1, 2, 3]
+        assert all(sorted(o) == [0, 1, 2, 3] and o != [0, 1, 2, 3] for o in options.values())
         restoring = [
             k
             for k, o in options.items()
             if np.allclose(permute_quadrants(image.pixels, o), original, atol=1e-7)
         ]
         assert restoring == [s.answer] and options[s.answer] == solution
+        assert s.answer == LETTERS[solution[0]]  # the shown quadrant that goes top left
         assert answer.text == s.answer and answer.role == "assistant"
         letters[s.answer] += 1
-    assert set(letters) == set(LETTERS)
+    # solution[0] is drawn uniformly: each letter near 200 / 4 = 50 (binomial sd 6.1)
+    assert set(letters) == set(LETTERS) and min(letters.values()) >= 30
 
 
 def test_draw_then_answer():

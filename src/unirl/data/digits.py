@@ -13,13 +13,21 @@ Tasks (parts are user prompt parts followed by assistant target parts):
 - `i2t_mc`: ImagePart + "Which digit is shown? A) 3 B) 7 C) 1 D) 9. Answer with the letter
   only." -> "B". Options: the true digit and three distinct distractors, shuffled.
 - `jigsaw_mc`: the image cut into four 4x4 quadrants numbered 0 top left, 1 top right,
-  2 bottom left, 3 bottom right, shown with its quadrants permuted. The shown image's
+  2 bottom left, 3 bottom right, shown with its quadrants permuted: the shown image's
   quadrant at position p is the original's quadrant `permutation[p]` (the shown image
-  always differs from the original).
-  Each option "A) 2 0 3 1" lists, for positions 0 1 2 3, which quadrant of the shown image
-  to put there; the correct option is `solution`, the inverse of `permutation`, because
-  `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. The three
-  distractors are distinct permutations that do not restore the image. -> the letter.
+  always differs from the original). Each option "A) 2 0 3 1" lists, for positions
+  0 1 2 3, which quadrant of the shown image to put there; the correct option is
+  `solution`, the inverse of `permutation`, because
+  `permute_quadrants(permute_quadrants(x, permutation), solution) == x`. -> the letter.
+  The options are in a canonical order: option k (letter "ABCD"[k]) puts shown quadrant
+  k at the top left, so the four options differ in the piece they put there, and the
+  three distractors (the rest of each a uniform random permutation, never the identity)
+  do not restore the image. Finding the shown quadrant that belongs at the top left (its
+  ink leans towards the image centre, down and right) therefore names the letter, with no
+  lookup of a shuffled letter. solution[0] (the answer's index) is uniform over 0..3 and
+  the rest of `solution` is uniform given it, so the answer letter is uniform and, as the
+  distractors' tails are drawn the same way, the text alone says nothing about it:
+  chance and the text-only optimum are both 0.25.
 - `i2t_mc_say` (a helper for i2t_mc): ImagePart + "Which digit is shown? A) 3 B) 7 C) 1
   D) 9. Answer with the digit and the letter." -> "7 B" (same options as i2t_mc). It trains
   the option lookup from the digit the model has just said (a one-hop match of the
@@ -59,10 +67,10 @@ QUADRANT = 4
 T2I_PROMPT = "draw the digit {digit}"
 I2T_PROMPT = "Which digit is shown? {options}. Answer with the letter only."
 JIGSAW_PROMPT = (
-    "This image is cut into four quadrants numbered 0 top left, 1 top right, "
-    "2 bottom left, 3 bottom right, and the quadrants are shuffled. Each option lists, "
-    "for positions 0 1 2 3, which quadrant of the shown image to put there. Which option "
-    "restores the digit? {options}. Answer with the letter only."
+    "The quadrants of this digit are shuffled. Each option lists which shown quadrant "
+    "(0 top left, 1 top right, 2 bottom left, 3 bottom right) goes to positions 0 1 2 3; "
+    "option A puts quadrant 0 at the top left, B 1, C 2, D 3. Which option restores the "
+    "digit? {options}. Answer with the letter only."
 )
 LOOKUP_PROMPT = "Which option is {digit}? {options}. Answer with the letter only."
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
@@ -72,6 +80,7 @@ NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), th
 NEXT_RESPONSE = "The next digit is drawn below."
 
 _PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
+_JIGSAW_TRIES = 64  # redraws for an image with identical quadrants (module docstring)
 
 
 def permute_quadrants(image: np.ndarray, perm: Sequence[int]) -> np.ndarray:
@@ -208,17 +217,52 @@ def _i2t_mc_say(
     return parts, answer, {"options": options}
 
 
+def _restores(shown: np.ndarray, perm: Sequence[int], image: np.ndarray) -> bool:
+    return bool(np.array_equal(permute_quadrants(shown, perm), image))
+
+
+def _jigsaw_draw(
+    rng: np.random.Generator, image: np.ndarray
+) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
+    """One draw of (solution, options) for `image` (module docstring), or None when the
+    drawn solution leaves the image unchanged or some letter has no non-restoring
+    distractor (possible only with identical quadrants)."""
+    top_left = int(rng.integers(4))
+    heads = [p for p in _PERMUTATIONS if p[0] == top_left and p != _PERMUTATIONS[0]]
+    solution = heads[int(rng.integers(len(heads)))]
+    shown = permute_quadrants(image, inverse_permutation(solution))
+    if np.array_equal(shown, image):
+        return None
+    options = []
+    for k in range(4):
+        if k == top_left:
+            options.append(solution)
+            continue
+        tails = [
+            p
+            for p in _PERMUTATIONS
+            if p[0] == k and p != _PERMUTATIONS[0] and not _restores(shown, p, image)
+        ]
+        if not tails:
+            return None
+        options.append(tails[int(rng.integers(len(tails)))])
+    return solution, options
+
+
 def _jigsaw_mc(
     rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
-    scrambles = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(image, p), image)]
-    permutation = scrambles[int(rng.integers(len(scrambles)))]
+    drawn = None
+    for _ in range(_JIGSAW_TRIES):
+        drawn = _jigsaw_draw(rng, image)
+        if drawn is not None:
+            break
+    if drawn is None:
+        raise ValueError(f"no jigsaw question for a {digit} image in {_JIGSAW_TRIES} draws")
+    solution, options = drawn
+    permutation = inverse_permutation(solution)
     shown = permute_quadrants(image, permutation)
-    solution = inverse_permutation(permutation)
-    others = [p for p in _PERMUTATIONS if not np.array_equal(permute_quadrants(shown, p), image)]
-    options = [solution] + [others[k] for k in rng.choice(len(others), size=3, replace=False)]
-    options = [options[k] for k in rng.permutation(4)]
-    letter = LETTERS[options.index(solution)]
+    letter = LETTERS[solution[0]]
     parts = [
         ImagePart(pixels=shown, role="user"),
         TextPart(JIGSAW_PROMPT.format(options=format_options(options)), "user"),
