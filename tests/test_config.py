@@ -423,12 +423,16 @@ def test_shipped_recipes_load():
         cfg = load_config(path, overrides)
         if path.parent.name == "digits" and cfg.algorithm.name == "grpo":
             assert cfg.reward.plugins, path.name
-    # grpo_i2t_open inherits grpo_i2t and replaces only the task, reward and start point.
+    # grpo_i2t_open inherits grpo_i2t and replaces only the task, reward and start point,
+    # and pins the rollout temperature, group size, batch and length it was measured with.
     base = load_config(EXAMPLES.parent / "digits" / "grpo_i2t.yaml")
     open_qa = load_config(EXAMPLES.parent / "digits" / "grpo_i2t_open.yaml")
     assert open_qa.data.tasks == ["i2t_open"]
     assert [p.name for p in open_qa.reward.plugins] == ["text_exact"]
-    assert open_qa.algorithm == base.algorithm and open_qa.trainer == base.trainer
+    assert open_qa.algorithm == base.algorithm.model_copy(update={"group_size": 8})
+    pinned = {"global_batch_size": 128, "total_updates": 150}
+    assert open_qa.trainer == base.trainer.model_copy(update=pinned)
+    assert open_qa.rollout == base.rollout.model_copy(update={"temperature": 1.0})
 
 
 def test_schema_keys_and_digits_size():
