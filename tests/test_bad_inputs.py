@@ -295,8 +295,8 @@ CASES: list[Case] = [
         lambda out, w: tiny(out, w, algorithm={"name": "grpoo"}),
     ),
     cfg_case(
-        "algorithm_not_built",
-        ("c.yaml", "algorithm.name", "not implemented yet"),
+        "opd_without_teacher",
+        ("c.yaml", "algorithm.teacher.path", "teacher checkpoint directory"),
         lambda out, w: tiny(out, w, algorithm={"name": "opd"}),
     ),
     cfg_case(

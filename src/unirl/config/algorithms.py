@@ -26,9 +26,6 @@ class BitflipConfig(StrictModel):
     )
 
 
-NOT_IMPLEMENTED = "not implemented yet"
-
-
 class InformationGainConfig(StrictModel):
     """Information Gain term: reward target blocks that use their source block (full vs
     blind view; NUMERICS.md "Information Gain", `unirl.algorithms.information_gain`).
