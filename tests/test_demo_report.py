@@ -33,3 +33,5 @@ def test_before_after_grid_and_table(tmp_path):
     assert pixels.shape[0] > 10 * 8 * 16 and pixels.shape[1] > 5 * 8 * 16
     table = markdown_table({"t2i/score": 0.1, "t2i/n": 5}, {"t2i/score": 0.4, "t2i/n": 5})
     assert "| t2i/score | 0.100 | 0.400 |" in table and "t2i/n" not in table
+    table = markdown_table({"t2i/score": 0.1}, {"t2i/score": 0.4, "dta/masked_drop": 0.5})
+    assert "| dta/masked_drop | - | 0.500 |" in table

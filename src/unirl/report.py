@@ -99,10 +99,12 @@ def before_after_png(
 
 
 def markdown_table(before: dict[str, float], after: dict[str, float]) -> str:
-    """A markdown table of the held-out metrics before and after."""
+    """A markdown table of the held-out metrics before and after ("-": not measured before,
+    e.g. the masked-image evaluation, which runs after training only)."""
     lines = ["| metric | before | after |", "|---|---|---|"]
     for key in sorted(after):
         if key.endswith("/n"):
             continue
-        lines.append(f"| {key} | {before.get(key, float('nan')):.3f} | {after[key]:.3f} |")
+        was = f"{before[key]:.3f}" if key in before else "-"
+        lines.append(f"| {key} | {was} | {after[key]:.3f} |")
     return "\n".join(lines)
