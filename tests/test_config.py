@@ -218,6 +218,10 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
         ({"trainer": {"micro_batch_size": 5}}, "trainer.micro_batch_size"),
         ({"trainer": {"scheduler": {"warmup_steps": 3}}}, "trainer.scheduler.warmup_steps"),
         (
+            {"trainer": {"scheduler": {"name": "warmup_constant", "min_lr_ratio": 0.1}}},
+            "trainer.scheduler.min_lr_ratio",
+        ),
+        (
             {
                 "trainer": {
                     "total_updates": 2,

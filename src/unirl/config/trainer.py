@@ -42,6 +42,12 @@ class SchedulerConfig(StrictModel):
             raise incompatible(
                 "warmup_steps", "the 'constant' schedule has no warmup; use 'warmup_constant'"
             )
+        if self.name != "warmup_cosine" and self.min_lr_ratio:
+            raise incompatible(
+                "min_lr_ratio",
+                f"the '{self.name}' schedule keeps the peak lr; min_lr_ratio is for "
+                "'warmup_cosine'",
+            )
         return self
 
 
