@@ -391,7 +391,11 @@ def test_sigkill_during_rollout_and_checkpoint_write_resumes_bitwise(tmp_path, a
 
 
 def _ddp_config(run_dir: Path, assets: dict) -> dict:
-    return grpo_config(
+    """Adam eps 1e-3: the classifier's rewards agree across the two layouts to float32
+    rounding only, and with eps 1e-8 an element whose gradient is at rounding level gets
+    a sign-like step either way (up to lr apart); eps 1e-3 keeps the step smooth in the
+    gradient, so the weights compare what the layouts compute, not that amplification."""
+    cfg = grpo_config(
         run_dir,
         assets,
         data={"tasks": ["t2i", "i2t_mc"]},
@@ -405,6 +409,8 @@ def _ddp_config(run_dir: Path, assets: dict) -> dict:
         },
         algorithm={"scope": "global"},
     )
+    cfg["trainer"]["optimizer"] = {**cfg["trainer"].get("optimizer", {}), "eps": 1e-3}
+    return cfg
 
 
 def _ddp_worker(rank: int, cfg: dict, init_file: str) -> None:
@@ -433,7 +439,7 @@ def test_two_rank_run_shards_rollouts_and_matches_one_process(tmp_path, assets):
     runs = [tmp_path / "p1", tmp_path / "p2"]
     final = [checkpoint_tensors(r / "checkpoints" / "update-000002")[0] for r in runs]
     for name, value in final[0].items():
-        assert (value - final[1][name]).abs().max() <= 1e-5, name
+        assert (value - final[1][name]).abs().max() <= 1e-6, name
     for one, two in zip(*[read_metrics(r / "metrics.jsonl") for r in runs]):
         assert one["reward/total_mean"] == pytest.approx(two["reward/total_mean"], rel=1e-6)
         assert one["reward/truncated_frac"] == two["reward/truncated_frac"]

@@ -250,6 +250,7 @@ def test_greedy_text_answers_equal_transformers_generate(model):
             pixel_values=pixel_values,
             image_grid_thw=thw,
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            suppress_tokens=[model.config.image_token_id],  # never a text action (text_logits)
             do_sample=False,
             max_new_tokens=10,
         )
@@ -433,3 +434,17 @@ def test_forward_interleaved_takes_image_grid_thw_and_matches_the_training_forwa
         )
     with pytest.raises(ValueError, match="visual_codes: required"):
         model.forward_interleaved(batch.token_ids, batch.attention_mask)
+
+
+def test_image_placeholder_is_never_a_text_action(model):
+    """text_logits = project_text except the placeholder column, whose probability is 0
+    and whose log-probability stays finite (so p log p terms are 0, not NaN)."""
+    h = torch.randn(5, model.lm_head.in_features)
+    pad = int(model.config.image_token_id)
+    raw, masked = model.project_text(h), model.text_logits(h)
+    others = torch.ones(raw.shape[-1], dtype=torch.bool)
+    others[pad] = False
+    assert torch.equal(masked[:, others], raw[:, others])
+    logp = masked.log_softmax(-1)
+    assert bool(torch.isfinite(logp).all()) and float(logp[:, pad].exp().max()) == 0.0
+    assert float((logp.exp() * logp).sum(-1).isnan().sum()) == 0

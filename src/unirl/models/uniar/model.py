@@ -11,7 +11,8 @@ UniAR's two additions `bit_embed` and `visual_decoder` (`heads`).
 - ``body``: the Qwen3-VL text decoder with M-RoPE positions [3, B, T] passed explicitly
   (`positions`; never its cached `rope_deltas`), DeepStack features added at the
   placeholders, and the final norm *skipped*: ``hidden`` returns pre-final-norm states.
-- ``text_logits(h)`` = ``project_text(h)`` = lm_head(final_norm(h));
+- ``text_logits(h)`` = ``project_text(h)`` = lm_head(final_norm(h)), with the image
+  placeholder's logit at `PLACEHOLDER_LOGIT` (finite, so p log p stays 0, never NaN);
   ``visual_logits(h)`` = the visual decoder's k*k*L bit logits. Both run only on the hidden
   states passed in (the scored positions).
 - ``forward_interleaved``: the public API for custom losses (README example).
@@ -45,6 +46,9 @@ from unirl.models.uniar.template import (
     uniar_parse_response,
 )
 from unirl.models.uniar.vision import VisionInputs, check_pixels
+
+# exp(-1e9) is 0 in every float dtype: the placeholder gets probability 0 as text.
+PLACEHOLDER_LOGIT = -1e9
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,13 @@ class UniARModel(UnifiedModel):
         return self.lm_head(self.model.language_model.norm(hidden))
 
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.project_text(hidden)
+        """`project_text` with the image placeholder's logit at `PLACEHOLDER_LOGIT`: the
+        token only marks image positions, so the policy never samples it as text (it would
+        be embedded as an understanding image that has no pixels). Rollout, replay and the
+        SFT loss all read this, so their distributions agree."""
+        logits = self.project_text(hidden)
+        pad = torch.tensor([int(self.config.image_token_id)], device=logits.device)
+        return logits.index_fill(-1, pad, PLACEHOLDER_LOGIT)
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.visual_decoder(hidden)
