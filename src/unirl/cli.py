@@ -137,12 +137,17 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="demo directory (default runs/demo)")
-    parser.add_argument("--sft-updates", type=_positive_int, default=300, help="SFT updates")
+    parser.add_argument(
+        "--sft-updates",
+        type=_positive_int,
+        default=1500,
+        help="SFT updates (default 1500: past the multiple-choice plateau, see sft_vq.yaml)",
+    )
     parser.add_argument("--grpo-updates", type=_positive_int, default=150, help="GRPO updates")
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """codec -> short SFT -> GRPO text-to-image -> report.md (see unirl.demo)."""
+    """codec -> SFT -> GRPO text-to-image -> report.md (see unirl.demo)."""
     from pathlib import Path
 
     from unirl.demo import run_demo as demo

@@ -1,7 +1,8 @@
-"""`unirl demo`: codec -> short SFT -> GRPO (text-to-image) -> a report, on a CPU.
+"""`unirl demo`: codec -> SFT -> GRPO (text-to-image) -> a report, on a CPU.
 
 1. SFT of the tiny VQ model from scratch on the four digits tasks
-   (`recipes/digits/sft_vq.yaml`, fewer updates: a deliberately short checkpoint);
+   (`recipes/digits/sft_vq.yaml` with `sft_updates` updates; the default 1,500 is past
+   the multiple-choice plateau at the recipe's constant lr);
 2. GRPO on text-to-image from that checkpoint (`recipes/digits/grpo_t2i_vq.yaml`), rewarded
    by the digits classifier's p(asked digit | decoded image);
 3. `report.md` with every SFT task's held-out (test split) metrics for the seed-initialised
