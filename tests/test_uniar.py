@@ -448,3 +448,9 @@ def test_image_placeholder_is_never_a_text_action(model):
     logp = masked.log_softmax(-1)
     assert bool(torch.isfinite(logp).all()) and float(logp[:, pad].exp().max()) == 0.0
     assert float((logp.exp() * logp).sum(-1).isnan().sum()) == 0
+    # backward through the in-place write: the gradient of the other columns only
+    w = torch.randn(raw.shape)
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    (model.text_logits(h1) * w).sum().backward()
+    (model.project_text(h2)[:, others] * w[:, others]).sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, rtol=0, atol=1e-6)

@@ -262,10 +262,12 @@ class UniARModel(UnifiedModel):
         """`project_text` with the image placeholder's logit at `PLACEHOLDER_LOGIT`: the
         token only marks image positions, so the policy never samples it as text (it would
         be embedded as an understanding image that has no pixels). Rollout, replay and the
-        SFT loss all read this, so their distributions agree."""
+        SFT loss all read this, so their distributions agree. In place on the fresh
+        lm_head output (its backward needs only the input and the weight): no second
+        [N, V] copy and no per-step host tensor."""
         logits = self.project_text(hidden)
-        pad = torch.tensor([int(self.config.image_token_id)], device=logits.device)
-        return logits.index_fill(-1, pad, PLACEHOLDER_LOGIT)
+        logits[..., int(self.config.image_token_id)] = PLACEHOLDER_LOGIT
+        return logits
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.visual_decoder(hidden)
