@@ -223,8 +223,8 @@ def _restores(shown: np.ndarray, perm: Sequence[int], image: np.ndarray) -> bool
 
 def _jigsaw_draw(
     rng: np.random.Generator, image: np.ndarray
-) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
-    """One draw of (solution, options) for `image` (module docstring), or None when the
+) -> tuple[tuple[int, ...], np.ndarray, list[tuple[int, ...]]] | None:
+    """One draw of (solution, shown image, options) for `image` (module docstring), or None when the
     drawn solution leaves the image unchanged or some letter has no non-restoring
     distractor (possible only with identical quadrants)."""
     top_left = int(rng.integers(4))
@@ -246,7 +246,7 @@ def _jigsaw_draw(
         if not tails:
             return None
         options.append(tails[int(rng.integers(len(tails)))])
-    return solution, options
+    return solution, shown, options
 
 
 def _jigsaw_mc(
@@ -259,9 +259,8 @@ def _jigsaw_mc(
             break
     if drawn is None:
         raise ValueError(f"no jigsaw question for a {digit} image in {_JIGSAW_TRIES} draws")
-    solution, options = drawn
+    solution, shown, options = drawn
     permutation = inverse_permutation(solution)
-    shown = permute_quadrants(image, permutation)
     letter = LETTERS[solution[0]]
     parts = [
         ImagePart(pixels=shown, role="user"),
