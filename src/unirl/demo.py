@@ -53,9 +53,19 @@ def run_demo(out: Path, sft_updates: int, grpo_updates: int, recipes: Path = REC
     sft_model = load_model(sft_dir / "model").eval()
     classifier = load_or_fit_classifier(sft_dir / CLASSIFIER_DIR)
     sft_tasks, sft_seed = list(sft_cfg.data.tasks), sft_cfg.data.seed
-    # The model SFT started from: the same seed and codec fit, evaluated as SFT's final eval.
+    # The model SFT started from: its seed, with the codec the SFT run fitted and saved
+    # (loaded, not fitted again), evaluated as SFT's final evaluation is.
+    codec = sft_cfg.model.codec.model_copy(update={"path": str(sft_dir / "codec")})
+    init_cfg = sft_cfg.model_copy(
+        update={"model": sft_cfg.model.model_copy(update={"codec": codec})}
+    )
     random_init = evaluate_digits(
-        build_model(sft_cfg).eval(), sft_tasks, "test", sft_cfg.data.test_size, classifier, sft_seed
+        build_model(init_cfg).eval(),
+        sft_tasks,
+        "test",
+        sft_cfg.data.test_size,
+        classifier,
+        sft_seed,
     )
     tasks = list(grpo_cfg.data.tasks)
     n_test = grpo_cfg.data.test_size
