@@ -243,18 +243,23 @@ def test_validation_names_the_field():
     _bad("sample_id", sample_id=3)
 
 
-def test_validate_all_accepts_what_validate_accepts():
-    """Mixed code kinds, rows with and without log-probs, truncated rows: no error."""
-    vq = [_traj(3, (2, 2), k, seed=k) for k in range(3)] + [_traj(2, None, 4, logp=False)]
-    cut = _traj(3, (2, 2), 0)
-    cut = Trajectory(
-        token_ids=cut.token_ids[:-3],
-        modality=cut.modality[:-3],
-        owner=cut.owner[:-3],
-        visual_codes=cut.visual_codes[:-3],
+def _cut_inside_image(t: Trajectory) -> Trajectory:
+    """`t` (one 2x2 image last) cut 3 positions before its end, inside the image: a
+    truncated row (finish reason cap) that keeps the image's grid."""
+    return Trajectory(
+        token_ids=t.token_ids[:-3],
+        modality=t.modality[:-3],
+        owner=t.owner[:-3],
+        visual_codes=t.visual_codes[:-3],
         image_grids=[(2, 2)],
         finish_reason="cap",
     )
+
+
+def test_validate_all_accepts_what_validate_accepts():
+    """Mixed code kinds, rows with and without log-probs, truncated rows: no error."""
+    vq = [_traj(3, (2, 2), k, seed=k) for k in range(3)] + [_traj(2, None, 4, logp=False)]
+    cut = _cut_inside_image(_traj(3, (2, 2), 0))
     for trajs in (vq, vq + [cut], [_traj(3, (2, 2), 1, bits=4)] + vq[:1], []):
         for t in trajs:
             t.validate()
@@ -274,6 +279,8 @@ def test_code_checks_accept_and_refuse_exactly_the_conventions():
         t.visual_codes[pos] = value
         with pytest.raises(ValueError, match=message):
             t.validate()
+        with pytest.raises(ValueError, match=message):
+            validate_all([vq, t])
     bsq = _traj(3, (2, 2), 2, bits=3)
     cases = [(at_visual, v, "values in") for v in (0.5, -1.0, 2.0, math.inf, math.nan)]
     cases += [(off_visual, 1.0, "0 at non-visual"), (off_visual, math.inf, "values in")]
@@ -282,22 +289,18 @@ def test_code_checks_accept_and_refuse_exactly_the_conventions():
         t.visual_codes[pos, 1] = value
         with pytest.raises(ValueError, match=message):
             t.validate()
+        with pytest.raises(ValueError, match=message):
+            validate_all([bsq, t])
     t = dataclasses.replace(bsq, visual_codes=bsq.visual_codes.clone())
     t.visual_codes[off_visual, 0] = -0.0
     t.visual_codes[at_visual] = torch.where(t.visual_codes[at_visual] == 0, -0.0, 1.0)
     t.validate()
+    validate_all([bsq, t])
 
 
 def test_truncated_row_may_stop_inside_last_image():
     t = _traj(3, (2, 2), 0, logp=False)
-    cut = Trajectory(
-        token_ids=t.token_ids[:-3],
-        modality=t.modality[:-3],
-        owner=t.owner[:-3],
-        visual_codes=t.visual_codes[:-3],
-        image_grids=[(2, 2)],
-        finish_reason="cap",
-    )
+    cut = _cut_inside_image(t)
     cut.validate()
     cut.finish_reason = "eos"
     with pytest.raises(ValueError, match="image_grids"):
