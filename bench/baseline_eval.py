@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from unirl.config import load_config
-from unirl.train.build import build_model
-from unirl.train.evaluate import evaluate_digits, load_or_fit_classifier
+from unirl.eval.digits import evaluate_digits, load_or_fit_classifier
+from unirl.train.engine.build import build_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from unirl.config import load_config
-from unirl.train.build import build_model
-from unirl.train.drift import drift_to_noise
-from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
-from unirl.train.metrics import read_metrics
+from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
+from unirl.eval.drift import drift_to_noise
+from unirl.train.engine.build import build_model
+from unirl.train.engine.metrics import read_metrics
 from unirl.train.run import run_train
 
 HELD_OUT = ("accuracy", "score", "exact_match")

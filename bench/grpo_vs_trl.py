@@ -57,9 +57,9 @@ from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import GRPOObjective
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.objective import GRPOObjective
 
 LR = 1e-4
 

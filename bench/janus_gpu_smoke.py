@@ -1,6 +1,6 @@
 """GPU smoke test of Janus-Pro GRPO: one I2T and one T2I update on a local checkpoint.
 
-Each update runs the real loop (`unirl.train.grpo.build_grpo_job` + `Trainer`) from the
+Each update runs the real loop (`unirl.train.methods.grpo.objective.build_grpo_job` + `Trainer`) from the
 recipe in `recipes/janus_pro/` (LoRA r=16 on the language model, gradient checkpointing,
 replay-anchored ratio), on synthetic prompts: I2T multiple-choice questions about
 random 384x384 images (rewarded by `mc_exact`), T2I captions (576 exact-count tokens with
@@ -27,11 +27,11 @@ from unirl.config import load_config
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.models.janus_pro import JanusProModel
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.build import adapter_state, apply_lora, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job
-from unirl.train.grpo_source import PromptSampler
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import adapter_state, apply_lora, build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.grpo.source import PromptSampler
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "janus_pro"
 COLOURS = {

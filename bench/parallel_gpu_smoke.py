@@ -25,10 +25,10 @@ import torch
 from unirl.config import validate_config
 from unirl.data.digits import vocabulary_texts
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.build import build_model, resolve_device
-from unirl.train.distributed import barrier, init_distributed, shutdown_distributed
+from unirl.train.dist.comm import barrier, init_distributed, shutdown_distributed
+from unirl.train.engine.build import build_model, resolve_device
+from unirl.train.engine.trainer import Trainer
 from unirl.train.run import JOBS, _prepare_model
-from unirl.train.trainer import Trainer
 
 
 def config(root: Path, mode: str, model: str, device: str, updates: int, fit: bool = False):

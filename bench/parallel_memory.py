@@ -24,10 +24,10 @@ import torch
 import torch.multiprocessing as mp
 
 from unirl.config import validate_config
-from unirl.train.build import build_model
-from unirl.train.distributed import init_distributed, shutdown_distributed
+from unirl.train.dist.comm import init_distributed, shutdown_distributed
+from unirl.train.engine.build import build_model
+from unirl.train.engine.trainer import Trainer
 from unirl.train.run import JOBS, _prepare_model
-from unirl.train.trainer import Trainer
 
 BAR = 0.6
 

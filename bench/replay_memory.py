@@ -21,7 +21,7 @@ frozen, perturbed copy of the model at every scored position), forward + backwar
 against plain replay's forward + backward. The reference's distributions are rebuilt per
 chunk from its hidden states, so its peak should stay within 1.2x of plain replay's.
 
-`--opd` adds on-policy distillation's loss (`unirl.train.opd.OPDObjective`, teacher = a
+`--opd` adds on-policy distillation's loss (`unirl.train.methods.opd.objective.OPDObjective`, teacher = a
 frozen perturbed copy, top-K `--top-k` union with a tail, forward + backward) against
 computing the full distributions of both models at once: [B, T, V] student log-probs with
 gradient and [B, T, V] teacher log-probs, the dense generalised JSD (core's
@@ -59,9 +59,9 @@ from unirl.forward import body_hidden
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
-from unirl.train.grpo import GRPOObjective, Reference, scored_mask
-from unirl.train.opd import OPDObjective
-from unirl.train.opd_source import DistillRecord
+from unirl.train.methods.grpo.objective import GRPOObjective, Reference, scored_mask
+from unirl.train.methods.opd.objective import OPDObjective
+from unirl.train.methods.opd.source import DistillRecord
 
 VOCAB = 102_400
 SEQ = 512

@@ -1,5 +1,5 @@
 """SFT step throughput of the tiny model against this machine's measured GEMM peak,
-with sequence packing off and on (`trainer.packing`, `unirl.train.packing`).
+with sequence packing off and on (`trainer.packing`, `unirl.train.engine.batching`).
 
 Prints, for the same mixed digits batch (one micro-batch) collated plainly (right-padded
 to the longest row) and packed (first-fit into rows as long as the longest, block-causal
@@ -47,10 +47,10 @@ from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train.build import set_determinism
-from unirl.train.distributed import DistInfo
-from unirl.train.packing import pack, padded_fraction
-from unirl.train.sft import SFTObjective
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.batching import pack, padded_fraction
+from unirl.train.engine.build import set_determinism
+from unirl.train.methods.sft.objective import SFTObjective
 
 
 def body_config(args: argparse.Namespace) -> TinyModelConfig:

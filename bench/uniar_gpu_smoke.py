@@ -25,12 +25,13 @@ from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
 from unirl.config import load_config
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
-from unirl.train.build import adapter_state, apply_lora, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job
-from unirl.train.grpo_source import PromptSampler
-from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import adapter_state, apply_lora, build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.grpo.source import PromptSampler
+from unirl.train.methods.sft.objective import SFTObjective
+from unirl.train.methods.sft.source import DatasetSource
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "uniar"
 CAPTIONS = ["draw a 3", "draw a 7", "draw a red apple", "draw a blue bird"]

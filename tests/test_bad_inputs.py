@@ -35,7 +35,7 @@ from PIL import Image
 from trainer_helpers import fit_small_codec, run_cli
 
 from unirl.config import validate_config
-from unirl.train.build import build_model
+from unirl.train.engine.build import build_model
 
 WORKERS = 3
 

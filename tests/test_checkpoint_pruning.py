@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import fit_small_codec, run_cli, tiny_config, write_config
 
-from unirl.train import checkpoint as ckpt
+from unirl.train.state import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_stale_temporaries_and_half_pruned_checkpoints_are_removed_with_a_log_li
     (tmp_path / ".model.tmp-new").mkdir()
     (tmp_path / ".config.yaml.tmp").write_text("half")
     (tmp_path / ".tokenizer.tmp-abc").mkdir()
-    with caplog.at_level(logging.WARNING, logger="unirl.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="unirl.train.state.checkpoint"):
         removed = ckpt.tidy_run_dir(tmp_path)
     assert len(removed) == 5
     assert _names(root) == ["update-000001"]

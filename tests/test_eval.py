@@ -18,7 +18,7 @@ from PIL import Image
 from unirl.config import load_config
 from unirl.core.types import TRUNCATED_REASONS
 from unirl.eval import evaluate
-from unirl.train.build import build_model
+from unirl.train.engine.build import build_model
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (20, 40, 230)}
 

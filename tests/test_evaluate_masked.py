@@ -11,13 +11,13 @@ from rollout_fixtures import tiny_model, tokenizer
 from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples
 from unirl.data.template import serialize
-from unirl.models.base import ModelInputs, image_positions
-from unirl.train.evaluate import evaluate_task, rollout_task
-from unirl.train.evaluate_masked import (
+from unirl.eval.digits import evaluate_task, rollout_task
+from unirl.eval.masked import (
     cut_after_drawn_image,
     evaluate_masked_answer,
     last_hidden,
 )
+from unirl.models.base import ModelInputs, image_positions
 
 
 def _prefixes(model, n=3):

@@ -37,11 +37,12 @@ from unirl.rewards import PLUGINS, RewardError, RewardPlugin
 from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
-from unirl.train.build import adapter_state, apply_lora, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job, scored_mask
-from unirl.train.metrics import read_metrics
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import adapter_state, apply_lora, build_model
+from unirl.train.engine.metrics import read_metrics
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.grpo.objective import scored_mask
 
 
 @pytest.fixture(scope="module", autouse=True)

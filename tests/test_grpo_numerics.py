@@ -332,14 +332,19 @@ def test_k3_mismatch() -> None:
 
 
 def test_blockwise_jsd_and_entropy_match_the_dense_formulas(monkeypatch):
-    """`grpo_jsd` (a few rows at a time, analytic backward) equals the dense generalised
-    JSD at beta 1/2 and the entropy, with truncated (top-k, -inf) supports on both sides."""
-    from unirl.algorithms import opd
-    from unirl.core.distributions import entropy_from_logp, jsd_from_logp
-    from unirl.train import grpo_jsd
+    """The blockwise reductions GRPO uses (`generalized_jsd` at beta 1/2 with its analytic
+    backward, `blockwise_entropy`; a few rows at a time) equal the dense generalised JSD
+    (autograd gradient) and the entropy, with truncated (top-k, -inf) supports on both
+    sides."""
+    from unirl.core import distributions
+    from unirl.core.distributions import (
+        blockwise_entropy,
+        entropy_from_logp,
+        generalized_jsd,
+        jsd_from_logp,
+    )
 
-    monkeypatch.setattr(grpo_jsd, "BLOCK_ELEMENTS", 3 * 50)  # 3 rows per block
-    monkeypatch.setattr(opd, "BLOCK_ELEMENTS", 3 * 50)
+    monkeypatch.setattr(distributions, "BLOCK_ELEMENTS", 3 * 50)  # 3 rows per block
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(10, 50, generator=gen, dtype=torch.float64)
     logp_dense = TextCategorical(logits, temperature=0.8, top_k=20).log_probs
@@ -353,9 +358,9 @@ def test_blockwise_jsd_and_entropy_match_the_dense_formulas(monkeypatch):
         (out * weights).sum().backward()
         return out.detach(), x.grad
 
-    got, got_grad = value_and_grad(grpo_jsd.symmetric_jsd)
+    got, got_grad = value_and_grad(lambda p, q: generalized_jsd(p, q, 0.5))
     want, want_grad = value_and_grad(lambda p, q: jsd_from_logp(p, q, 0.5))
     assert torch.isinf(logp_dense).any() and torch.isfinite(got).all()
     assert torch.allclose(got, want, atol=1e-12) and (got > 0).all()
     assert torch.allclose(got_grad, want_grad, atol=1e-12)
-    assert torch.allclose(grpo_jsd.entropy(logp_dense), entropy_from_logp(logp_dense))
+    assert torch.allclose(blockwise_entropy(logp_dense), entropy_from_logp(logp_dense))

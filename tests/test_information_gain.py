@@ -33,12 +33,17 @@ from unirl.data.digits import make_task_samples
 from unirl.data.template import serialize
 from unirl.forward import forward_interleaved
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train.build import build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.information_gain import blind_scores, full_logp, ig_terms, scored_events
-from unirl.train.run import sft_trajectories
-from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.sft.information_gain import (
+    blind_scores,
+    full_logp,
+    ig_terms,
+    scored_events,
+)
+from unirl.train.methods.sft.objective import SFTObjective
+from unirl.train.methods.sft.source import DatasetSource, sft_trajectories
 
 ALL = InformationGainConfig(weight=1.0, event_selection="all")
 
@@ -325,8 +330,8 @@ def test_janus_pro_blind_view(tmp_path):
 def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_path, codec_dir):
     import io
 
-    from unirl.train.ig_probe import run_probe
-    from unirl.train.information_gain import ig_evaluation
+    from unirl.train.methods.sft.information_gain import ig_evaluation
+    from unirl.train.methods.sft.probe import run_probe
 
     sections = {
         "data": {"tasks": ["draw_then_answer"], "train_size": 4, "val_size": 2, "test_size": 0},
@@ -409,8 +414,8 @@ def test_ig_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
 
 def test_validation_logs_ig_metrics(tmp_path, codec_dir):
     from unirl.data.digits_images import load_split
+    from unirl.eval.digits import CLASSIFIER_DIR
     from unirl.rewards.digit_classifier import DigitClassifier
-    from unirl.train.evaluate import CLASSIFIER_DIR
     from unirl.train.run import _val_evaluator
 
     sections = {

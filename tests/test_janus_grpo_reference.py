@@ -19,9 +19,10 @@ from unirl.config import validate_config
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.digits import vocabulary_texts
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.build import build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job, scored_mask
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import build_model
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.grpo.objective import scored_mask
 
 COEF = 0.5
 

@@ -39,10 +39,10 @@ from unirl.rollout import (
     SamplingParams,
     sampling_records,
 )
-from unirl.train.build import apply_lora, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job
-from unirl.train.trainer import Trainer
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import apply_lora, build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
 
 TEXTS = ["draw a red cat on the mat", "what is in this picture ? A B C D", "a dog"]
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "janus_pro"

@@ -40,6 +40,7 @@ from unirl.data.digits_images import load_split
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError
 from unirl.data.rows import split_rows
+from unirl.eval.digits import CLASSIFIER_DIR
 from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
 from unirl.models import check_model_config
 from unirl.models.tiny.build import new_codec
@@ -47,11 +48,11 @@ from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
-from unirl.train.build import build_model, config_tokenizer, resolve_device, set_determinism
-from unirl.train.distributed import DistInfo, init_distributed, shutdown_distributed
-from unirl.train.evaluate import CLASSIFIER_DIR
-from unirl.train.metrics import MetricsLogger
-from unirl.train.opd import OPDObjective
+from unirl.train.dist.comm import DistInfo, init_distributed, shutdown_distributed
+from unirl.train.engine.build import build_model, config_tokenizer, resolve_device, set_determinism
+from unirl.train.engine.metrics import MetricsLogger
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.opd.objective import OPDObjective
 from unirl.train.run import (
     JOBS,
     _prepare_model,
@@ -60,7 +61,6 @@ from unirl.train.run import (
     prepare_run_dir,
     run_train,
 )
-from unirl.train.trainer import Trainer
 
 EXEMPT: dict[str, str] = {
     "logging.progress_bar": "draws only on an interactive terminal (never under pytest/CI); "
@@ -641,7 +641,7 @@ def _ray_workers(kit):
     """What the Ray pools are started with (`RayPlan`: ray.init arguments, actor counts,
     each actor's resources and device, the replacement budget), without starting Ray;
     real runs with actors, a killed actor and a spent budget: tests/test_ray_workers.py."""
-    from unirl.train.workers import RayPlan
+    from unirl.train.rollouts.workers import RayPlan
 
     plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
     grpo = {**GRPO, "reward": {"plugins": plugins}}

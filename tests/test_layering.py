@@ -17,6 +17,18 @@ Layers, lowest first; a module may import only from its own layer or below:
     3 rollout, replay, forward
     4 rewards, algorithms
 
+Inside `unirl.train` the sub-packages have an order of their own, lowest first:
+
+    state, dist            atomic checkpoints; process groups, DDP/FSDP2
+    engine                 the loop, its protocols, micro-batching, optimiser, logging
+    rollouts               prompts, scoring, stats and Ray workers of rollout methods
+    methods.<name>         one method each (sft, grpo, opd): source, objective, job
+    run, preflight         what `unirl train` runs
+
+A method never imports another method (what two methods share lives lower, in
+`rollouts` or `engine`), and no module imports a private name (`_x`) of another module,
+by `from m import _x` or by `m._x` on an imported module.
+
 `report` (run reports: reward curves and image grids of trained models) and `generate`
 (the `unirl generate` command body) build and drive models and read training metrics, so
 they sit with the command line; `demo` runs whole trainings.
@@ -265,3 +277,134 @@ def test_graph_reads_the_real_tree():
     graph = import_graph()
     assert "unirl.config" in graph["unirl.cli"]
     assert "unirl.core.sample" in graph["unirl.data.template"]
+
+
+# -- inside unirl.train ----------------------------------------------------------------
+
+TRAIN_LAYERS: dict[str, int] = {
+    "state": 0,
+    "dist": 0,
+    "engine": 1,
+    "rollouts": 2,
+    "methods": 3,
+    "run": 4,
+    "preflight": 4,
+}
+"""Sub-package (or top-level module) of `unirl.train` -> its order inside train."""
+MAX_TRAIN_TOP_MODULES = 6
+
+
+def _train_part(module: str) -> tuple[int, str] | None:
+    """(order, method or '') of a module under unirl.train; None outside it or for the
+    package itself."""
+    parts = module.split(".")
+    if parts[:2] != ["unirl", "train"] or len(parts) < 3:
+        return None
+    if parts[2] not in TRAIN_LAYERS:
+        raise KeyError(f"{module}: no order for unirl.train.{parts[2]}; add it to TRAIN_LAYERS")
+    method = parts[3] if parts[2] == "methods" and len(parts) > 3 else ""
+    return TRAIN_LAYERS[parts[2]], method
+
+
+def train_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    """`file:line: why` for every import inside unirl.train that goes up its order or from
+    one method to another."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        here = _train_part(module)
+        if here is None:
+            continue
+        for target, line in sorted(targets.items()):
+            there = _train_part(target)
+            if there is None:
+                continue
+            where = f"{module.replace('.', '/')}.py:{line}: {module} imports {target}"
+            if here[1] and there[1] and here[1] != there[1]:
+                out.append(f"{where} (one method imports another)")
+            elif there[0] > here[0]:
+                out.append(f"{where} (up the order of unirl.train)")
+    return out
+
+
+def private_imports(src: Path = SRC) -> list[str]:
+    """`file:line: module imports private name` for every `from unirl.x import _y` and
+    every `m._y` where `m` names an imported unirl module (dunders are not private)."""
+    out = []
+    for module, path in source_modules(src).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ROOT):
+                for alias in node.names:
+                    name = alias.name
+                    if name.startswith("_") and not name.startswith("__"):
+                        out.append(
+                            f"{path.name}:{node.lineno}: {module} imports {node.module}.{name}"
+                        )
+                    aliases[alias.asname or name] = f"{node.module}.{name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(ROOT) and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                out.append(
+                    f"{path.name}:{node.lineno}: {module} uses {aliases[node.value.id]}.{node.attr}"
+                )
+    return out
+
+
+def test_train_subpackages_respect_their_order_and_methods_stay_apart():
+    violations = train_violations(import_graph())
+    assert not violations, "imports inside unirl.train:\n" + "\n".join(violations)
+
+
+def test_no_private_names_cross_modules():
+    found = private_imports()
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_train_top_level_is_small():
+    top = sorted(p.name for p in (SRC / ROOT / "train").glob("*.py"))
+    assert len(top) <= MAX_TRAIN_TOP_MODULES, top
+
+
+def test_train_checks_catch_cross_method_upward_and_private_imports(tmp_path):
+    """The meta-test: a GRPO module importing an OPD module, the engine importing a method,
+    and a private name taken across modules are each reported."""
+    _write(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "train/__init__.py": "",
+            "train/engine/__init__.py": "",
+            "train/engine/loop.py": "from unirl.train.methods.sft import job\n",
+            "train/methods/__init__.py": "",
+            "train/methods/sft/__init__.py": "",
+            "train/methods/sft/job.py": "X = 1\n",
+            "train/methods/grpo/__init__.py": "",
+            "train/methods/grpo/job.py": "from unirl.train.methods.opd.source import _pool\n",
+            "train/methods/opd/__init__.py": "",
+            "train/methods/opd/source.py": "def _pool():\n    return 1\n",
+            "train/methods/opd/job.py": (
+                "import unirl.train.engine.loop as loop\n\nY = loop._hidden\n"
+            ),
+        },
+    )
+    graph = import_graph(tmp_path)
+    assert train_violations(graph) == [
+        "unirl/train/engine/loop.py:1: unirl.train.engine.loop imports "
+        "unirl.train.methods.sft.job (up the order of unirl.train)",
+        "unirl/train/methods/grpo/job.py:1: unirl.train.methods.grpo.job imports "
+        "unirl.train.methods.opd.source (one method imports another)",
+    ]
+    assert sorted(private_imports(tmp_path)) == [
+        "job.py:1: unirl.train.methods.grpo.job imports unirl.train.methods.opd.source._pool",
+        "job.py:3: unirl.train.methods.opd.job uses unirl.train.engine.loop._hidden",
+    ]

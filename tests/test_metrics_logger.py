@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from unirl.config import LoggingConfig
-from unirl.train.metrics import METRICS, MetricsLogger, read_metrics, truncate_metrics
+from unirl.train.engine.metrics import METRICS, MetricsLogger, read_metrics, truncate_metrics
 
 BLOCK = 32768  # the W&B transaction log is a LevelDB-style log of 32 KiB blocks
 FULL, LAST = 1, 4

@@ -29,11 +29,12 @@ from unirl.data.digits_images import load_split
 from unirl.forward import forward_interleaved
 from unirl.replay import replay_distributions
 from unirl.rewards.digit_classifier import DigitClassifier
-from unirl.train.build import build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.opd import OPDObjective, build_opd_job, check_action_spaces
-from unirl.train.opd_source import DistillRecord, teacher_view
-from unirl.train.trainer import Trainer, TrainingError
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import build_model
+from unirl.train.engine.trainer import Trainer, TrainingError
+from unirl.train.methods.opd.job import build_opd_job
+from unirl.train.methods.opd.objective import OPDObjective, check_action_spaces
+from unirl.train.methods.opd.source import DistillRecord, teacher_view
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,9 +88,7 @@ def make_trainer(cfg: dict) -> Trainer:
     model = build_model(cfg).train()
     source, objective = build_opd_job(cfg, model, run_dir, DistInfo())
     pad = model.special_ids.pad
-    return Trainer(
-        model, source, objective, cfg, run_dir, DistInfo(), pad, identity=objective.identity
-    )
+    return Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad)
 
 
 def reference_loss(objective: OPDObjective, model, micro: TrajectoryBatch) -> float:

@@ -221,7 +221,7 @@ def _rows_model(tmp_path: Path, extra: str = ""):
     plus a `t2i`-labelled text row and a `paint` row that asks for an image."""
     from test_eval import make_dataset, write_config
 
-    from unirl.train.build import build_model
+    from unirl.train.engine.build import build_model
 
     data = make_dataset(tmp_path / "data", 6)
     paint = {
@@ -250,8 +250,8 @@ def _rows_model(tmp_path: Path, extra: str = ""):
 
 
 def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
-    from unirl.train.grpo import prompt_pools
-    from unirl.train.run import sft_trajectories
+    from unirl.train.methods.sft.source import sft_trajectories
+    from unirl.train.rollouts.prompts import prompt_pools
 
     cfg, model, data = _rows_model(tmp_path)
     trajs = sft_trajectories(cfg, model, "train", 0)
@@ -271,8 +271,8 @@ def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
 
 
 def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
-    from unirl.train.distributed import DistInfo
-    from unirl.train.grpo import build_grpo_job
+    from unirl.train.dist.comm import DistInfo
+    from unirl.train.methods.grpo.job import build_grpo_job
 
     extra = (
         "algorithm: {name: grpo, group_size: 2}\n"

@@ -18,8 +18,8 @@ from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import body_hidden
 from unirl.models.base import packed_attention_mask, packed_positions
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train.packing import bins, pack, padded_fraction
-from unirl.train.sft import SFTObjective
+from unirl.train.engine.batching import bins, pack, padded_fraction
+from unirl.train.methods.sft.objective import SFTObjective
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from unirl.data.digits import vocabulary_texts
 from unirl.data.digits_images import load_split
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 from unirl.rewards.digit_classifier import DigitClassifier
-from unirl.train.distributed import init_distributed
+from unirl.train.dist.comm import init_distributed
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 MODES = ("none", "ddp", "fsdp2")
@@ -218,7 +218,7 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
 @contextmanager
 def one_process_fsdp2(monkeypatch):
     """A 1-process fsdp2 job in this process, as torchrun would set it up (gloo)."""
-    from unirl.train.distributed import shutdown_distributed
+    from unirl.train.dist.comm import shutdown_distributed
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     with socket.socket() as s:
@@ -235,8 +235,8 @@ def one_process_fsdp2(monkeypatch):
 
 def one_process_trainer(cfg: dict, mode: str, info):
     """The Trainer `unirl train` builds for `cfg` under `trainer.parallel = mode`."""
+    from unirl.train.engine.trainer import Trainer
     from unirl.train.run import JOBS, _prepare_model
-    from unirl.train.trainer import Trainer
 
     trainer = {**cfg["trainer"], "parallel": mode, "fsdp": {"param_dtype": "fp32"}}
     cfg = validate_config({**cfg, "trainer": trainer})
@@ -255,8 +255,8 @@ def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch)
     unset (accumulated locally, no reduce-scatter); the last reduce-scatters their sum,
     which equals the one-process accumulated gradient."""
     from unirl.core.trajectory import TrajectoryBatch
-    from unirl.train.distributed import DistInfo
-    from unirl.train.trainer import rank_micro_batches
+    from unirl.train.dist.comm import DistInfo
+    from unirl.train.engine.trainer import rank_micro_batches
 
     torch.set_num_threads(1)
 
@@ -287,7 +287,7 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
     process leaves its `.grad` None and AdamW skips it; fsdp2 reduce-scatters zeros for
     it, and `drop_unreached` sets it back to None, so one update with weight decay gives
     the same parameters (aligner untouched) as one process."""
-    from unirl.train.distributed import DistInfo
+    from unirl.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)
     ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(grid=2), vocabulary_texts())
@@ -326,7 +326,7 @@ def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(tmp_path, codec_dir, m
     pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
     from test_grpo_loop import grpo_config
 
-    from unirl.train.distributed import DistInfo
+    from unirl.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)
     train = load_split("train")

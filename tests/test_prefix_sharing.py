@@ -22,7 +22,7 @@ from unirl.forward import body_hidden, prefix_groups, prompt_lengths, shared_pre
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import RolloutEngine, SamplingParams, sampling_records
-from unirl.train.grpo import GRPOObjective
+from unirl.train.methods.grpo.objective import GRPOObjective
 
 G = 3
 

@@ -27,12 +27,12 @@ from unirl.config import ConfigError, validate_config
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
 from unirl.rewards.digit_classifier import DigitClassifier
-from unirl.train.build import adapter_state, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import adapter_state, build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.rollouts.workers import RayPlan, StaleWeightsError, start_workers
 from unirl.train.run import _prepare_model
-from unirl.train.trainer import Trainer
-from unirl.train.workers import RayPlan, StaleWeightsError, start_workers
 
 ray = pytest.importorskip("ray")
 

@@ -18,7 +18,7 @@ from unirl.forward import forward_interleaved, scored_indices
 from unirl.models import load_model
 from unirl.models.base import image_positions
 from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
-from unirl.train import checkpoint as ckpt
+from unirl.train.state import checkpoint as ckpt
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 

@@ -27,12 +27,12 @@ from unirl.config import resume_conflicts, validate_config
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.tokenizer import SpecialIds
 from unirl.forward import forward_interleaved
-from unirl.train.build import adapter_state, apply_lora, build_model
-from unirl.train.checkpoint import latest_checkpoint
-from unirl.train.distributed import DistInfo
-from unirl.train.run import sft_trajectories
-from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import Trainer, TrainingError
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import adapter_state, apply_lora, build_model
+from unirl.train.engine.trainer import Trainer, TrainingError
+from unirl.train.methods.sft.objective import SFTObjective
+from unirl.train.methods.sft.source import DatasetSource, sft_trajectories
+from unirl.train.state.checkpoint import latest_checkpoint
 
 
 @pytest.fixture(scope="module")

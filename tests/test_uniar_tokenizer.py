@@ -24,11 +24,11 @@ from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
 from unirl.models.uniar.convert import main as convert
 from unirl.models.uniar.template import add_special_tokens
 from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config, uniar_tokenizer
-from unirl.train.build import apply_lora, build_model
-from unirl.train.distributed import DistInfo
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import apply_lora, build_model
+from unirl.train.engine.trainer import Trainer
 from unirl.train.preflight import preflight
 from unirl.train.run import JOBS
-from unirl.train.trainer import Trainer
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "uniar"
 # 64 px, 8 px cells -> 8x8 cells -> 2x2 composite positions of 4*4*64 = 1,024 bits

@@ -23,12 +23,13 @@ from unirl.models.uniar import TinyUniARSizes, UniARModel
 from unirl.models.uniar.convert import main as convert
 from unirl.models.uniar.template import add_special_tokens
 from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
-from unirl.train.build import apply_lora, build_model
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import build_grpo_job
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import apply_lora, build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.sft.job import build_sft_job
 from unirl.train.preflight import InputError, preflight
-from unirl.train.run import JOBS, build_sft_job
-from unirl.train.trainer import Trainer
+from unirl.train.run import JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "uniar"

@@ -194,7 +194,7 @@ def configure_probe(parser: argparse.ArgumentParser) -> None:
 def run_probe(args: argparse.Namespace) -> int:
     """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
     cfg = load_args_config(args)
-    from unirl.train.ig_probe import run_probe as probe
+    from unirl.train.methods.sft.probe import run_probe as probe
 
     probe(cfg, args.n)
     return 0

@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 
 from unirl.config import load_config
+from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
 from unirl.models import load_model
 from unirl.report import before_after_png, draw_digits, markdown_table, reward_curve_png
-from unirl.train.build import build_model
-from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
+from unirl.train.engine.build import build_model
 from unirl.train.run import run_train
 
 RECIPES = Path("recipes") / "digits"

@@ -186,3 +186,12 @@ def forward_interleaved(
         text_targets=batch.token_ids[text_index.rows, text_index.cols],
         visual_targets=batch.visual_codes[visual_index.rows, visual_index.cols],
     )
+
+
+def scored_mask(batch: TrajectoryBatch) -> torch.Tensor:
+    """bool [B, T]: the scored (policy-owned, t >= 1) positions."""
+    text, visual = scored_indices(batch)
+    mask = torch.zeros(batch.token_ids.shape, dtype=torch.bool, device=batch.token_ids.device)
+    mask[text.rows, text.cols] = True
+    mask[visual.rows, visual.cols] = True
+    return mask

@@ -25,7 +25,7 @@ from unirl.core.seeding import seed_for
 from unirl.rewards.plugins import build_responses, parse_response
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
-from unirl.train.build import build_model, resolve_device
+from unirl.train.engine.build import build_model, resolve_device
 
 SCALE = 16
 

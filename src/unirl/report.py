@@ -17,11 +17,11 @@ import torch
 from unirl.core.sample import GenerationRequest, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import T2I_PROMPT
+from unirl.eval.drift import DriftNoise, drift_to_noise
 from unirl.models.base import UnifiedModel
 from unirl.rewards.plugins import build_responses
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
-from unirl.train.drift import DriftNoise, drift_to_noise
-from unirl.train.metrics import read_metrics
+from unirl.train.engine.metrics import read_metrics
 
 
 def reward_curve_png(metrics_path: Path, key: str, out_png: Path) -> DriftNoise:

@@ -35,78 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from unirl.core.distributions import generalized_jsd
 from unirl.core.types import Modality
 
-BLOCK_ELEMENTS = 1 << 20
 COMPLETE_REASONS = frozenset({"eos", "length_exact"})
 EVENT_MODES = ("first_complete_window", "all_complete_transitions")
-
-
-# -- generalised JSD over a categorical ------------------------------------------------
-
-
-def _row_blocks(x: torch.Tensor) -> list[slice]:
-    rows = max(1, BLOCK_ELEMENTS // max(int(x.shape[-1]), 1))
-    return [slice(s, s + rows) for s in range(0, int(x.shape[0]), rows)]
-
-
-def _plogr(logp: torch.Tensor, logr: torch.Tensor) -> torch.Tensor:
-    """p·(log p − log r) elementwise, 0 where p = 0."""
-    dead = torch.isneginf(logp)
-    return torch.where(dead, 0.0, logp.exp() * (logp - logr.masked_fill(dead, 0.0)))
-
-
-def _log_mix(logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
-    """log((1 − β)·p + β·q), 0 < β < 1."""
-    return torch.logaddexp(logp + math.log1p(-beta), logq + math.log(beta))
-
-
-def _jsd_rows(logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
-    if beta == 0.0:
-        return _plogr(logq, logp).sum(-1)
-    if beta == 1.0:
-        return _plogr(logp, logq).sum(-1)
-    logm = _log_mix(logp, logq, beta)
-    return beta * _plogr(logq, logm).sum(-1) + (1.0 - beta) * _plogr(logp, logm).sum(-1)
-
-
-def _jsd_grad_rows(logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
-    if beta == 0.0:
-        return -logq.exp()
-    if beta == 1.0:
-        dead = torch.isneginf(logp)
-        return torch.where(dead, 0.0, logp.exp() * (logp - logq.masked_fill(dead, 0.0) + 1.0))
-    return (1.0 - beta) * _plogr(logp, _log_mix(logp, logq, beta))
-
-
-class _GeneralizedJSD(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
-        out = logp.new_empty(logp.shape[:-1])
-        for b in _row_blocks(logp):
-            out[b] = _jsd_rows(logp[b], logq[b], beta)
-        ctx.save_for_backward(logp, logq)
-        ctx.beta = beta
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logp, logq = ctx.saved_tensors
-        out = torch.empty_like(logp)
-        for b in _row_blocks(logp):
-            out[b] = _jsd_grad_rows(logp[b], logq[b], ctx.beta).mul_(grad[b, None])
-        return out, None, None
-
-
-def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """D_β(p, q) per row [n] of student log-probs `logp` and teacher log-probs `logq`
-    [n, C] (module docstring); differentiable in `logp` only, temporaries one block of
-    rows at a time. β = 0: KL(q ‖ p); β = 1: KL(p ‖ q); 0·log 0 = 0."""
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-    if logp.shape != logq.shape or logp.dim() != 2:
-        raise ValueError(f"expected two [n, C] tensors, got {logp.shape} and {logq.shape}")
-    return _GeneralizedJSD.apply(logp, logq.detach(), float(beta))
 
 
 def tempered_logp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -105,7 +105,7 @@ class GRPOConfig(StrictModel):
     """Group-relative policy optimisation with a clipped surrogate (NUMERICS.md).
 
     An update draws trainer.global_batch_size / group_size fresh prompts and G samples of
-    each (`unirl.train.grpo_source`).
+    each (`unirl.train.methods.grpo.source`).
     """
 
     name: Literal["grpo"] = Field("grpo", description="Algorithm selector.")

@@ -339,7 +339,7 @@ class CheckpointConfig(StrictModel):
 
 
 class LoggingConfig(StrictModel):
-    """Metric sinks (`unirl.train.metrics.MetricsLogger`)."""
+    """Metric sinks (`unirl.train.engine.metrics.MetricsLogger`)."""
 
     jsonl: bool = Field(True, description="Write <output_dir>/metrics.jsonl.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files.")
@@ -481,7 +481,7 @@ class UnirlConfig(StrictModel):
 
     def _packing(self, algo: AlgorithmConfig) -> None:
         """Sequence packing is built for SFT rows on the tiny model, without per-row noise
-        or IG's blind-view masks (`unirl.train.packing`)."""
+        or IG's blind-view masks (`unirl.train.engine.batching`)."""
         if not isinstance(algo, SFTConfig):
             raise incompatible("trainer.packing", f"packing is built for sft, not {algo.name}")
         if self.model.kind != "tiny":

@@ -126,6 +126,77 @@ def jsd_from_logp(logp_s: torch.Tensor, logp_t: torch.Tensor, beta: float = 0.5)
     return beta * kl_from_logp(logp_t, logm) + (1.0 - beta) * kl_from_logp(logp_s, logm)
 
 
+# -- blockwise reductions over a large last dimension ----------------------------------
+# A replay chunk's categorical log-probs are [n, V] with V up to ~10^5: these compute one
+# block of rows at a time, so no temporary larger than a block exists beside the inputs,
+# forward or backward. `generalized_jsd` has the analytic gradient in log p (entries
+# treated as independent; the chain rule through log_softmax / a top-K gather does the
+# rest):  0 < β < 1: ∂D/∂log p_k = (1 − β)·p_k·log(p_k / m_k);  β = 0: −q_k;
+# β = 1: p_k·(log p_k − log q_k + 1).
+
+BLOCK_ELEMENTS = 1 << 20
+
+
+def _row_blocks(x: torch.Tensor) -> list[slice]:
+    rows = max(1, BLOCK_ELEMENTS // max(int(x.shape[-1]), 1))
+    return [slice(s, s + rows) for s in range(0, int(x.shape[0]), rows)]
+
+
+def _plogr(logp: torch.Tensor, logr: torch.Tensor) -> torch.Tensor:
+    """p·(log p − log r) elementwise, 0 where p = 0."""
+    dead = torch.isneginf(logp)
+    return torch.where(dead, 0.0, logp.exp() * (logp - logr.masked_fill(dead, 0.0)))
+
+
+def _jsd_grad_rows(logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
+    if beta == 0.0:
+        return -logq.exp()
+    if beta == 1.0:
+        dead = torch.isneginf(logp)
+        return torch.where(dead, 0.0, logp.exp() * (logp - logq.masked_fill(dead, 0.0) + 1.0))
+    return (1.0 - beta) * _plogr(logp, _log_mixture(logp, logq, beta))
+
+
+class _GeneralizedJSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp: torch.Tensor, logq: torch.Tensor, beta: float) -> torch.Tensor:
+        out = logp.new_empty(logp.shape[:-1])
+        for b in _row_blocks(logp):
+            out[b] = jsd_from_logp(logp[b], logq[b], beta)
+        ctx.save_for_backward(logp, logq)
+        ctx.beta = beta
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logp, logq = ctx.saved_tensors
+        out = torch.empty_like(logp)
+        for b in _row_blocks(logp):
+            out[b] = _jsd_grad_rows(logp[b], logq[b], ctx.beta).mul_(grad[b, None])
+        return out, None, None
+
+
+def generalized_jsd(logp: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """D_β(p, q) per row [n] of student log-probs `logp` and teacher log-probs `logq`
+    [n, C] (`jsd_from_logp`, computed blockwise); differentiable in `logp` only, temporaries one block of
+    rows at a time. β = 0: KL(q ‖ p); β = 1: KL(p ‖ q); 0·log 0 = 0."""
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+    if logp.shape != logq.shape or logp.dim() != 2:
+        raise ValueError(f"expected two [n, C] tensors, got {logp.shape} and {logq.shape}")
+    return _GeneralizedJSD.apply(logp, logq.detach(), float(beta))
+
+
+@torch.no_grad()
+def blockwise_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """H(p) per row [n] of log-probs [n, V] (`entropy_from_logp`), one block of rows at a
+    time, without gradient (a logged statistic)."""
+    out = logp.new_empty(logp.shape[:-1])
+    for b in _row_blocks(logp):
+        out[b] = entropy_from_logp(logp[b])
+    return out
+
+
 def uniform_noise(shape: torch.Size, device: torch.device, generator: Generators) -> torch.Tensor:
     """Uniforms in [tiny, 1) of `shape`; a generator sequence draws row i from generator i."""
     tiny = torch.finfo(torch.float32).tiny

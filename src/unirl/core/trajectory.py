@@ -355,7 +355,7 @@ class TrajectoryBatch:
     old_logp_factors: torch.Tensor | None = None
     seeds: list[int | None] | None = None
     sampling: list[Any] | None = None
-    # -- sequence packing (`unirl.train.packing`): long [B, T], 1.. = the packed sequence
+    # -- sequence packing (`unirl.train.engine.batching`): long [B, T], 1.. = the packed sequence
     # of each position within its row, 0 = padding; None = one sequence per row ----------
     segment_ids: torch.Tensor | None = None
 

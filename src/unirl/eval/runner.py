@@ -42,7 +42,11 @@ from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
 from unirl.models.build import build_model, dataset_rows, resolve_device
 from unirl.rewards import RewardService, build_responses, build_reward_service, check_answers
-from unirl.rewards.digit_classifier import load_or_fit_classifier
+from unirl.rewards.digit_classifier import (
+    CLASSIFIER_DIR,
+    load_or_fit_classifier,
+    needs_digit_classifier,
+)
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
 
@@ -103,20 +107,12 @@ def make_request(cfg: UnirlConfig, sample: Sample, index: int, member: int, grid
     return RolloutRequest(sample.fork(member), seed, params)
 
 
-def _needs_classifier(cfg: UnirlConfig) -> bool:
-    return any(
-        p.path is None
-        and (p.name == "digit_classifier" or bool(p.kwargs.get("require_image_class")))
-        for p in cfg.reward.plugins
-    )
-
-
 def _rewards(cfg: UnirlConfig, model: UnifiedModel, out: Path) -> RewardService | None:
     if not cfg.reward.plugins:
         return None
     resources = {}
-    if _needs_classifier(cfg):
-        resources["digit_classifier"] = load_or_fit_classifier(out / "classifier")
+    if needs_digit_classifier(cfg.reward):
+        resources["digit_classifier"] = load_or_fit_classifier(out / CLASSIFIER_DIR)
     return build_reward_service(cfg.reward, decode_images=model.codec.decode, resources=resources)
 
 

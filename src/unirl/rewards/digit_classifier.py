@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from unirl.codecs.base import ArrayLike, as_pixels, as_tensor, train_minibatches
+from unirl.config.schema import RewardConfig
 from unirl.data.digits_images import load_split
 
 CONFIG_NAME = "classifier.json"
@@ -185,3 +186,18 @@ def load_or_fit_classifier(directory: Path | None, seed: int = 0) -> DigitClassi
     if directory is not None:
         classifier.save_pretrained(directory)
     return classifier
+
+
+CLASSIFIER_DIR = "classifier"
+"""Where a run keeps its fitted digits classifier (under the run or eval directory)."""
+
+
+def needs_digit_classifier(reward: RewardConfig) -> bool:
+    """Whether a reward plugin of `reward` needs the built-in digits classifier (the
+    `digit_classifier` plugin, or a plugin asked to `require_image_class`) and was given
+    no path of its own."""
+    return any(
+        p.path is None
+        and (p.name == "digit_classifier" or bool(p.kwargs.get("require_image_class")))
+        for p in reward.plugins
+    )

@@ -13,7 +13,7 @@ Layout of a run directory::
     eval.json, report.md, curves.png
 
 Re-running the same command on the same directory resumes from the latest intact
-checkpoint (see `unirl.train.checkpoint`).
+checkpoint (see `unirl.train.state.checkpoint`).
 
 Order of a run: everything it reads is validated first (`unirl.train.preflight`); only
 then is the run directory created or opened. An existing run's newest intact checkpoint
@@ -34,34 +34,34 @@ import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.memo import memoized_encodings
 from unirl.data.rows import has_split
+from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
+from unirl.eval.masked import TASK as MASKED_TASK
+from unirl.eval.masked import evaluate_masked_answer
 from unirl.eval.runner import evaluate, split_config
 from unirl.models.base import UnifiedModel
-from unirl.train import checkpoint as ckpt
-from unirl.train.build import (
+from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.engine.build import (
     adapter_state,
     apply_lora,
     build_model,
-    dataset_rows,
     merged_state_dict,
     resolve_device,
     set_determinism,
 )
-from unirl.train.checkpoint import write_text_atomic
-from unirl.train.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
-from unirl.train.evaluate import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
-from unirl.train.evaluate_masked import TASK as MASKED_TASK
-from unirl.train.evaluate_masked import evaluate_masked_answer
-from unirl.train.grpo import build_grpo_job
-from unirl.train.information_gain import ig_evaluation
-from unirl.train.metrics import plot_metrics
-from unirl.train.opd import build_opd_job
-from unirl.train.parallel_ckpt import full_model_state
+from unirl.train.engine.faults import inject_fault
+from unirl.train.engine.metrics import plot_metrics
+from unirl.train.engine.protocols import BatchSource, Objective
+from unirl.train.engine.trainer import Trainer, check_resume
+from unirl.train.methods.grpo.job import build_grpo_job
+from unirl.train.methods.opd.job import build_opd_job
+from unirl.train.methods.sft.information_gain import ig_evaluation
+from unirl.train.methods.sft.job import build_sft_job
+from unirl.train.methods.sft.source import sft_trajectories
 from unirl.train.preflight import preflight
-from unirl.train.sft import DatasetSource, SFTObjective
-from unirl.train.trainer import BatchSource, Objective, Trainer, _inject_fault, check_resume
+from unirl.train.state import checkpoint as ckpt
+from unirl.train.state.checkpoint import write_text_atomic
+from unirl.train.state.sharded import full_model_state
 
 logger = logging.getLogger(__name__)
 EVALS = "evals"
@@ -96,34 +96,6 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     return run_dir
 
 
-def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
-    """Rows per task: `n_per_task` each, or, with `data.task_weights`, n · w_t / mean(w)
-    (the mixture keeps its total size; a task's rows cycle through the split's images with
-    fresh random options)."""
-    weights = cfg.data.task_weights or {}
-    if not weights:
-        return {task: n_per_task for task in cfg.data.tasks}
-    w = {task: weights.get(task, 1.0) for task in cfg.data.tasks}
-    mean = sum(w.values()) / len(w)
-    return {task: max(1, round(n_per_task * w[task] / mean)) for task in cfg.data.tasks}
-
-
-def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
-    """Serialised SFT rows of `split`: the `data.path` rows of that split and of the
-    `data.tasks` (`dataset_rows`: images through the model's processor), or
-    `n_per_task` rows of each built-in digits task."""
-    if cfg.data.path:
-        samples = dataset_rows(cfg, model, split).samples
-    else:
-        samples = [
-            s
-            for task, n in task_sizes(cfg, n_per_task).items()
-            for s in make_task_samples(task, split, n, seed=cfg.data.seed)
-        ]
-    with memoized_encodings():  # repeated texts and images are encoded once
-        return [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
-
-
 def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> UnifiedModel:
     model = build_model(cfg, codec_dir=run_dir / "codec", tokenizer_dir=run_dir / "tokenizer")
     if cfg.trainer.gradient_checkpointing:
@@ -131,20 +103,6 @@ def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> Uni
     if cfg.trainer.lora.enabled:
         apply_lora(model, cfg)
     return model.to(device).train()
-
-
-def build_sft_job(
-    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
-) -> tuple[BatchSource, Objective]:
-    """SFT: the serialised training rows walked by a dataset cursor; cross-entropy loss."""
-    n_train = cfg.data.train_size
-    if not n_train and not cfg.data.path:  # a dataset's own rows need no digits count
-        n_train = len(load_split("train"))
-    trajs = sft_trajectories(cfg, model, "train", n_train)
-    source = DatasetSource(
-        trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
-    )
-    return source, SFTObjective(cfg.algorithm)
 
 
 JobBuilder = Callable[[UnirlConfig, UnifiedModel, Path, DistInfo], tuple[BatchSource, Objective]]
@@ -174,7 +132,6 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
             model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
             evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
-            identity=getattr(objective, "identity", None),
         )
         for _update, _metrics in trainer.fit(stop_after):
             pass
@@ -190,7 +147,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
         barrier(info)
         return run_dir
     finally:
-        if source is not None and hasattr(source, "close"):
+        if source is not None:
             source.close()  # Ray workers
         shutdown_distributed()
 
@@ -282,7 +239,7 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
 
     def export(path: Path) -> None:
         model.save_pretrained(path, state_dict=merged_state_dict(model))
-        _inject_fault("model_write", cfg.trainer.total_updates)
+        inject_fault("model_write", cfg.trainer.total_updates)
 
     ckpt.write_dir_atomic(run_dir, "model", export)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")

@@ -1,6 +1,6 @@
 """GRPO on the shared trainer: the objective, the reference policy and the job builder.
 
-The batch comes from `GRPOSource` (rollouts, rewards, advantages; `grpo_source`). For
+The batch comes from `GRPOSource` (rollouts, rewards, advantages; `unirl.train.methods.grpo.source`). For
 each micro-batch the objective replays the policy at training geometry (one forward,
 heads at scored positions only, `unirl.replay.replay_map`) and computes, per scored
 position t of row i with advantage A_i (NUMERICS "Clipped surrogate" .. "KL"):
@@ -34,8 +34,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -51,25 +49,19 @@ from unirl.algorithms.grpo import (
 )
 from unirl.config import UnirlConfig
 from unirl.config.algorithms import GRPOConfig
-from unirl.core.distributions import TextCategorical
-from unirl.core.sample import Sample
+from unirl.core.distributions import TextCategorical, blockwise_entropy, generalized_jsd
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.forward import scored_indices
+from unirl.forward import scored_mask
 from unirl.models.base import UnifiedModel
 from unirl.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
-from unirl.rewards import build_reward_service, check_answers
 from unirl.rollout import SamplingRecord
-from unirl.train import grpo_jsd as lean
-from unirl.train.build import dataset_rows, set_adapters_enabled
-from unirl.train.distributed import DistInfo, barrier
-from unirl.train.evaluate import CLASSIFIER_DIR, load_or_fit_classifier
-from unirl.train.grpo_metrics import finalize_loss_stats
-from unirl.train.grpo_source import GRPOSource, PromptSampler
-from unirl.train.trainer import autocast, rank_micro_batches
-from unirl.train.workers import start_workers
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.batching import rank_micro_batches
+from unirl.train.engine.build import set_adapters_enabled
+from unirl.train.engine.protocols import Objective
+from unirl.train.engine.trainer import autocast
+from unirl.train.rollouts.stats import finalize_loss_stats
 
 
 class Reference:
@@ -98,15 +90,6 @@ class Reference:
                 set_adapters_enabled(self.policy, True)
 
 
-def scored_mask(batch: TrajectoryBatch) -> torch.Tensor:
-    """bool [B, T]: the scored (policy-owned, t >= 1) positions."""
-    text, visual = scored_indices(batch)
-    mask = torch.zeros(batch.token_ids.shape, dtype=torch.bool, device=batch.token_ids.device)
-    mask[text.rows, text.cols] = True
-    mask[visual.rows, visual.cols] = True
-    return mask
-
-
 def _records(micro: TrajectoryBatch) -> list[SamplingRecord]:
     """The rows' sampling records (carried by the batch); ValueError naming a row without."""
     sampling = micro.sampling or [None] * len(micro)
@@ -116,7 +99,7 @@ def _records(micro: TrajectoryBatch) -> list[SamplingRecord]:
     return list(sampling)
 
 
-class GRPOObjective:
+class GRPOObjective(Objective):
     """The GRPO loss of a micro-batch (module docstring), from the micro-batch alone: the
     rows carry their advantages, sampling records and (later updates of a round) the
     anchor log-probs. Statistics are sums (`loss`) finalised into means (`finalize`)."""
@@ -140,7 +123,7 @@ class GRPOObjective:
         reference's chunk is rebuilt from its hidden states inside the chunk (and again
         when backward recomputes it): one chunk of distributions alive at a time, and the
         categorical reductions over the vocabulary run a block of rows at a time
-        (`grpo_jsd`)."""
+        (`unirl.core.distributions.generalized_jsd` at β = ½)."""
         bits = batch.is_bits
 
         def fn(chunk: DistributionChunk) -> torch.Tensor:
@@ -153,7 +136,7 @@ class GRPOObjective:
                 factors = logp.new_zeros(n, batch.n_factors) if bits else None
             categorical = isinstance(dist, TextCategorical)
             if categorical:
-                cols = [logp, lean.entropy(dist.log_probs)]
+                cols = [logp, blockwise_entropy(dist.log_probs)]
             else:
                 with torch.no_grad():
                     cols = [logp, dist.entropy()]
@@ -161,7 +144,7 @@ class GRPOObjective:
                 with self.reference.active():
                     ref = ref_plan.distribution(chunk.index, chunk.rows, chunk.cols)
                 if categorical and isinstance(ref, TextCategorical):
-                    cols.append(lean.symmetric_jsd(dist.log_probs, ref.log_probs))
+                    cols.append(generalized_jsd(dist.log_probs, ref.log_probs, 0.5))
                 else:
                     cols.append(jsd_penalty(dist, ref))
                 del ref
@@ -285,36 +268,6 @@ class GRPOObjective:
         return finalize_loss_stats(sums)
 
 
-def prompt_pools(cfg: UnirlConfig, model: UnifiedModel) -> dict[str, list[Sample]]:
-    """Training prompts per task: the train-split `data.path` rows of each task
-    (`dataset_rows`: images through the model's processor; a row a verifier would score
-    without its answer is a DatasetError naming its file:line, `check_answers`), or the built-in digits tasks
-    on the train split (`data.train_size` per task, 0 = one per train image)."""
-    tasks = list(cfg.data.tasks)
-    if cfg.data.path:
-        rows = dataset_rows(cfg, model, "train")
-        check_answers(cfg.reward, rows)
-        return {t: [s for s in rows.samples if s.task == t] for t in tasks}
-    n = cfg.data.train_size or len(load_split("train"))
-    return {t: make_task_samples(t, "train", n, seed=cfg.data.seed) for t in tasks}
-
-
-def _needs_classifier(cfg: UnirlConfig) -> bool:
-    return any(
-        p.path is None
-        and (p.name == "digit_classifier" or bool(p.kwargs.get("require_image_class")))
-        for p in cfg.reward.plugins
-    )
-
-
-def _classifier(run_dir: Path, info: DistInfo):
-    """The run's digits classifier (fitted once by rank 0, then loaded by the others)."""
-    if info.is_main:
-        load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-    barrier(info)
-    return load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-
-
 @torch.no_grad()
 def anchor_old_logprobs(
     model: UnifiedModel, cfg: UnirlConfig, info: DistInfo, trajs: list[Trajectory]
@@ -339,35 +292,3 @@ def anchor_old_logprobs(
             traj.old_logp = out.logp[b, :n].to(device)
             if out.logp_factors is not None:
                 traj.old_logp_factors = out.logp_factors[b, :n].to(device)
-
-
-def build_grpo_job(
-    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
-) -> tuple[GRPOSource, GRPOObjective]:
-    """GRPO: rollouts + rewards as the batch source, the clipped surrogate as objective.
-
-    Call before the trainer resumes: the reference is the model as given (the initial
-    policy, e.g. the SFT checkpoint of `model.path`)."""
-    algo = cfg.algorithm
-    if algo.share_prompt_prefix and not model.supports_prefix_sharing:
-        raise ValueError(
-            f"algorithm.share_prompt_prefix: {type(model).__name__} does not support it "
-            "(the tiny model with model.tiny.mixer_kernel 0 does)"
-        )
-    resources = {"digit_classifier": _classifier(run_dir, info)} if _needs_classifier(cfg) else {}
-    sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
-    anchor = None
-    if algo.updates_per_batch > 1:
-        anchor = partial(anchor_old_logprobs, model, cfg, info)
-    workers = None
-    if cfg.rollout.workers or cfg.reward.workers:
-        workers = start_workers(cfg, model, resources)
-    if workers is not None and workers.rewards is not None:
-        rewards = workers.rewards
-    else:
-        rewards = build_reward_service(
-            cfg.reward, decode_images=model.codec.decode, resources=resources
-        )
-    source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor, workers)
-    reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
-    return source, GRPOObjective(algo, reference)

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from unirl.train.checkpoint import DCP
-from unirl.train.distributed import DistInfo
+from unirl.train.dist.comm import DistInfo
+from unirl.train.state.checkpoint import DCP
 
 PARTIAL = StateDictOptions(strict=False)
 

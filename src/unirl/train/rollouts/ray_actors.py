@@ -1,4 +1,4 @@
-"""The Ray actors of `unirl.train.workers`: plain classes, made remote by the pools.
+"""The Ray actors of `unirl.train.rollouts.workers`: plain classes, made remote by the pools.
 
 `RolloutWorker` holds a policy copy (version v: the policy after v updates) and a
 `RolloutService`; `generate(version, requests)` refuses any version but its own
@@ -19,7 +19,7 @@ import torch
 from unirl.config.schema import RewardConfig
 from unirl.rewards import RewardError, RewardResult, build_reward_service
 from unirl.rollout import RolloutRequest, RolloutService
-from unirl.train.build import set_determinism
+from unirl.train.engine.build import set_determinism
 
 FAULT = "rollout_worker"
 """`UNIRL_FAULT=rollout_worker:<n>`: the first rollout actor exits when asked for update n."""

@@ -1,4 +1,12 @@
-"""Sequence packing of a micro-batch (`trainer.packing`): several rows per batch row.
+"""How a global batch becomes this rank's micro-batches, and sequence packing of a
+micro-batch.
+
+Micro-batching (`rank_micro_batches`): this rank takes its round-robin shard of the
+global batch and splits it into micro-batches of `trainer.micro_batch_size` rows or, with
+`trainer.micro_token_budget`, into length-sorted buckets whose padded size (rows x longest
+row) stays within the budget and whose row count stays within `micro_batch_size`.
+
+Sequence packing of a micro-batch (`trainer.packing`): several rows per batch row.
 
 The rows of one micro-batch are placed first-fit-decreasing into batch rows as long as
 its longest row, each batch row the concatenation of its sequences, and `segment_ids`
@@ -18,7 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
+from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
+from unirl.train.dist.comm import DistInfo
 
 PER_ROW = ("rollout_logp", "rollout_logp_factors", "old_logp", "old_logp_factors", "advantage")
 
@@ -77,3 +87,36 @@ def pack(trajs: Sequence[Trajectory], pad_id: int) -> TrajectoryBatch:
 def padded_fraction(batch: TrajectoryBatch) -> float:
     """Share of the batch's B x T positions that are padding."""
     return 1.0 - float(batch.attention_mask.sum()) / batch.attention_mask.numel()
+
+
+def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list[list[int]]:
+    """Indices of `trajs` per micro-batch: fixed `size` rows, or, with a token budget,
+    length-sorted buckets whose padded size (rows × longest row) stays within the budget
+    and that hold at most `size` rows (a row longer than the budget gets a bucket of its
+    own)."""
+    if token_budget <= 0:
+        return [list(range(i, min(i + size, len(trajs)))) for i in range(0, len(trajs), size)]
+    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i]))
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([len(trajs[j]) for j in current] + [len(trajs[i])])
+        if current and (len(current) >= size or longest * (len(current) + 1) > token_budget):
+            buckets.append(current)
+            current = []
+        current.append(i)
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def rank_micro_batches(
+    trajs: list[Trajectory], dist_info: DistInfo, cfg: TrainerConfig
+) -> list[list[Trajectory]]:
+    """Training geometry: this rank's round-robin shard of a global batch, split into
+    micro-batches (`micro_batch_size`, or length buckets under `micro_token_budget`).
+    Every pass that must see the batch as training does (the update itself, an anchor
+    replay before it) uses this."""
+    shard = trajs[dist_info.rank :: dist_info.world_size]
+    groups = micro_batches(shard, cfg.micro_batch_size, cfg.micro_token_budget or 0)
+    return [[shard[i] for i in g] for g in groups]

@@ -47,14 +47,14 @@ from unirl.config.schema import RewardConfig
 from unirl.core.sample import Part, Sample
 from unirl.rewards import RewardError, RewardResult
 from unirl.rollout import RolloutRequest, RolloutTrajectory
-from unirl.train.grpo_rewards import first_failure, merge_round_robin
-from unirl.train.ray_actors import (
+from unirl.train.rollouts.ray_actors import (
     FAULT,
     RewardWorker,
     RolloutWorker,
     StaleWeightsError,
     threads_for,
 )
+from unirl.train.rollouts.scoring import first_failure, merge_round_robin
 
 
 class WorkerError(RuntimeError):

@@ -24,10 +24,10 @@ import torch
 from unirl.core.sample import Sample
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality, Owner
+from unirl.eval.digits import rollout_task
 from unirl.models.base import UnifiedModel
 from unirl.rewards.plugins import ExactAnswer, build_responses, parse_response
 from unirl.rollout import RolloutTrajectory
-from unirl.train.evaluate import rollout_task
 
 TASK = "draw_then_answer"
 MAX_ANSWER_TOKENS = 4

@@ -8,20 +8,16 @@ continues the exact order. Each row of update u carries the stateless seed
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import replace
-
-import numpy as np
 import torch
 
 from unirl.algorithms.sft import SFTTerms, bitflip, bitflip_rates, sft_loss, text_ce, visual_ce
 from unirl.config.algorithms import SFTConfig
-from unirl.core.seeding import seed_for
-from unirl.core.trajectory import Trajectory, TrajectoryBatch
+from unirl.core.trajectory import TrajectoryBatch
 from unirl.forward import forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
-from unirl.train.distributed import DistInfo, all_reduce_sum
-from unirl.train.information_gain import (
+from unirl.train.dist.comm import DistInfo, all_reduce_sum
+from unirl.train.engine.protocols import Objective
+from unirl.train.methods.sft.information_gain import (
     contributing_rows,
     eval_mode,
     finalize_sums,
@@ -31,59 +27,7 @@ from unirl.train.information_gain import (
 )
 
 
-class DatasetSource:
-    """Global batches of `batch_size` rows walked through per-epoch permutations."""
-
-    def __init__(
-        self,
-        trajectories: list[Trajectory],
-        batch_size: int,
-        seed: int,
-        shuffle: bool = True,
-        run_seed: int = 0,
-    ) -> None:
-        if not trajectories:
-            raise ValueError("the SFT dataset is empty")
-        self.rows = trajectories
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.run_seed = run_seed
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            n = len(self.rows)
-            rng = np.random.default_rng([self.seed, epoch])
-            self._orders = {epoch: rng.permutation(n) if self.shuffle else np.arange(n)}
-        return self._orders[epoch]
-
-    def indices(self, update: int) -> list[int]:
-        n = len(self.rows)
-        out = []
-        for k in range(update * self.batch_size, (update + 1) * self.batch_size):
-            epoch, offset = divmod(k, n)
-            out.append(int(self._order(epoch)[offset]))
-        return out
-
-    def global_batch(self, update: int) -> list[Trajectory]:
-        """The update's rows, each with its noise seed (module docstring)."""
-        out = []
-        for i in self.indices(update):
-            row = self.rows[i]
-            seed = seed_for(self.run_seed, update, _row_seed_index(row.sample_id), 0)
-            out.append(replace(row, seed=seed))
-        return out
-
-    def batch_metrics(self, update: int) -> dict[str, float]:
-        return {"epoch": update * self.batch_size / len(self.rows)}
-
-
-def _row_seed_index(sample_id: str) -> int:
-    return zlib.crc32(sample_id.encode())
-
-
-class SFTObjective:
+class SFTObjective(Objective):
     """Text CE + λ_visual · visual CE over the global count of scored positions, with
     optional BitFlip noise on the visual inputs drawn from each row's seed, plus
     `information_gain.weight` · L_IG (`unirl.algorithms.information_gain`).

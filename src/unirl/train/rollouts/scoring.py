@@ -12,12 +12,21 @@ rank, naming the first failing row in batch order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from unirl.config import UnirlConfig
 from unirl.core.sample import Part, Sample
 from unirl.rewards import RewardError, RewardResult, RewardService
+from unirl.rewards.digit_classifier import (
+    CLASSIFIER_DIR,
+    load_or_fit_classifier,
+    needs_digit_classifier,
+)
 from unirl.rollout import RolloutService, RolloutTrajectory, interleave
+from unirl.train.dist.comm import DistInfo, barrier
 
 
 def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
@@ -89,3 +98,15 @@ def score_sharded(
         raise RewardError(*failure)
     trajs = interleave([p[0] for p in parts])
     return trajs, merge_round_robin([p[1] for p in parts])
+
+
+def load_run_classifier(cfg: UnirlConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:
+    """The reward resources of a run: the run's digits classifier when a reward plugin
+    needs it (`needs_digit_classifier`), fitted once by rank 0 into
+    `<run_dir>/classifier` and then loaded by every rank; else nothing."""
+    if not needs_digit_classifier(cfg.reward):
+        return {}
+    if info.is_main:
+        load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
+    barrier(info)
+    return {"digit_classifier": load_or_fit_classifier(run_dir / CLASSIFIER_DIR)}

@@ -44,8 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unirl.config.trainer import TrainerConfig
-from unirl.train.distributed import DistInfo, all_gather_objects
-from unirl.train.optim import clip_gradients
+from unirl.train.dist.comm import DistInfo, all_gather_objects
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -83,6 +82,27 @@ def _sum_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotation object 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
+    """Clip the global L2 norm to `max_norm` (<= 0: no clipping).
+
+    Returns (pre-clip norm, applied scale), the scale being min(1, max_norm / norm).
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = (
+        torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params])
+        ).item()
+        if params
+        else 0.0
+    )
+    scale = 1.0
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm, scale
 
 
 class Parallel:

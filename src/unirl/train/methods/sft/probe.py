@@ -25,15 +25,15 @@ from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.forward import forward_interleaved
 from unirl.models.base import UnifiedModel
-from unirl.train.build import build_model
-from unirl.train.information_gain import (
+from unirl.train.engine.build import build_model
+from unirl.train.methods.sft.information_gain import (
     blind_scores,
     eval_mode,
     full_logp,
     scored_events,
     unit_scores,
 )
-from unirl.train.run import sft_trajectories
+from unirl.train.methods.sft.source import sft_trajectories
 
 ALL_EVENTS = InformationGainConfig(weight=1.0, event_selection="all")
 

@@ -1,6 +1,6 @@
 """OPD on the shared trainer: the frozen teacher, the objective and the job builder.
 
-The batch comes from `OPDSource` (`opd_source`): distilled rows (each carrying a
+The batch comes from `OPDSource` (`unirl.train.methods.opd.source`): distilled rows (each carrying a
 `DistillRecord`) and ground-truth rows (no sampling record). For a micro-batch the
 objective computes (NUMERICS "On-policy distillation"):
 
@@ -49,15 +49,12 @@ from unirl.config.algorithms import OPDConfig
 from unirl.core.distributions import TextCategorical, VisualBits
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.forward import forward_interleaved
+from unirl.forward import forward_interleaved, scored_mask
 from unirl.models.base import UnifiedModel
 from unirl.models.registry import load_model
 from unirl.replay import DistributionChunk, ReplayPlan, replay_map
-from unirl.rewards import build_reward_service
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo import _classifier, _needs_classifier, prompt_pools, scored_mask
-from unirl.train.grpo_source import PromptSampler
-from unirl.train.opd_source import DistillRecord, OPDSource, teacher_view
+from unirl.train.engine.protocols import Objective
+from unirl.train.methods.opd.source import DistillRecord, teacher_view
 
 KEY = "algorithm.teacher.path"
 EVENT_KINDS = ("text", "visual", "window")
@@ -135,7 +132,7 @@ def _stack_columns(d) -> torch.Tensor:
     return torch.stack([d.jsd, d.agree.to(d.jsd), d.retained.to(d.jsd), d.fallback.to(d.jsd)], -1)
 
 
-class OPDObjective:
+class OPDObjective(Objective):
     """The OPD loss of a micro-batch (module docstring)."""
 
     def __init__(self, algo: OPDConfig, teacher: UnifiedModel, identity: dict[str, str]) -> None:
@@ -322,23 +319,3 @@ def _position_stats(
         "fallback_sum": float(fallback[cat].sum()),
         "n_categorical": float(cat.sum()),
     }
-
-
-def build_opd_job(
-    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
-) -> tuple[OPDSource, OPDObjective]:
-    """OPD: student rollouts + verification + routing as the source, the trajectory-first
-    JSD to the frozen teacher (+ GT-replay CE) as the objective."""
-    teacher = load_teacher(cfg, model)
-    rewards = None
-    if cfg.reward.plugins:
-        resources = (
-            {"digit_classifier": _classifier(run_dir, info)} if _needs_classifier(cfg) else {}
-        )
-        rewards = build_reward_service(
-            cfg.reward, decode_images=model.codec.decode, resources=resources
-        )
-    sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
-    source = OPDSource(model, teacher, sampler, rewards, cfg, info)
-    identity = teacher_identity(cfg.algorithm.teacher.path)
-    return source, OPDObjective(cfg.algorithm, teacher, identity)

@@ -11,7 +11,7 @@ What varies between methods is behind two small interfaces:
   ranks. The two never see each other: the trainer only passes batches and sums.
 
 Everything else — micro-batching and accumulation, data parallelism (DDP / FSDP2,
-`unirl.train.parallel`), clipping,
+`unirl.train.dist.parallel`), clipping,
 AdamW + schedule, atomic checkpoints with exact resume, JSONL/TensorBoard metrics, the
 progress bar — lives here once.
 """
@@ -19,100 +19,35 @@ progress bar — lives here once.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
 from unirl.config.hashing import resumable_summary
 from unirl.config.trainer import TrainerConfig
-from unirl.core.trajectory import Trajectory, TrajectoryBatch
+from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
-from unirl.train import checkpoint as ckpt
-from unirl.train import parallel_ckpt
-from unirl.train.distributed import DistInfo, all_reduce_sum, barrier
-from unirl.train.metrics import MetricsLogger, Progress, truncate_metrics
-from unirl.train.optim import build_scheduler
-from unirl.train.packing import pack
-from unirl.train.parallel import Parallel
-
-FAULT_ENV = "UNIRL_FAULT"
-PERTURB_ENV = "UNIRL_PERTURB"
+from unirl.train.dist.comm import DistInfo, all_reduce_sum, barrier
+from unirl.train.dist.parallel import Parallel
+from unirl.train.engine.batching import pack, rank_micro_batches
+from unirl.train.engine.faults import inject_fault, perturb_for_test
+from unirl.train.engine.metrics import MetricsLogger, Progress, truncate_metrics
+from unirl.train.engine.optim import build_scheduler
+from unirl.train.engine.protocols import BatchSource, Objective
+from unirl.train.state import checkpoint as ckpt
+from unirl.train.state import sharded
 
 
 class TrainingError(RuntimeError):
     """Training cannot continue (non-finite loss, refused resume, ...)."""
 
 
-class BatchSource(Protocol):
-    def global_batch(self, update: int) -> list[Trajectory]:
-        """The trajectories of update `update` (the same on every rank and every retry),
-        each carrying the per-row data its objective needs (advantages, anchors, ...)."""
-
-    def batch_metrics(self, update: int) -> dict[str, float]:
-        """Metrics of producing update `update`'s batch (rewards, rollout speed, ...)."""
-
-
-class Objective(Protocol):
-    def count(self, batch: TrajectoryBatch) -> int:
-        """This shard's contribution to the global normaliser."""
-
-    def loss(
-        self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The micro-batch's share of the global loss, and metric *sums* of the
-        micro-batch (additive over micro-batches and ranks; the same keys every call)."""
-
-    def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
-        """The logged metrics of an update from its `loss` sums, added over every
-        micro-batch and all-reduced over ranks."""
-
-    # Optional: `begin_update(update, micros, dist)`, called once per update before the
-    # micro-batches (on every rank, with this rank's micro-batches): an objective whose
-    # loss needs the update number or a global count besides `count` (SFT with
-    # Information Gain) sets them here.
-    # Optional: `frozen_models() -> list[nn.Module]`, models the loss reads but never
-    # trains (a reference, a teacher), which a sharded data-parallel wrapper shards too.
-
-
 SAMPLES_PER_LOG = 4
-
-
-def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list[list[int]]:
-    """Indices of `trajs` per micro-batch: fixed `size` rows, or, with a token budget,
-    length-sorted buckets whose padded size (rows × longest row) stays within the budget."""
-    if token_budget <= 0:
-        return [list(range(i, min(i + size, len(trajs)))) for i in range(0, len(trajs), size)]
-    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i]))
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = max([len(trajs[j]) for j in current] + [len(trajs[i])])
-        if current and longest * (len(current) + 1) > token_budget:
-            buckets.append(current)
-            current = []
-        current.append(i)
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def rank_micro_batches(
-    trajs: list[Trajectory], dist_info: DistInfo, cfg: TrainerConfig
-) -> list[list[Trajectory]]:
-    """Training geometry: this rank's round-robin shard of a global batch, split into
-    micro-batches (`micro_batch_size`, or length buckets under `micro_token_budget`).
-    Every pass that must see the batch as training does (the update itself, an anchor
-    replay before it) uses this."""
-    shard = trajs[dist_info.rank :: dist_info.world_size]
-    groups = micro_batches(shard, cfg.micro_batch_size, cfg.micro_token_budget or 0)
-    return [[shard[i] for i in g] for g in groups]
 
 
 def autocast(cfg: TrainerConfig, device: torch.device):
@@ -138,24 +73,6 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
         )
 
 
-def _perturb_for_test(model: UnifiedModel, rank: int) -> None:
-    """Test hook: `UNIRL_PERTURB=<rank>:<parameter name>` adds 1e-3 to that parameter on
-    that rank (a desynchronised replica for the drift check)."""
-    spec = os.environ.get(PERTURB_ENV, "")
-    if spec and spec.split(":", 1)[0] == str(rank):
-        with torch.no_grad():
-            model.get_parameter(spec.split(":", 1)[1]).add_(1e-3)
-
-
-def _inject_fault(point: str, update: int) -> None:
-    """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
-    (points: rollout, update (after a micro-batch's backward), after_update,
-    checkpoint_write, model_write)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec == f"{point}:{update}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Trainer:
     def __init__(
         self,
@@ -168,10 +85,9 @@ class Trainer:
         pad_id: int,
         trainable_state: Any = None,
         evaluator: Callable[[int], dict[str, float]] | None = None,
-        identity: dict[str, str] | None = None,
     ) -> None:
         """`cfg` is the run config: the trainer reads its `trainer`, `checkpoint` and
-        `logging` sections (and hashes the whole of it for resume checks). `identity`
+        `logging` sections (and hashes the whole of it for resume checks). `objective.identity`
         (e.g. OPD's teacher path and content hash) is written into every checkpoint, and
         a checkpoint holding another identity is not resumed."""
         self.model = model
@@ -184,14 +100,14 @@ class Trainer:
         self.pad_id = pad_id
         self._trainable_state = trainable_state or self._full_state
         self._ckpt_keys = set(self._trainable_state())
-        frozen = getattr(objective, "frozen_models", list)()
+        frozen = objective.frozen_models()
         self.parallel = Parallel(model, self.t, dist_info, frozen)
-        _perturb_for_test(model, dist_info.rank)
+        perturb_for_test(model, dist_info.rank)
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self._grads_checked = False
         self.evaluator = evaluator
-        self.identity = identity
+        self.identity = objective.identity
         opt, sched = self.t.optimizer, self.t.scheduler
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -232,12 +148,12 @@ class Trainer:
             **({"identity": self.identity} if self.identity is not None else {}),
         }
         if self.parallel.distributed:
-            parallel_ckpt.save_sharded(
+            sharded.save_sharded(
                 staging, self.model, self.optimizer, self.scheduler, self._ckpt_keys, self.dist
             )
         barrier(self.dist)
         if self.dist.is_main:
-            _inject_fault("checkpoint_write", self.update)
+            inject_fault("checkpoint_write", self.update)
             keep = self.cfg.checkpoint.keep_last
             if self.parallel.distributed:
                 ckpt.seal_checkpoint(self.run_dir, self.update, state, keep)
@@ -270,7 +186,7 @@ class Trainer:
                 "written with"
             )
         if self.parallel.distributed:
-            parallel_ckpt.load_sharded(
+            sharded.load_sharded(
                 found.path,
                 self.model,
                 self.optimizer,
@@ -325,9 +241,7 @@ class Trainer:
         micros = [collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
         n_global = int(all_reduce_sum(torch.tensor(float(local)), self.dist).item())
-        begin = getattr(self.objective, "begin_update", None)  # optional hook
-        if begin is not None:
-            begin(self.update, micros, self.dist)
+        self.objective.begin_update(self.update, micros, self.dist)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, float] = {}
@@ -344,7 +258,7 @@ class Trainer:
                         "checkpoint"
                     )
                 loss.backward()
-                _inject_fault("update", self.update + 1)
+                inject_fault("update", self.update + 1)
             total += loss.detach().double().cpu()
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
@@ -406,13 +320,12 @@ class Trainer:
         """Every `logging.samples_every` updates, a few of the update's rows (prompt,
         response, reward, decoded image) of a batch source that has them (`samples`).
         Under fsdp2 every rank decodes (the codec may hold sharded weights); rank 0 logs."""
-        samples = getattr(self.source, "samples", None)  # rollout sources only
         every = self.cfg.logging.samples_every
-        if samples is None or not (every > 0 and self.update % every == 0):
+        if not self.source.logs_samples or not (every > 0 and self.update % every == 0):
             return
         if not self.parallel.sharded and logger is None:
             return
-        rows = self.parallel.gathered(lambda: samples(self.update - 1, SAMPLES_PER_LOG))
+        rows = self.parallel.gathered(lambda: self.source.samples(self.update - 1, SAMPLES_PER_LOG))
         if logger is not None:
             logger.log_samples(self.update, rows)
 
@@ -449,7 +362,7 @@ class Trainer:
                     evaluated = evaluated and self.update % eval_every == 0
                     logger.log(self.update, metrics, force=last or evaluated)
                 self._log_samples(logger)
-                _inject_fault("after_update", self.update)
+                inject_fault("after_update", self.update)
                 stop = stop_after is not None and self.update - start >= stop_after
                 if self._due() or stop:
                     self.save()

@@ -22,14 +22,14 @@ at its first update; see `GRPOSource`):
 
 Under torchrun the rollout requests are split round-robin across ranks
 (`unirl.rollout.RolloutService`); each rank scores the rows it sampled and the
-trajectories and scores are all-gathered (`grpo_rewards.score_sharded`), so every rank
+trajectories and scores are all-gathered (`unirl.train.rollouts.scoring.score_sharded`), so every rank
 holds the same global batch and computes the same advantages; the trainer then trains
 each rank on its shard. Every row carries what the objective needs — its advantage,
 sampling record, seed and (several updates per round) anchor log-probs — so the
 objective never reads the source.
 
 With `rollout.workers` / `reward.workers` > 0 (one process only) the rollouts and the
-scoring run on Ray actors (`unirl.train.workers`): the driver pushes the policy's weights
+scoring run on Ray actors (`unirl.train.rollouts.workers`): the driver pushes the policy's weights
 as version u before rolling out update u, and the trajectories and rewards are those
 of the in-process services.
 
@@ -41,80 +41,30 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from unirl.algorithms.grpo import group_advantages
 from unirl.config import ConfigError, UnirlConfig
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
-from unirl.data.rows import answer_image_grid
 from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardError, RewardService
 from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
 from unirl.rollout.config import sampling_params
-from unirl.rollout.params import SamplingParams
-from unirl.train.checkpoint import PREFIX, checkpoint_dir
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo_metrics import rollout_stats, task_accuracy
-from unirl.train.grpo_rewards import score_sharded
-from unirl.train.trainer import _inject_fault
-from unirl.train.workers import Workers
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.faults import inject_fault
+from unirl.train.engine.protocols import BatchSource
+from unirl.train.rollouts.prompts import PromptSampler, rollout_request
+from unirl.train.rollouts.scoring import score_sharded
+from unirl.train.rollouts.stats import rollout_stats, task_accuracy
+from unirl.train.rollouts.workers import Workers
+from unirl.train.state.checkpoint import PREFIX, checkpoint_dir
 
 ROUNDS = "rollouts"
-
-
-def apportion(n: int, weights: Sequence[float]) -> list[int]:
-    """Split n into integer shares proportional to `weights` (largest remainders; ties
-    to the earlier entry); every share is n * w / Σw rounded down or up."""
-    w = np.asarray(weights, dtype=np.float64)
-    exact = n * w / w.sum()
-    shares = np.floor(exact).astype(int)
-    order = sorted(range(len(w)), key=lambda k: (-(exact[k] - shares[k]), k))
-    for k in order[: n - int(shares.sum())]:
-        shares[k] += 1
-    return [int(s) for s in shares]
-
-
-class PromptSampler:
-    """Fresh training prompts per update (module docstring, step 1)."""
-
-    def __init__(
-        self, pools: dict[str, list[Sample]], weights: dict[str, float] | None, seed: int
-    ) -> None:
-        for task, pool in pools.items():
-            if not pool:
-                raise ValueError(f"the prompt pool of task {task!r} is empty")
-        self.pools = pools
-        self.tasks = list(pools)
-        self.weights = [float((weights or {}).get(t, 1.0)) for t in self.tasks]
-        self.seed = seed
-        self._perms: dict[tuple[str, int], np.ndarray] = {}
-
-    def _perm(self, task: str, epoch: int) -> np.ndarray:
-        key = (task, epoch)
-        if key not in self._perms:
-            rng = np.random.default_rng([self.seed, zlib.crc32(task.encode()), epoch])
-            self._perms = {k: v for k, v in self._perms.items() if k[0] != task}
-            self._perms[key] = rng.permutation(len(self.pools[task]))
-        return self._perms[key]
-
-    def prompts(self, update: int, n: int) -> list[Sample]:
-        """The n prompts of `update`, ids `prompt-0` .. `prompt-{n-1}`."""
-        out: list[Sample] = []
-        for task, n_task in zip(self.tasks, apportion(n, self.weights)):
-            pool = self.pools[task]
-            for j in range(n_task):
-                epoch, offset = divmod(update * n_task + j, len(pool))
-                s = pool[int(self._perm(task, epoch)[offset])]
-                meta = {**s.meta, "source_id": s.id}
-                out.append(Sample(f"prompt-{len(out)}", list(s.parts), s.answer, s.task, meta))
-        return out
 
 
 @dataclass
@@ -131,7 +81,7 @@ class Rollout:
     metrics: dict[str, float]
 
 
-class GRPOSource:
+class GRPOSource(BatchSource):
     """`BatchSource` of GRPO (module docstring), built from the run config (`rollout`,
     `algorithm`, `trainer.global_batch_size`, `run.seed`).
 
@@ -142,6 +92,8 @@ class GRPOSource:
     `<run_dir>/rollouts/round-NNNNNN-rankR.pt`, so a run resumed in the middle of a round
     trains on exactly the same batch and ratio anchor.
     """
+
+    logs_samples = True
 
     def __init__(
         self,
@@ -254,7 +206,7 @@ class GRPOSource:
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         samples, requests = self.requests(update)
-        fault = lambda: _inject_fault("rollout", update + 1)  # noqa: E731
+        fault = lambda: inject_fault("rollout", update + 1)  # noqa: E731
         remote = self.workers.rollout if self.workers is not None else None
         if remote is not None:
             remote.sync(update, self.model)
@@ -332,21 +284,6 @@ class GRPOSource:
                 f"(updates_per_batch={self.algo.updates_per_batch}), but {path} is missing"
             )
         return Rollout(**torch.load(path, weights_only=False))
-
-
-def rollout_request(
-    member: Sample, seed: int, params: SamplingParams, codec_grid: tuple[int, int]
-) -> RolloutRequest:
-    """The request of one row. A row whose whole answer is one image (`answer_image_grid`:
-    a target image or a generate_image item, never a task name) is forced into an image of
-    that grid (under `length_semantics: exact`, of exactly H*W positions); any other row
-    is a text request under `params`."""
-    grid = answer_image_grid(member, codec_grid)
-    if grid is None:
-        return RolloutRequest(member, seed, params)
-    if params.length_semantics == "exact" and grid != codec_grid:
-        params = replace(params, max_new_tokens=grid[0] * grid[1])
-    return RolloutRequest(member, seed, params, image_grid=grid)
 
 
 def _text(parts) -> str:

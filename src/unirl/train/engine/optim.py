@@ -10,7 +10,6 @@ Schedules (multiplier of the peak learning rate at update u, W warm-up updates, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 
@@ -37,24 +36,3 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda u: lr_multiplier(u, schedule, warmup, total, min_lr_ratio)
     )
-
-
-def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
-    """Clip the global L2 norm to `max_norm` (<= 0: no clipping).
-
-    Returns (pre-clip norm, applied scale), the scale being min(1, max_norm / norm).
-    """
-    params = [p for p in params if p.grad is not None]
-    norm = (
-        torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params])
-        ).item()
-        if params
-        else 0.0
-    )
-    scale = 1.0
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
-    return norm, scale

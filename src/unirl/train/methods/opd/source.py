@@ -46,11 +46,12 @@ from unirl.rewards import RewardService
 from unirl.rollout import RolloutService, RolloutTrajectory, SamplingRecord
 from unirl.rollout.config import sampling_params
 from unirl.rollout.request import prompt_length_of
-from unirl.train.distributed import DistInfo
-from unirl.train.grpo_metrics import rollout_stats, row_passes, task_accuracy
-from unirl.train.grpo_rewards import score_sharded
-from unirl.train.grpo_source import PromptSampler, rollout_request
-from unirl.train.trainer import _inject_fault
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.faults import inject_fault
+from unirl.train.engine.protocols import BatchSource
+from unirl.train.rollouts.prompts import PromptSampler, rollout_request
+from unirl.train.rollouts.scoring import score_sharded
+from unirl.train.rollouts.stats import rollout_stats, row_passes, task_accuracy
 
 GT_STREAM = 0x6774  # seed_for member slot of the GT-replay draws ("gt")
 
@@ -103,7 +104,7 @@ class OPDBatch:
     metrics: dict[str, float]
 
 
-class OPDSource:
+class OPDSource(BatchSource):
     """`BatchSource` of OPD (module docstring)."""
 
     def __init__(
@@ -149,7 +150,7 @@ class OPDSource:
             for i, s in enumerate(samples)
         ]
         local = self.service.generate(
-            self.service.shard(requests), lambda: _inject_fault("rollout", update + 1)
+            self.service.shard(requests), lambda: inject_fault("rollout", update + 1)
         )
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}

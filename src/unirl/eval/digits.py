@@ -23,7 +23,11 @@ from unirl.core.sample import Sample
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
 from unirl.models.base import UnifiedModel
-from unirl.rewards.digit_classifier import DigitClassifier, load_or_fit_classifier
+from unirl.rewards.digit_classifier import (
+    CLASSIFIER_DIR,
+    DigitClassifier,
+    load_or_fit_classifier,
+)
 from unirl.rewards.plugins import (
     DigitClassifierReward,
     ExactAnswer,
@@ -46,7 +50,6 @@ METRIC = {
     "i2t_pick": "accuracy",
     "i2t_mc_first": "accuracy",
 }
-CLASSIFIER_DIR = "classifier"
 __all__ = [
     "CLASSIFIER_DIR",
     "evaluate_digits",

@@ -1,0 +1,32 @@
+"""Test hooks that kill or desynchronise a process at a named point, driven by environment
+variables (the kill-and-resume and replica-drift tests set them; unset, they do nothing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from unirl.models.base import UnifiedModel
+
+FAULT_ENV = "UNIRL_FAULT"
+PERTURB_ENV = "UNIRL_PERTURB"
+
+
+def perturb_for_test(model: UnifiedModel, rank: int) -> None:
+    """Test hook: `UNIRL_PERTURB=<rank>:<parameter name>` adds 1e-3 to that parameter on
+    that rank (a desynchronised replica for the drift check)."""
+    spec = os.environ.get(PERTURB_ENV, "")
+    if spec and spec.split(":", 1)[0] == str(rank):
+        with torch.no_grad():
+            model.get_parameter(spec.split(":", 1)[1]).add_(1e-3)
+
+
+def inject_fault(point: str, update: int) -> None:
+    """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
+    (points: rollout, update (after a micro-batch's backward), after_update,
+    checkpoint_write, model_write)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec == f"{point}:{update}":
+        os.kill(os.getpid(), signal.SIGKILL)

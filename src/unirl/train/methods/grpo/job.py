@@ -1,0 +1,49 @@
+"""The GRPO job: rollouts + rewards + advantages as the batch source, the clipped
+surrogate (+ reference penalty) as the objective, optional Ray workers."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from unirl.config import UnirlConfig
+from unirl.models.base import UnifiedModel
+from unirl.rewards import build_reward_service
+from unirl.train.dist.comm import DistInfo
+from unirl.train.methods.grpo.objective import GRPOObjective, Reference, anchor_old_logprobs
+from unirl.train.methods.grpo.source import GRPOSource
+from unirl.train.rollouts.prompts import PromptSampler, prompt_pools
+from unirl.train.rollouts.scoring import load_run_classifier
+from unirl.train.rollouts.workers import start_workers
+
+
+def build_grpo_job(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
+) -> tuple[GRPOSource, GRPOObjective]:
+    """GRPO: rollouts + rewards as the batch source, the clipped surrogate as objective.
+
+    Call before the trainer resumes: the reference is the model as given (the initial
+    policy, e.g. the SFT checkpoint of `model.path`)."""
+    algo = cfg.algorithm
+    if algo.share_prompt_prefix and not model.supports_prefix_sharing:
+        raise ValueError(
+            f"algorithm.share_prompt_prefix: {type(model).__name__} does not support it "
+            "(the tiny model with model.tiny.mixer_kernel 0 does)"
+        )
+    resources = load_run_classifier(cfg, run_dir, info)
+    sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
+    anchor = None
+    if algo.updates_per_batch > 1:
+        anchor = partial(anchor_old_logprobs, model, cfg, info)
+    workers = None
+    if cfg.rollout.workers or cfg.reward.workers:
+        workers = start_workers(cfg, model, resources)
+    if workers is not None and workers.rewards is not None:
+        rewards = workers.rewards
+    else:
+        rewards = build_reward_service(
+            cfg.reward, decode_images=model.codec.decode, resources=resources
+        )
+    source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor, workers)
+    reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
+    return source, GRPOObjective(algo, reference)

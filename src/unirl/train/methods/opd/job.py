@@ -1,0 +1,33 @@
+"""The OPD job: student rollouts + verification + routing as the batch source, the JSD to
+the frozen teacher (+ ground-truth replay CE) as the objective."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unirl.config import UnirlConfig
+from unirl.models.base import UnifiedModel
+from unirl.rewards import build_reward_service
+from unirl.train.dist.comm import DistInfo
+from unirl.train.methods.opd.objective import OPDObjective, load_teacher, teacher_identity
+from unirl.train.methods.opd.source import OPDSource
+from unirl.train.rollouts.prompts import PromptSampler, prompt_pools
+from unirl.train.rollouts.scoring import load_run_classifier
+
+
+def build_opd_job(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
+) -> tuple[OPDSource, OPDObjective]:
+    """OPD: student rollouts + verification + routing as the source, the trajectory-first
+    JSD to the frozen teacher (+ GT-replay CE) as the objective."""
+    teacher = load_teacher(cfg, model)
+    rewards = None
+    if cfg.reward.plugins:
+        resources = load_run_classifier(cfg, run_dir, info)
+        rewards = build_reward_service(
+            cfg.reward, decode_images=model.codec.decode, resources=resources
+        )
+    sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
+    source = OPDSource(model, teacher, sampler, rewards, cfg, info)
+    identity = teacher_identity(cfg.algorithm.teacher.path)
+    return source, OPDObjective(cfg.algorithm, teacher, identity)

@@ -1,0 +1,28 @@
+"""The SFT job: the training rows walked by a dataset cursor, cross-entropy (+ optional
+Information Gain) as the objective."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unirl.config import UnirlConfig
+from unirl.data.digits_images import load_split
+from unirl.models.base import UnifiedModel
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.protocols import BatchSource, Objective
+from unirl.train.methods.sft.objective import SFTObjective
+from unirl.train.methods.sft.source import DatasetSource, sft_trajectories
+
+
+def build_sft_job(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
+) -> tuple[BatchSource, Objective]:
+    """SFT: the serialised training rows walked by a dataset cursor; cross-entropy loss."""
+    n_train = cfg.data.train_size
+    if not n_train and not cfg.data.path:  # a dataset's own rows need no digits count
+        n_train = len(load_split("train"))
+    trajs = sft_trajectories(cfg, model, "train", n_train)
+    source = DatasetSource(
+        trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
+    )
+    return source, SFTObjective(cfg.algorithm)
