@@ -6,7 +6,7 @@ temporary larger than a block exists beside the chunk's own log-probs, forward o
 backward:
 
 - `symmetric_jsd(logp, logq)`: JSD(p ‖ q) = ½·KL(p ‖ m) + ½·KL(q ‖ m), m = ½(p + q), per
-  row (NUMERICS "KL / divergence to the reference"): OPD's blockwise generalised JSD
+  row (docs/numerics.md §7): OPD's blockwise generalised JSD
   (`unirl.algorithms.opd.generalized_jsd`) at β = ½, whose analytic gradient
   ∂JSD/∂log p_k = ½·p_k·log(p_k / m_k) is recomputed blockwise in backward (`logq` holds
   no gradient: it is the frozen reference).
