@@ -1,5 +1,5 @@
 """Does a GRPO recipe learn? Held-out evaluation before and after, and the drift-to-noise
-ratio of its per-update task reward (NUMERICS "Drift-to-noise"), in one process.
+ratio of its per-update task reward (docs/numerics.md §12), in one process.
 
     .venv/bin/python bench/grpo_learning.py recipes/digits/grpo_i2t.yaml [key=value ...]
 

@@ -51,7 +51,7 @@ def _np_kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def _np_jsd(ps: np.ndarray, pt: np.ndarray, beta: float) -> np.ndarray:
-    """Generalised JSD straight from the definition (TRL GKD, NUMERICS)."""
+    """Generalised JSD straight from the definition (TRL GKD, docs/numerics.md §9)."""
     if beta == 0.0:
         return _np_kl(pt, ps)
     if beta == 1.0:

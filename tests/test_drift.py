@@ -1,4 +1,4 @@
-"""Drift-to-noise (NUMERICS): against an independent closed-form least-squares fit."""
+"""Drift-to-noise (docs/numerics.md §12): against an independent closed-form least-squares fit."""
 
 from __future__ import annotations
 

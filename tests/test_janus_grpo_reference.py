@@ -6,7 +6,7 @@ saw none. Now the pixels travel with the trajectories, and one update's loss, pe
 and gradient equal an independent computation: transformers' own
 `JanusForConditionalGeneration.forward` (its image merging from `pixel_values`, full
 text logits) for the policy and for the frozen reference, with the k3 estimator or the
-full-distribution JSD written out here (NUMERICS "KL / divergence to the reference").
+full-distribution JSD written out here (docs/numerics.md §7).
 """
 
 from __future__ import annotations

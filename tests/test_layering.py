@@ -1,4 +1,4 @@
-"""The import graph of src/unirl: no cycles, and the layering of DESIGN.md §4.
+"""The import graph of src/unirl: no cycles, and the layering of docs/architecture.md §1.
 
 The graph is read from the source with `ast`, so it holds every import a module can run —
 at module level and inside functions (a function-local import that hides a cycle is still

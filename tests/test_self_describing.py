@@ -1,4 +1,4 @@
-"""Self-describing batches: a trajectory carries everything its replay needs (DESIGN §1).
+"""Self-describing batches: a row carries everything its replay needs (docs/architecture.md §2).
 
 Rollouts of the tiny model and of a tiny random Janus-Pro (image -> text rows with input
 pixels, guided text -> image rows) are written to disk, loaded in a *fresh process* on a

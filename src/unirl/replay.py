@@ -1,4 +1,4 @@
-"""Replay: teacher-forced scoring of sampled trajectories at training geometry (DESIGN §3).
+"""Replay: teacher-forced scoring of sampled rows at training geometry (docs/architecture.md §4).
 
 One forward of the batch through the body (`unirl.forward.body_hidden`); heads
 are applied only at the policy positions (`scored_indices`: position t is scored from

@@ -1,6 +1,6 @@
 """Run reports: a reward curve with its noise band, before/after image grids, markdown.
 
-The curve plots the per-update metric, its least-squares line (NUMERICS "Drift-to-noise")
+The curve plots the per-update metric, its least-squares line (docs/numerics.md §12)
 and a band of ± one residual std around the line: the noise a learning claim is measured
 against. The image grid shows, for each digit 0-9, images drawn by a model before and
 after training from the same stateless seeds.

@@ -1,4 +1,4 @@
-"""GRPO numerics as pure functions (formulas in /shared/NUMERICS.md).
+"""GRPO numerics as pure functions (formulas in docs/numerics.md §4-7).
 
 - `group_advantages`: A_i = (r_i − mean) / (std + ε) over the prompt group or the batch.
 - `clipped_surrogate` / `clipped_surrogate_factors`: the PPO clipped loss per position,
@@ -240,7 +240,7 @@ def clipped_surrogate_factors(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
 ) -> Surrogate:
-    """The clipped surrogate per Bernoulli factor for BSQ bits (NUMERICS "Clipped surrogate").
+    """The clipped surrogate per Bernoulli factor for BSQ bits (docs/numerics.md §5).
 
     Inputs [..., L] per-factor log-probs of the sampled bits; `advantages` broadcast to
     the batch shape [...] (one advantage per position). For each factor f,

@@ -1,4 +1,4 @@
-"""Information Gain (IG) in SFT: pure numerics (NUMERICS.md, "Information Gain").
+"""Information Gain (IG) in SFT: pure numerics (docs/numerics.md §3).
 
 A trajectory is a sequence of maximal blocks of one modality. An *event* e = (s, t) is a
 pair of adjacent blocks (so with a modality change) whose target block t holds supervised

@@ -1,4 +1,4 @@
-"""On-policy distillation numerics (NUMERICS "On-policy distillation", "KL / divergence").
+"""On-policy distillation numerics (docs/numerics.md §9, §7).
 
 Per scored position t, student distribution p = π_S(·|s_t) (differentiable) and teacher
 distribution q = π_T(·|s'_t) (a constant), both at the sampling temperature τ (the

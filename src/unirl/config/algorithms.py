@@ -1,6 +1,6 @@
 """The `algorithm:` section: one of SFT, GRPO or OPD, chosen by its `name` field.
 
-Formulas are in /shared/NUMERICS.md; the field descriptions name the choice each knob makes.
+Formulas are in docs/numerics.md; the field descriptions name the choice each knob makes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class BitflipConfig(StrictModel):
 
 class InformationGainConfig(StrictModel):
     """Information Gain term: reward target blocks that use their source block (full vs
-    blind view; NUMERICS.md "Information Gain", `unirl.algorithms.information_gain`).
+    blind view; docs/numerics.md §3 "Information Gain", `unirl.algorithms.information_gain`).
 
     The loss added to SFT is `weight` · L_IG; weight 0 switches IG off (no blind views).
     """
@@ -102,7 +102,7 @@ class KLConfig(StrictModel):
 
 
 class GRPOConfig(StrictModel):
-    """Group-relative policy optimisation with a clipped surrogate (NUMERICS.md).
+    """Group-relative policy optimisation with a clipped surrogate (docs/numerics.md §4-7).
 
     An update draws trainer.global_batch_size / group_size fresh prompts and G samples of
     each (`unirl.train.methods.grpo.source`).
@@ -133,7 +133,7 @@ class GRPOConfig(StrictModel):
         None, gt=1.0, description="Dual-clip constant c > 1 for A < 0 (verl: 3); null = off."
     )
     aggregation: Aggregation = Field(
-        "token_mean", description="How per-position losses are reduced (NUMERICS.md)."
+        "token_mean", description="How per-position losses are reduced (docs/numerics.md §6)."
     )
     horizon: int | None = Field(
         None, gt=0, description="H for seq_mean_token_sum_norm (required there)."
@@ -215,7 +215,7 @@ class GTReplayConfig(StrictModel):
 
 
 class OPDConfig(StrictModel):
-    """On-policy distillation (NUMERICS "On-policy distillation"): each update samples one
+    """On-policy distillation (docs/numerics.md §9): each update samples one
     trajectory per prompt (trainer.global_batch_size prompts) from the student at
     rollout.temperature / rollout.bit_temperature, the frozen teacher scores the same
     positions, and the student steps on the trajectory-first generalised JSD."""

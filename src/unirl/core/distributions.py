@@ -1,4 +1,4 @@
-"""Action spaces as distributions (DESIGN §2, NUMERICS "Sampling distributions").
+"""Action spaces as distributions (docs/numerics.md §1).
 
 Categorical processing, in order: temperature tau divides the logits; top-k keeps the k
 largest (0 = off) and, like transformers' TopKLogitsWarper, keeps *every* entry tied with

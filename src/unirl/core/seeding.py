@@ -1,4 +1,4 @@
-"""Stateless per-sample seeds (DESIGN §3): a retried or resumed update redraws exactly.
+"""Stateless per-sample seeds (docs/numerics.md §14): a retried or resumed update redraws exactly.
 
 seed = int.from_bytes(blake2b(payload).digest()[:8], "little"), where payload is the
 four ints in order, each encoded as 8 unsigned little-endian bytes (32 bytes; blake2b

@@ -1,4 +1,4 @@
-"""The one token stream (DESIGN §1): a `Trajectory` per sample, `TrajectoryBatch` padded.
+"""The token stream (docs/architecture.md §2): a `Trajectory` per sample, `TrajectoryBatch` padded.
 
 Convention: position t holds token t. Scored positions are those with owner == POLICY
 (never position 0); the log-prob stored at position t is log pi(token t | tokens < t),

@@ -1,9 +1,9 @@
-"""Enumerations shared by every part of the token stream (DESIGN §1).
+"""Enumerations shared by every part of the token stream (docs/architecture.md §2).
 
 `Modality` and `Owner` are stored per position as long tensors, so they are `IntEnum`s
 whose values are the stored integers. `FinishReason` says why a rollout row stopped;
-`TRUNCATED_REASONS` are the reasons that truncation shaping applies to (NUMERICS,
-"Truncation shaping"): an `eos` row finished, a `length_exact` row hit an exact count by
+`TRUNCATED_REASONS` are the reasons that truncation shaping applies to (docs/numerics.md
+§10): an `eos` row finished, a `length_exact` row hit an exact count by
 construction, an `invalid` row broke the format.
 """
 

@@ -1,4 +1,4 @@
-"""Drift-to-noise of a per-update metric (NUMERICS "Drift-to-noise"): learning claims.
+"""Drift-to-noise of a per-update metric (docs/numerics.md §12): learning claims.
 
 Fit y_k = a + b·k by least squares over the K updates k = 0..K-1;
 drift = b·(K − 1) (the fitted change over the run), noise = std of the residuals

@@ -1,4 +1,4 @@
-"""The `UnifiedModel` contract (DESIGN.md §1).
+"""The `UnifiedModel` contract (docs/models.md §1).
 
 A unified model reads and writes one stream of positions. The adapter turns a batch into
 **model inputs** and runs them, nothing else; algorithms, rollout and replay are written
@@ -113,7 +113,7 @@ class BodyOutput:
 
 @dataclass
 class ModelInputs:
-    """Everything one forward of a model needs (DESIGN §1), batch-first.
+    """Everything one forward of a model needs (docs/models.md §1), batch-first.
 
     `token_ids`, `modality` long [B, T]; `visual_codes` VQ long [B, T] / BSQ float [B, T, L]
     (the *input* codes: BitFlip may perturb them); `attention_mask` bool [B, T_past + T]
@@ -396,7 +396,7 @@ class UnifiedModel(nn.Module, ABC):
     def unconditional_prompt(self, traj: Trajectory) -> Trajectory:
         """The unconditional twin of a prompt for classifier-free guidance (same length).
 
-        Default (ChatML, DESIGN §3): every PROMPT-owned position strictly inside a user turn
+        Default (ChatML, docs/models.md §1): every PROMPT-owned position strictly inside a user turn
         (after ``<|im_start|>user\\n``, before its ``<|im_end|>``) becomes the pad token:
         text modality, no visual code, and the images there are dropped from
         ``image_grids``. The chat scaffold, other turns, the open assistant header and an

@@ -1,5 +1,5 @@
-"""The reward service (DESIGN §3): plugins (`unirl.rewards.plugins`) behind one batched
-interface, a weighted sum, truncation shaping, format and error accounting, and
+"""The reward service (docs/architecture.md §4): plugins (`unirl.rewards.plugins`) behind one
+batched interface, a weighted sum, truncation shaping, format and error accounting, and
 `build_reward_service` from the `reward:` config.
 
 Contract of `RewardService.score(samples, trajectories, responses)`, row i:

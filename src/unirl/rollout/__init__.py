@@ -1,4 +1,4 @@
-"""Rollout: batched, KV-cached sampling of interleaved trajectories (DESIGN §3)."""
+"""Rollout: batched, KV-cached sampling of interleaved trajectories (docs/architecture.md §4)."""
 
 from unirl.rollout.engine import RolloutEngine, context_length
 from unirl.rollout.params import POLICY_FIELDS, SamplingParams, check_same_policy

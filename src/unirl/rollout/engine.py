@@ -1,4 +1,5 @@
-"""The rollout engine: one batched, KV-cached decode loop over a `UnifiedModel` (DESIGN §3).
+"""The rollout engine (docs/architecture.md §4): one batched, KV-cached decode loop over a
+`UnifiedModel`.
 
 Prompts (and the unconditional prompts of guided requests, one twin row per
 conditional row) are left-padded and prefilled in one forward; then every step feeds

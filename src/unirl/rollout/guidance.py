@@ -1,4 +1,4 @@
-"""Unconditional rows for classifier-free guidance (DESIGN §2, NUMERICS "guidance").
+"""Unconditional rows for classifier-free guidance (docs/numerics.md §1).
 
 A guided request has one unconditional row per conditional row. Its prompt comes from
 the model adapter (`UnifiedModel.unconditional_prompt`); everything after the prompt is

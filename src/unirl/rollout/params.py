@@ -1,4 +1,4 @@
-"""Sampling parameters: one typed, immutable object per rollout request (DESIGN §3).
+"""Sampling parameters: one typed, immutable object per rollout request (docs/architecture.md §4).
 
 The *policy* a trajectory was sampled from is defined by `POLICY_FIELDS` (temperature,
 top-k, top-p, guidance weight, guidance log-prob convention, bit temperature): replay

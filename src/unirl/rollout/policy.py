@@ -1,4 +1,4 @@
-"""The policy's action distributions as `SamplingParams` define them (NUMERICS, "Sampling").
+"""The policy's action distributions as `SamplingParams` define them (docs/numerics.md §1).
 
 Rollout and replay both build their distributions here, so a log-prob recorded while
 sampling and one recomputed by replay are the same function of the same logits.

@@ -1,4 +1,4 @@
-"""The rollout service (DESIGN §3): prompts -> sampled trajectories, shared by GRPO,
+"""The rollout service (docs/architecture.md §4): prompts -> sampled trajectories, shared by GRPO,
 evaluation and OPD.
 
 `RolloutService.generate(requests)` samples every request in fixed-size engine batches

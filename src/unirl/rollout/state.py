@@ -1,4 +1,4 @@
-"""One rollout row as a small state machine (DESIGN §3).
+"""One rollout row as a small state machine (docs/architecture.md §4).
 
 Modes: *text* samples text tokens; sampling `<|vision_start|>` right after a valid
 `<image_gen> generate image H W` header switches to *visual* mode for exactly H*W

@@ -1,4 +1,4 @@
-"""Stop conditions of a rollout row (DESIGN §3): the cycle detector and image headers.
+"""Stop conditions of a rollout row (docs/architecture.md §4): the cycle detector and image headers.
 
 A row's `finish_reason` (`unirl.core.types.FinishReason`) is, in order of precedence:
 "eos" (EOS `<|im_end|>` or a stop token), "invalid" (a malformed or out-of-bounds image

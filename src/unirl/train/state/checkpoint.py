@@ -1,4 +1,4 @@
-"""Atomic checkpoints with exact resume (DESIGN.md §5).
+"""Atomic checkpoints with exact resume (docs/architecture.md §5).
 
 A checkpoint is a directory ``checkpoints/update-NNNNNN`` holding the model weights
 (safetensors; LoRA adapters alone when LoRA is on), optimizer and scheduler state (under

@@ -3,7 +3,7 @@
 The batch comes from `GRPOSource` (rollouts, rewards, advantages; `unirl.train.methods.grpo.source`). For
 each micro-batch the objective replays the policy at training geometry (one forward,
 heads at scored positions only, `unirl.replay.replay_map`) and computes, per scored
-position t of row i with advantage A_i (NUMERICS "Clipped surrogate" .. "KL"):
+position t of row i with advantage A_i (docs/numerics.md §5-7):
 
     L_t = −min(ρ_t·A_i, clip(ρ_t, 1 − ε_low, 1 + ε_high)·A_i)   [dual clip optional]
     ρ_t = exp(ℓ_t − ℓ°_t); BSQ visual positions: ρ and the clip per factor, L_t the mean

@@ -2,7 +2,7 @@
 
 The batch comes from `OPDSource` (`unirl.train.methods.opd.source`): distilled rows (each carrying a
 `DistillRecord`) and ground-truth rows (no sampling record). For a micro-batch the
-objective computes (NUMERICS "On-policy distillation"):
+objective computes (docs/numerics.md §9):
 
 - distilled rows: one replay of the student (`replay_map`: heads at scored positions
   only, chunk by chunk, recomputed in backward) and, inside each chunk, the teacher's

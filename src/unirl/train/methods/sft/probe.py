@@ -1,6 +1,6 @@
 """`unirl probe`: Information Gain scores of a model on validation rows, printed.
 
-For every event (NUMERICS.md "Information Gain"; all events, no cycle) of the first N
+For every event (docs/numerics.md §3 "Information Gain"; all events, no cycle) of the first N
 validation rows per task: the full score, the blind score (source block hidden) and the
 gain, per unit (mean log-prob per target position; BSQ summed over bits). Where the
 target block has two sources — v, the source block, and q, the block before it (the
