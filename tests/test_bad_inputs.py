@@ -8,8 +8,9 @@ and the scratch directory holds only the inputs the case wrote), or, for an exis
 run (a private copy of one short checkpointed run made once for the module), that every
 file of the run is byte-for-byte unchanged (config.yaml, config_hash, checkpoints,
 metrics, model). The subprocesses run a few at a time; almost all fail in the preflight
-before any model is built. The matrix is marked slow (67 CLI processes, ~5 minutes on two
-cores): `make test-full` runs it, `make test` does not.
+before any model is built. Each case is its own process forked from a server that imported
+unirl once (`trainer_helpers.ForkedCLI`): the exit code, stderr and cwd are the child's
+own, as with `python -m unirl`, without paying Python's and torch's start-up per case.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
-from trainer_helpers import fit_small_codec, run_cli
+from trainer_helpers import ForkedCLI, fit_small_codec, run_cli
 
 from unirl.config import validate_config
 from unirl.train.engine.build import build_model
@@ -527,7 +526,7 @@ def world(tmp_path_factory) -> SimpleNamespace:
     return w
 
 
-def _run_case(case: Case, w: SimpleNamespace) -> dict:
+def _run_case(case: Case, w: SimpleNamespace, cli: ForkedCLI) -> dict:
     d = w.root / "cases" / case.id
     d.mkdir(parents=True)
     out = d / "run" if case.existing else d / "out"
@@ -537,14 +536,7 @@ def _run_case(case: Case, w: SimpleNamespace) -> dict:
     before = snapshot(out) if case.existing else None
     inputs = snapshot(d)
     env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "unirl", "train", *args],
-        cwd=d,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    done = cli.run(["train", *args], cwd=d, env=env)
     return {
         "done": done,
         "out": out,
@@ -557,8 +549,9 @@ def _run_case(case: Case, w: SimpleNamespace) -> dict:
 
 @pytest.fixture(scope="module")
 def results(world) -> dict[str, dict]:
+    cli = ForkedCLI()
     with ThreadPoolExecutor(WORKERS) as pool:
-        futures = {c.id: pool.submit(_run_case, c, world) for c in CASES}
+        futures = {c.id: pool.submit(_run_case, c, world, cli) for c in CASES}
         return {k: f.result() for k, f in futures.items()}
 
 

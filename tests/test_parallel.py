@@ -7,6 +7,7 @@ the settings that cannot work are refused at config time."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from contextlib import contextmanager
@@ -33,9 +34,20 @@ from unirl.train.dist.comm import init_distributed
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 MODES = ("none", "ddp", "fsdp2")
-# Adam's first steps move an element by ~lr * g / (|g| + eps): eps = 1e-6 keeps an element
-# whose gradient happens to be ~1e-9 from turning reduction-order rounding into 1e-5.
-TRAINER = {"total_updates": 3, "optimizer": {"lr": 3e-3, "eps": 1e-6}}
+# The equivalence runs are float64 end to end (`trainer.precision: fp64`), so the check
+# separates the algorithm (which gradients are summed, divided by which count) from
+# reduction-order rounding. Bound, per element: ranks and micro-batches add the same
+# per-row gradients in another order, so a gradient element differs by at most
+# k * u * S (k <= 4 partial sums, u = 2^-53 ~ 1.1e-16, S = sum of the absolute per-row
+# terms; with the loss a mean and grad_clip 1.0, S <= ~10). Adam turns a gradient change dg
+# into a step change of at most lr * |dg| / eps (the worst case: g ~ 0, where the step is
+# ~ lr * g / (|g| + eps)): 3e-3 * 4.4e-15 / 1e-6 ~ 1.3e-11 per update, ~4e-11 over 3
+# updates (second-order effects through the changed weights are smaller still). In fp32
+# the same bound is ~2e-2 (u = 6e-8): useless, which is why these runs are float64.
+# A real error (a gradient summed twice, divided by a rank's count instead of the global
+# one) moves an element by ~lr = 3e-3.
+FP64_BOUND = 1e-10
+TRAINER = {"total_updates": 3, "precision": "fp64", "optimizer": {"lr": 3e-3, "eps": 1e-6}}
 
 
 def launch(cfg: dict, path: Path, mode: str, env: dict | None = None):
@@ -43,7 +55,8 @@ def launch(cfg: dict, path: Path, mode: str, env: dict | None = None):
     torchrun with 2 processes otherwise (fsdp2 gathers parameters in fp32 on CPU)."""
     trainer = {**cfg["trainer"], "parallel": mode}
     if mode == "fsdp2":
-        trainer["fsdp"] = {"param_dtype": "fp32"}
+        dtype = "fp64" if trainer.get("precision") == "fp64" else "fp32"
+        trainer["fsdp"] = {"param_dtype": dtype, "reduce_dtype": dtype}
     write_config(path, {**cfg, "trainer": trainer})
     launcher = None
     if mode != "none":
@@ -65,7 +78,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model" / "model.safetensors"))
 
 
-def assert_modes_agree(runs: dict[str, Path], tol: float = 1e-6) -> None:
+def assert_modes_agree(runs: dict[str, Path], tol: float = FP64_BOUND) -> None:
     """ddp and fsdp2 final models within `tol` of the one-process model (every tensor),
     and the run actually moved the weights."""
     ref = final_model(runs["none"])
@@ -121,10 +134,9 @@ def test_sft_ddp_and_fsdp2_equal_one_process(sft_runs):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
     """GRPO with a k3 KL to the reference: a frozen copy (sharded under fsdp2), or with
-    LoRA the adapters switched off; LoRA runs compare the adapters they checkpoint, to
-    1e-5: lora_A's gradient is proportional to lora_B, zero at the start, so its first
-    updates are Adam steps on ~1e-7 gradients, where reduction-order rounding moves an
-    element by ~1e-6 (the amplification TRAINER's eps tames for full fine-tuning)."""
+    LoRA the adapters switched off; LoRA runs compare the adapters they checkpoint. Both
+    to FP64_BOUND: lora_A's gradient is proportional to lora_B, zero at the start, so its
+    first updates are Adam steps on tiny gradients, the worst case of the bound (g ~ 0)."""
     from test_grpo_loop import grpo_config
 
     train = load_split("train")
@@ -146,7 +158,7 @@ def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
         got = checkpoint_tensors(runs[mode] / last)[0]
         assert got.keys() == ref.keys(), mode
         for name, value in ref.items():
-            assert (value - got[name]).abs().max() <= 1e-5, (mode, name)
+            assert (value - got[name]).abs().max() <= FP64_BOUND, (mode, name)
 
 
 @pytest.mark.slow
@@ -213,6 +225,38 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="trainer.parallel=none under torchrun"):
         init_distributed(torch.device("cpu"), "none", 60.0)
+
+
+def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_path, codec_dir):
+    """`trainer.precision: fp64` trains float64 weights (the exported model and the
+    optimizer state are float64) and its first update's loss equals the fp32 run's to
+    fp32 rounding of a ~4-nat mean CE (4 * 2^-24 * a few terms ~ 1e-6); fsdp dtypes of fp64
+    go with it and nothing else."""
+    from unirl.train.run import run_train
+
+    losses = {}
+    for precision in ("fp32", "fp64"):
+        trainer = {"total_updates": 1, "precision": precision, "micro_batch_size": 4}
+        cfg = tiny_config(tmp_path / precision, codec_dir, trainer=trainer)
+        cfg["checkpoint"] = {"every_updates": 1, "keep_last": 0}
+        run_dir = run_train(validate_config(cfg))
+        exported = final_model(run_dir)
+        want = torch.float64 if precision == "fp64" else torch.float32
+        assert {v.dtype for v in exported.values()} == {want}, precision
+        _, opt = checkpoint_tensors(run_dir / "checkpoints" / "update-000001")
+        moments = [s["exp_avg"] for s in opt["optimizer"]["state"].values()]
+        assert moments and {m.dtype for m in moments} == {want}, precision
+        losses[precision] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert losses["fp64"]["loss"] == pytest.approx(losses["fp32"]["loss"], abs=1e-5)
+    base = tiny_config(tmp_path / "r", codec_dir)
+    bad = [
+        {"precision": "fp32", "parallel": "fsdp2", "fsdp": {"param_dtype": "fp64"}},
+        {"precision": "fp64", "parallel": "fsdp2", "fsdp": {"param_dtype": "fp32"}},
+        {"precision": "fp32", "parallel": "none", "fsdp": {"reduce_dtype": "fp64"}},
+    ]
+    for trainer in bad:
+        with pytest.raises(ConfigError, match="trainer.fsdp.(param|reduce)_dtype"):
+            validate_config({**base, "trainer": {**base["trainer"], **trainer}})
 
 
 @contextmanager

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,6 +57,66 @@ def tiny_config(run_dir: Path, codec_dir: Path, **sections) -> dict:
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+class ForkedCLI:
+    """`python -m unirl ARGS` without paying Python's and torch's start-up per call.
+
+    A forkserver process imports `unirl.cli` (and torch) once, without running any torch
+    kernel (so no OpenMP pool exists to be copied across a fork); each call forks a child
+    of it that changes into `cwd`, points file descriptors 1 and 2 at its own files, sets
+    `env` and runs `unirl.cli.main(args)` exactly as `python -m unirl` does, then
+    `os._exit`s with its return code. Each call is a separate process (its own exit code,
+    stderr, signals and cwd) like `subprocess.run`; only the import time is shared.
+    """
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "unirl.cli", "unirl.train.run"])
+
+    def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600):
+        scratch = Path(tempfile.mkdtemp(prefix="unirl-cli-"))
+        out, err = scratch / "stdout", scratch / "stderr"
+        child = self.ctx.Process(target=_cli_child, args=(args, str(cwd), env, str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(["unirl", *args], timeout)
+        result = subprocess.CompletedProcess(
+            ["unirl", *args], child.exitcode, out.read_text(), err.read_text()
+        )
+        shutil.rmtree(scratch)
+        return result
+
+
+def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    import traceback
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["unirl", *args]
+    from unirl.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, launcher: list[str] | None = None):

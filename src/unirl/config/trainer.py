@@ -93,11 +93,15 @@ class DDPConfig(StrictModel):
 class FSDPConfig(StrictModel):
     """FSDP2 (`torch.distributed.fsdp.fully_shard`) options (`trainer.parallel: fsdp2`)."""
 
-    param_dtype: Literal["fp32", "bf16"] = Field(
-        "bf16", description="Dtype parameters are all-gathered in for forward/backward."
+    param_dtype: Literal["fp32", "bf16", "fp64"] = Field(
+        "bf16",
+        description="Dtype parameters are all-gathered in for forward/backward "
+        "(fp64 only with trainer.precision fp64).",
     )
-    reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Dtype gradients are reduce-scattered in."
+    reduce_dtype: Literal["fp32", "bf16", "fp64"] = Field(
+        "fp32",
+        description="Dtype gradients are reduce-scattered in (fp64 only with "
+        "trainer.precision fp64).",
     )
     reshard_after_forward: bool = Field(
         True, description="Free each layer's gathered parameters after its forward (ZeRO-3)."
@@ -129,7 +133,12 @@ class TrainerConfig(StrictModel):
         "(attention confined to each sequence, positions restarted); less padding, same loss.",
     )
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max global grad norm; null = off.")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype of the forward.")
+    precision: Literal["fp32", "bf16", "fp64"] = Field(
+        "fp32",
+        description="fp32; bf16 (autocast forward, fp32 weights and optimizer state); fp64 "
+        "(float64 weights, compute and optimizer state end to end: numerical checks, e.g. "
+        "that data-parallel runs equal one process beyond fp32 reduction-order rounding).",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the val split every N updates (0 = off)."
@@ -166,6 +175,15 @@ class TrainerConfig(StrictModel):
                 "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
                 "every rank: set eval_every 0 and run `unirl eval` on the exported model",
             )
+        for name in ("param_dtype", "reduce_dtype"):
+            fp64 = getattr(self.fsdp, name) == "fp64"
+            if fp64 != (self.precision == "fp64") and (fp64 or self.parallel == "fsdp2"):
+                raise incompatible(
+                    f"fsdp.{name}",
+                    "fp64 goes with trainer.precision fp64 and nothing else (float64 "
+                    "weights cannot be gathered or reduced in another dtype, nor float32 "
+                    "ones in float64)",
+                )
         if self.scheduler.warmup_steps > self.total_updates:
             raise incompatible(
                 "scheduler.warmup_steps",

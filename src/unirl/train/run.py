@@ -102,6 +102,8 @@ def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> Uni
         model.enable_gradient_checkpointing()
     if cfg.trainer.lora.enabled:
         apply_lora(model, cfg)
+    if cfg.trainer.precision == "fp64":  # float64 weights, compute and optimizer state
+        model = model.to(torch.float64)
     return model.to(device).train()
 
 

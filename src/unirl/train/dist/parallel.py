@@ -46,7 +46,7 @@ from torch import nn
 from unirl.config.trainer import TrainerConfig
 from unirl.train.dist.comm import DistInfo, all_gather_objects
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class ReplicaDriftError(RuntimeError):
@@ -84,6 +84,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _at_least_fp32(g: torch.Tensor) -> torch.Tensor:
+    """`g` in float32, or float64 when it is float64 (trainer.precision fp64)."""
+    return g.detach().to(torch.promote_types(g.dtype, torch.float32))
+
+
 def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
     """Clip the global L2 norm to `max_norm` (<= 0: no clipping).
 
@@ -92,7 +97,7 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tup
     params = [p for p in params if p.grad is not None]
     norm = (
         torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) for p in params])
+            torch.stack([torch.linalg.vector_norm(_at_least_fp32(p.grad)) for p in params])
         ).item()
         if params
         else 0.0

@@ -123,6 +123,8 @@ def load_teacher(cfg: UnirlConfig, student: UnifiedModel) -> UnifiedModel:
     teacher = load_model(path)
     check_action_spaces(student, teacher)
     teacher = teacher.to(student.device).eval()
+    if next(student.parameters()).dtype == torch.float64:  # trainer.precision fp64
+        teacher = teacher.to(torch.float64)
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher
