@@ -13,7 +13,7 @@
 #   bench/gpu_check.sh                       # everything
 #   GPU_CHECK_ONLY="janus-big uniar-big" bench/gpu_check.sh
 #   GPU_CHECK_DRY=1 bench/gpu_check.sh       # CPU dry run: big checks at small widths
-# Environment: PY (default .venv/bin/python), GPU_CHECK_WHEELS (a folder of wheels to
+# Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
 # install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
 # a check gets what is left, and is skipped under 20 s).
 set -uo pipefail
@@ -93,7 +93,7 @@ EOF
 }
 
 main() {
-  echo "gpu_check: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), dry=$DRY"
+  echo "gpu_check: $(date -u +%FT%TZ), commit ${GPU_CHECK_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, dry=$DRY"
   if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site "$GPU_CHECK_WHEELS"/*.whl || echo "WARN: wheel install failed"
