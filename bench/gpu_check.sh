@@ -16,6 +16,12 @@
 # Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
 # install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
 # a check gets what is left, and is skipped under 20 s).
+# On the H200 image (torch 2.11, transformers 5.17, no pydantic) unirl needs newer
+# transformers (5.17 lacks activation_checkpointing_enable and returns Qwen3-VL's
+# deepstack_features in another shape): the first run carried pydantic 2.14.4 (+ core,
+# annotated-types, typing-inspection, typing-extensions) and transformers 5.25.0 (+
+# huggingface-hub 2.4.0, httpx2, httpcore2, truststore, kernels, tomlkit, hf-xet, regex,
+# click, peft 0.21.2, accelerate 1.16.0, anyio, h11, idna) as cp312 wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -57,8 +63,9 @@ check() {
   else
     status=FAIL
     [ "$rc" -eq 124 ] && why="timed out after ${limit} s; "
-    why+=$(grep -E '^[A-Za-z_.]*(Error|Exception)\b|^torch\.[a-zA-Z_.]*Error|CUDA out of memory' \
-      "$scratch/$name.log" | tail -1 | cut -c1-300)
+    # the first error line is the root cause (a rank's own, under torchrun)
+    why+=$(grep -aE '^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b|CUDA out of memory' \
+      "$scratch/$name.log" | head -1 | cut -c1-300)
   fi
   echo "CHECK | $name | $status | rc=$rc | $((SECONDS - t0)) | ${why:--}"
   checks+=("| $name | $status | $rc | $((SECONDS - t0)) | ${why:--} |")
