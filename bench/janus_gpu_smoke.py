@@ -15,6 +15,7 @@ memory (allocated / reserved). Not part of CI.
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from unirl.config import load_config
-from unirl.core.sample import ImagePart, Sample, TextPart
+from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.models.janus_pro import JanusProModel
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 from unirl.train.dist.comm import DistInfo
@@ -65,19 +66,62 @@ def i2t_prompts(n: int, size: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-def t2i_prompts(n: int) -> list[Sample]:
+def t2i_prompts(n: int, grid: tuple[int, int]) -> list[Sample]:
+    """Captions, each asking for one image of the model's grid (the recipe's exact count)."""
     return [
-        Sample(f"caption-{k}", [TextPart(CAPTIONS[k % len(CAPTIONS)])], task="t2i")
+        Sample(
+            f"caption-{k}",
+            [TextPart(CAPTIONS[k % len(CAPTIONS)]), GenerationRequest(*grid)],
+            task="t2i",
+        )
         for k in range(n)
     ]
 
 
+def shapes(model: torch.nn.Module) -> str:
+    """The language model's sizes, the image geometry and the parameter counts."""
+    t = model.config.text_config
+    total = sum(p.numel() for p in model.parameters())
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (
+        f"d{t.hidden_size} L{t.num_hidden_layers} H{t.num_attention_heads} "
+        f"mlp{t.intermediate_size} V{t.vocab_size} grid{'x'.join(map(str, model.image_grid))} "
+        f"codes{model.n_visual_outputs} {total / 1e6:.1f}M params {lora / 1e6:.2f}M LoRA"
+    )
+
+
+def result_row(tag: str, model, cfg, metrics: dict, device: str) -> str:
+    """One `RESULT | ... |` table row (bench/gpu_check.sh collects them)."""
+    t = {
+        k: metrics[f"time/{k}_s"]
+        for k in ("rollout", "reward", "train")
+        if f"time/{k}_s" in metrics
+    }
+    mem = ["-", "-"]
+    if device.startswith("cuda"):
+        peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        mem = [f"{b / 2.0**30:.2f}" for b in peaks]
+    setup = (
+        f"{cfg.trainer.global_batch_size} rows G{cfg.algorithm.group_size} "
+        f"mb{cfg.trainer.micro_batch_size} {cfg.trainer.precision}"
+    )
+    cols = [tag, shapes(model), setup, f"{metrics['step_seconds']:.2f}"]
+    cols += [f"{t[k]:.2f}" if k in t else "-" for k in ("rollout", "reward", "train")] + mem
+    return "RESULT | " + " | ".join(cols) + " |"
+
+
 def one_update(
-    recipe: str, overrides: list[str], make_prompts: Callable[[JanusProModel], list[Sample]]
+    recipe: str,
+    overrides: list[str],
+    make_prompts: Callable[[JanusProModel], list[Sample]],
+    tag: str = "janus",
 ) -> None:
     """Load the model as the recipe says, run one GRPO update on `make_prompts(model)` and
     print its timings and peak memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    gc.collect()  # the previous update's model, before the peak counters restart
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(
             RECIPES / recipe,
@@ -133,6 +177,7 @@ def one_update(
                 f"{task}: peak memory {torch.cuda.max_memory_allocated() / gib:.2f} GiB "
                 f"allocated, {torch.cuda.max_memory_reserved() / gib:.2f} GiB reserved"
             )
+        print(result_row(f"{tag} {task}", model, cfg, metrics, device), flush=True)
 
 
 def main() -> None:
@@ -144,6 +189,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None)
+    parser.add_argument("--tag", default=None, help="check name in the RESULT rows")
     args = parser.parse_args()
     if bool(args.model) == args.tiny:
         parser.error("give exactly one of --model DIR and --tiny")
@@ -165,12 +211,15 @@ def main() -> None:
         ]
         print(f"device {device}, precision {precision}, checkpoint {path}")
         n = args.prompts
-        one_update("grpo_i2t_mc_lora.yaml", common, lambda m: i2t_prompts(n, m.image_size[0]))
+        tag = args.tag or ("janus-tiny" if args.tiny else "janus")
+        i2t = lambda m: i2t_prompts(n, m.image_size[0])  # noqa: E731
+        one_update("grpo_i2t_mc_lora.yaml", common, i2t, tag)
         if args.clip is None:
             print("t2i: skipped (no --clip scorer directory)")
             return
         scorer = [f"reward.plugins.0.path={args.clip}", f"reward.plugins.0.kwargs.device={device}"]
-        one_update("grpo_t2i_pickscore_lora.yaml", [*common, *scorer], lambda m: t2i_prompts(n))
+        t2i = lambda m: t2i_prompts(n, m.image_grid)  # noqa: E731
+        one_update("grpo_t2i_pickscore_lora.yaml", [*common, *scorer], t2i, tag)
 
 
 if __name__ == "__main__":

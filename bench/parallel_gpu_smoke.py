@@ -108,6 +108,23 @@ def main() -> None:
             f"{len(seconds)}), {peak_memory(device)}; checkpoint written{drift}",
             flush=True,
         )
+        if device.type == "cuda":
+            peaks = (
+                torch.cuda.max_memory_allocated(device),
+                torch.cuda.max_memory_reserved(device),
+            )
+            mem = " | ".join(f"{b / 2.0**30:.2f}" for b in peaks)
+        else:
+            mem = "- | -"
+        t = cfg.trainer
+        print(
+            f"RESULT | parallel {args.mode} {args.model} rank{info.rank} | "
+            f"{type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+            f"params | {t.global_batch_size} rows mb{t.micro_batch_size} world"
+            f"{info.world_size} {t.precision} | {statistics.median(seconds):.3f} | - | - | "
+            f"{statistics.median(seconds):.3f} | {mem} |",
+            flush=True,
+        )
     finally:
         shutdown_distributed()
 

@@ -17,7 +17,7 @@ for model in tiny janus; do
     if [ "$mode" = none ]; then
       "$PY" bench/parallel_gpu_smoke.py --mode none --model "$model" --root "$scratch"
     else
-      "$(dirname "$PY")/torchrun" --standalone --nproc-per-node="$N" \
+      "$PY" -m torch.distributed.run --standalone --nproc-per-node="$N" \
         bench/parallel_gpu_smoke.py --mode "$mode" --model "$model" --root "$scratch"
     fi
   done

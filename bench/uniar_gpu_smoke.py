@@ -14,6 +14,7 @@ prints, per update, the step time and its phases and the peak device memory. Not
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -67,9 +68,46 @@ def t2i_prompts(n: int, grid: tuple[int, int]) -> list[Sample]:
     ]
 
 
-def one_update(recipe: str, overrides: list[str], rows: int) -> None:
+def shapes(model: UniARModel) -> str:
+    """The language model's sizes, the image geometry and the parameter counts."""
+    t = model.config.text_config
+    total = sum(p.numel() for p in model.parameters())
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (
+        f"d{t.hidden_size} L{t.num_hidden_layers} H{t.num_attention_heads}/"
+        f"{t.num_key_value_heads} mlp{t.intermediate_size} V{t.vocab_size} "
+        f"grid{'x'.join(map(str, model.image_grid))} bits{model.n_visual_outputs} "
+        f"{total / 1e6:.1f}M params {lora / 1e6:.2f}M LoRA"
+    )
+
+
+def result_row(tag: str, model: UniARModel, cfg, metrics: dict, device: str) -> str:
+    """One `RESULT | ... |` table row (bench/gpu_check.sh collects them)."""
+    t = {
+        k: metrics[f"time/{k}_s"]
+        for k in ("rollout", "reward", "train")
+        if f"time/{k}_s" in metrics
+    }
+    mem = ["-", "-"]
+    if device == "cuda":
+        peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        mem = [f"{b / 2.0**30:.2f}" for b in peaks]
+    group = f" G{cfg.algorithm.group_size}" if cfg.algorithm.name == "grpo" else ""
+    setup = (
+        f"{cfg.trainer.global_batch_size} rows{group} "
+        f"mb{cfg.trainer.micro_batch_size} {cfg.trainer.precision}"
+    )
+    cols = [tag, shapes(model), setup, f"{metrics['step_seconds']:.2f}"]
+    cols += [f"{t[k]:.2f}" if k in t else "-" for k in ("rollout", "reward", "train")] + mem
+    return "RESULT | " + " | ".join(cols) + " |"
+
+
+def one_update(recipe: str, overrides: list[str], rows: int, tag: str = "uniar") -> None:
     """Load the model as the recipe says, run one update and print timings and memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    gc.collect()  # the previous update's model, before the peak counters restart
+    if device == "cuda":
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(
             RECIPES / recipe,
@@ -125,6 +163,7 @@ def one_update(recipe: str, overrides: list[str], rows: int) -> None:
                 f"{name}: peak memory {torch.cuda.max_memory_allocated() / gib:.2f} GiB "
                 f"allocated, {torch.cuda.max_memory_reserved() / gib:.2f} GiB reserved"
             )
+        print(result_row(f"{tag} {name}", model, cfg, metrics, device), flush=True)
 
 
 def tiny_checkpoint(path: Path) -> Path:
@@ -155,6 +194,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4, help="GRPO samples per prompt")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None)
+    parser.add_argument("--tag", default=None, help="check name in the RESULT rows")
     args = parser.parse_args()
     if bool(args.model) == args.tiny:
         parser.error("give exactly one of --model DIR and --tiny")
@@ -175,7 +215,8 @@ def main() -> None:
             f"{model.image_grid}, {model.n_visual_outputs} bits per position"
         )
         del model
-        one_update("sft_lora.yaml", common, args.rows)
+        tag = args.tag or ("uniar-tiny" if args.tiny else "uniar")
+        one_update("sft_lora.yaml", common, args.rows, tag)
         if args.clip is None:
             print("grpo: skipped (no --clip scorer directory)")
             return
@@ -187,7 +228,7 @@ def main() -> None:
             f"reward.plugins.0.path={args.clip}",
             f"reward.plugins.0.kwargs.device={device}",
         ]
-        one_update("grpo_lora.yaml", grpo, args.rows)
+        one_update("grpo_lora.yaml", grpo, args.rows, tag)
 
 
 if __name__ == "__main__":

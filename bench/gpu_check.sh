@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# One device check (not part of CI), for a single CUDA GPU:
+#  (a) the three smoke scripts in their tiny mode: janus_gpu_smoke.py --tiny, uniar_gpu_smoke.py
+#      --tiny (both with a tiny random CLIP scorer, so T2I / GRPO run too), and
+#      parallel_gpu_smoke.py under none / ddp / fsdp2 x tiny / janus on 1 rank;
+#  (b) larger shapes: a random Janus-Pro at Janus-Pro-1B's language-model sizes and a random
+#      UniAR at Qwen3-VL-2B's text sizes (bench/gpu_assets.py says what differs), one GRPO
+#      I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), bf16 + LoRA.
+# Every sub-check is independent (one failing does not stop the others) and ends with a
+# `CHECK | name | PASS/FAIL | ...` line; updates print `RESULT | ... |` rows; both are
+# gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
+# when unset).
+#   bench/gpu_check.sh                       # everything
+#   GPU_CHECK_ONLY="janus-big uniar-big" bench/gpu_check.sh
+#   GPU_CHECK_DRY=1 bench/gpu_check.sh       # CPU dry run: big checks at small widths
+# Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
+# install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
+# a check gets what is left, and is skipped under 20 s).
+# On the H200 image (torch 2.11, transformers 5.17, no pydantic) unirl needs newer
+# transformers (5.17 lacks activation_checkpointing_enable and returns Qwen3-VL's
+# deepstack_features in another shape): the first run carried pydantic 2.14.4 (+ core,
+# annotated-types, typing-inspection, typing-extensions) and transformers 5.25.0 (+
+# huggingface-hub 2.4.0, httpx2, httpcore2, truststore, kernels, tomlkit, hf-xet, regex,
+# click, peft 0.21.2, accelerate 1.16.0, anyio, h11, idna) as cp312 wheels.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+DRY=${GPU_CHECK_DRY:-0}
+DEADLINE=${GPU_CHECK_DEADLINE:-450}
+ONLY=${GPU_CHECK_ONLY:-}
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
+
+checks=()
+results=()
+
+wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
+
+# check NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), print its CHECK line.
+check() {
+  local name=$1 limit=$2
+  shift 2
+  wanted "$name" || return 0
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "CHECK | $name | SKIP | - | 0 | deadline: ${left} s left of ${DEADLINE} s"
+    checks+=("| $name | SKIP | - | 0 | deadline |")
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS rc status why=""
+  echo
+  echo "=== $name (limit ${limit} s): $*"
+  timeout --kill-after=10 "$limit" "$@" >"$scratch/$name.log" 2>&1
+  rc=$?
+  tr '\r' '\n' <"$scratch/$name.log" | grep -vE '(Loading weights|Writing model shards|it/s\]|s/it\])' || true
+  if [ "$rc" -eq 0 ]; then
+    status=PASS
+  else
+    status=FAIL
+    [ "$rc" -eq 124 ] && why="timed out after ${limit} s; "
+    # the first error line is the root cause (a rank's own, under torchrun)
+    why+=$(grep -aE '^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b|CUDA out of memory' \
+      "$scratch/$name.log" | head -1 | cut -c1-300)
+  fi
+  echo "CHECK | $name | $status | rc=$rc | $((SECONDS - t0)) | ${why:--}"
+  checks+=("| $name | $status | $rc | $((SECONDS - t0)) | ${why:--} |")
+  local row
+  while IFS= read -r row; do results+=("${row#RESULT }"); done \
+    < <(grep -a '^RESULT |' "$scratch/$name.log" || true)
+}
+
+env_info() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+    echo "no nvidia-smi"
+  "$PY" - <<'EOF'
+import platform
+
+import peft
+import pydantic
+import torch
+import transformers
+
+print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
+      f"{transformers.__version__}, peft {peft.__version__}, pydantic {pydantic.__version__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"cuda {torch.version.cuda}: {p.name}, {p.total_memory / 2**30:.1f} GiB, "
+          f"{p.multi_processor_count} SMs, bf16 {torch.cuda.is_bf16_supported()}")
+else:
+    print("no CUDA device: CPU run")
+import unirl  # noqa: F401
+
+print("unirl imports")
+EOF
+}
+
+main() {
+  echo "gpu_check: $(date -u +%FT%TZ), commit ${GPU_CHECK_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, dry=$DRY"
+  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$GPU_CHECK_WHEELS"/*.whl || echo "WARN: wheel install failed"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  local dry=() assets="$scratch/assets"
+  [ "$DRY" = 1 ] && dry=(--dry)
+  mkdir -p "$assets"
+  export -f env_info
+  export PY
+  check env 90 bash -c env_info
+  check clip-asset 60 "$PY" bench/gpu_assets.py clip "$assets/clip"
+  local clip="$assets/clip"
+
+  # (a) the smoke scripts in tiny mode
+  check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny
+  check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny
+
+  # (b) larger shapes: write the random checkpoint and run both updates in one sub-check
+  check janus-big 260 bash -c "set -e
+    '$PY' bench/gpu_assets.py janus '$assets/janus' ${dry[*]}
+    '$PY' bench/janus_gpu_smoke.py --model '$assets/janus' --clip '$clip' --tag janus-big \
+      --prompts 2 --group-size 8 --micro-batch 4
+    rm -rf '$assets/janus'"
+  check uniar-big 220 bash -c "set -e
+    '$PY' bench/gpu_assets.py uniar '$assets/uniar' ${dry[*]}
+    '$PY' bench/uniar_gpu_smoke.py --model '$assets/uniar' --clip '$clip' --tag uniar-big \
+      --rows 16 --group-size 8 --micro-batch 4
+    rm -rf '$assets/uniar'"
+
+  # (a) parallel smoke on this one GPU (what bench/parallel_gpu_smoke.sh 1 runs), each
+  # mode x model its own sub-check
+  for model in tiny janus; do
+    for mode in none ddp fsdp2; do
+      if [ "$mode" = none ]; then
+        launch=("$PY")
+      else
+        launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node=1)
+      fi
+      check "parallel-$mode-$model" 90 "${launch[@]}" bench/parallel_gpu_smoke.py \
+        --mode "$mode" --model "$model" --root "$scratch/parallel"
+    done
+  done
+
+  echo
+  echo "## results (one update each; times in s include first-call CUDA warm-up; memory GiB)"
+  echo "| check | shapes | setup | step | rollout | reward | train | peak alloc | peak reserved |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  [ "${#results[@]}" -gt 0 ] && printf '%s\n' "${results[@]}"
+  echo
+  echo "## sub-checks"
+  echo "| check | status | rc | wall s | error |"
+  echo "|---|---|---|---|---|"
+  printf '%s\n' "${checks[@]}"
+  echo "gpu_check: done in ${SECONDS} s"
+  ! printf '%s\n' "${checks[@]}" | grep -q '| FAIL |'
+}
+
+main "$@" 2>&1 | tee "$LOG"
