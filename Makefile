@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := src tests $(wildcard bench)
 
-.PHONY: venv test test-full lint format demo clean
+.PHONY: venv test test-fast test-full lint format demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,11 +24,16 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINT_PATHS)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 
+# The README's test command: every test, the slow guarantees included (torchrun DDP/FSDP2
+# equivalence and kill-and-resume, the bad-input matrix, Ray failure handling).
 test: lint
+	CI=true $(BIN)/python -m pytest --durations=15
+
+# A quick development loop without the tests marked slow.
+test-fast: lint
 	CI=true $(BIN)/python -m pytest -m "not slow"
 
-test-full: lint
-	CI=true $(BIN)/python -m pytest
+test-full: test
 
 demo: $(STAMP)
 	$(BIN)/unirl demo --out runs/demo
