@@ -86,7 +86,8 @@ SAMPLES_PER_LOG = 4
 
 def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list[list[int]]:
     """Indices of `trajs` per micro-batch: fixed `size` rows, or, with a token budget,
-    length-sorted buckets whose padded size (rows × longest row) stays within the budget."""
+    length-sorted buckets whose padded size (rows × longest row) stays within the budget
+    and that hold at most `size` rows (a row longer than the budget is a bucket alone)."""
     if token_budget <= 0:
         return [list(range(i, min(i + size, len(trajs)))) for i in range(0, len(trajs), size)]
     order = sorted(range(len(trajs)), key=lambda i: len(trajs[i]))
@@ -94,7 +95,7 @@ def micro_batches(trajs: list[Trajectory], size: int, token_budget: int) -> list
     current: list[int] = []
     for i in order:
         longest = max([len(trajs[j]) for j in current] + [len(trajs[i])])
-        if current and longest * (len(current) + 1) > token_budget:
+        if current and (len(current) == size or longest * (len(current) + 1) > token_budget):
             buckets.append(current)
             current = []
         current.append(i)
