@@ -446,3 +446,27 @@ def test_schema_keys_and_digits_size():
     assert DIGITS_IMAGE_SIZE == IMAGE_SIZE
     keys = set(dotted_keys(UnirlConfig))
     assert {"trainer.optimizer.lr", "algorithm.kl.type", "algorithm.teacher.path"} <= keys
+
+
+def test_an_inert_setting_names_the_file_that_set_it_and_its_default_is_harmless(tmp_path):
+    """Issue 29: a setting another one makes inactive is refused naming the file (or the
+    command line) that set it; set back to its default by a child it is harmless."""
+    write(tmp_path / "base.yaml", "trainer: {lora: {enabled: true, r: 16}}\n")
+    child = write(
+        tmp_path / "child.yaml", "defaults: base.yaml\ntrainer: {lora: {enabled: false}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(child)
+    assert info.value.key == "trainer.lora.r"
+    assert info.value.source == str(tmp_path / "base.yaml")
+    assert str(info.value) == (
+        f"{tmp_path / 'base.yaml'}: trainer.lora.r: acts only with trainer.lora.enabled true "
+        "(LoRA is off)"
+    )
+    back = write(
+        tmp_path / "back.yaml", "defaults: base.yaml\ntrainer: {lora: {enabled: false, r: 8}}\n"
+    )
+    assert load_config(back).trainer.lora.model_dump() == UnirlConfig().trainer.lora.model_dump()
+    with pytest.raises(ConfigError) as info:
+        load_config(back, ["trainer.lora.alpha=32"])
+    assert info.value.key == "trainer.lora.alpha" and info.value.source == COMMAND_LINE

@@ -236,6 +236,7 @@ def test_reference_is_the_initial_policy(tmp_path, assets, kl, lora):
     """KL/JSD to the reference is 0 at the first update (policy == reference) and grows
     after; with LoRA the reference is the adapter-free base and only adapters train."""
     lora_cfg = {"enabled": lora, "r": 4, "target_modules": r".*\.(q_proj|v_proj)$"}
+    lora_cfg = lora_cfg if lora else {}  # LoRA settings are refused with LoRA off
     cfg = grpo_config(
         tmp_path / kl,
         assets,

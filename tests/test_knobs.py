@@ -138,7 +138,7 @@ def kit(tmp_path_factory) -> SimpleNamespace:
             "micro_batch_size": 2,
         },
         "checkpoint": {"every_updates": 0},
-        "logging": {"tensorboard": False, "progress_bar": False, "samples_every": 0},
+        "logging": {"tensorboard": False, "progress_bar": False},
     }
     saved = root / "saved_model"
     build_model(validate_config({**base, "run": {**base["run"], "seed": 5}})).save_pretrained(saved)
@@ -333,9 +333,8 @@ def _model_kind(kit):
     tiny = config(kit, {"model.path": str(kit.saved), "model.kind": "tiny"})
     check_model_config(tiny.model)
     out = Path(fresh_dir(kit))
-    janus = config(
-        kit, {"model.path": str(kit.saved), "model.kind": "janus_pro", "run.output_dir": str(out)}
-    )
+    janus = config(kit, {"model.path": str(kit.saved), "model.kind": "janus_pro",
+                         "model.tiny": {}, "model.codec": {}, "run.output_dir": str(out)})  # fmt: skip
     with pytest.raises(ValueError, match="holds a 'tiny' model but model.kind is 'janus_pro'"):
         run_train(janus)
     assert not out.exists()
@@ -355,7 +354,11 @@ def _codec(kit):
     observe = lambda c: new_codec(c.model).config()  # noqa: E731
     differs(kit, observe, "model.codec.patch_size", 2, 4)
     differs(kit, observe, "model.codec.codebook_size", 16, 8)
-    bsq = {"model__visual_head": "bsq", "model__codec__path": None}
+    bsq = {
+        "model__visual_head": "bsq",
+        "model__codec__path": None,
+        "model__codec__codebook_size": 32,
+    }
     differs(kit, observe, "model.codec.bits", 16, 8, **bsq)
     differs(kit, observe, "model.codec.group", 1, 2, **bsq)
 
@@ -393,7 +396,11 @@ def _validation(kit):
         return [sorted(k for k in m if k.startswith("val/")) for m in metrics]
 
     differs(kit, val_keys, "trainer.eval_every", 0, 1, data__val_size=2)
-    differs(kit, val_keys, "data.val_size", 0, 2, trainer__eval_every=1)
+    model = build_model(config(kit, {}))
+    val_rows = lambda c: len(eval_samples(c, model))  # noqa: E731
+    differs(kit, val_rows, "data.val_size", 1, 2, evaluation__split="val")
+    with pytest.raises(ConfigError, match="trainer.eval_every: 1 evaluates nothing"):
+        config(kit, {"data.val_size": 0, "trainer.eval_every": 1})
 
 
 @probe("data.test_size")
@@ -433,9 +440,13 @@ def _rollout(kit):
     """The engine's SamplingParams (each field maps onto one SamplingParams field)."""
     observe = lambda c: sampling_params(c.rollout)  # noqa: E731
     default = UnirlConfig().rollout
+    acts_with = {  # what the setting acts only with (refused otherwise)
+        "guidance_logprob": {"rollout__guidance": 2.0},
+        "bit_temperature": {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq)},
+    }
     for name, value in ROLLOUT_CHANGES.items():
         differs(kit, observe, f"rollout.{name}", getattr(default, name), value,
-                data__tasks=["t2i"])  # fmt: skip
+                data__tasks=["t2i"], **acts_with.get(name, {}))  # fmt: skip
 
 
 def service_view(c: UnirlConfig, kit) -> tuple:
@@ -601,7 +612,6 @@ GRPO_CHANGES = [
     ("algorithm.clip_low", 0.2, 0.001, {}),
     ("algorithm.clip_high", 0.2, 0.001, {}),
     ("algorithm.dual_clip", None, 1.001, {}),
-    ("algorithm.aggregation", "token_mean", "seq_mean_token_sum_norm", {"algorithm__horizon": 8}),
     ("algorithm.horizon", 8, 2, {"algorithm__aggregation": "seq_mean_token_sum_norm"}),
     ("algorithm.kl.type", "k3", "k1", {}),
     ("algorithm.kl.coef", 0.05, 1.0, {}),
@@ -613,6 +623,7 @@ GRPO_CHANGES = [
 @probe(
     "algorithm[grpo].name",
     "algorithm[sft].name",
+    "algorithm[grpo].aggregation",
     *(f"algorithm[grpo].{k.removeprefix('algorithm.')}" for k, *_ in GRPO_CHANGES),
 )
 def _grpo(kit):
@@ -623,6 +634,9 @@ def _grpo(kit):
     grpo = {**GRPO, "reward": {"plugins": plugins}}
     for key, a, b, fixed in GRPO_CHANGES:
         differs(kit, steps, key, a, b, grpo, **fixed)
+    # horizon acts only with seq_mean_token_sum_norm (refused with the other two modes)
+    sum_norm = {**GRPO["algorithm"], "aggregation": "seq_mean_token_sum_norm", "horizon": 8}
+    differs(kit, steps, "algorithm", GRPO["algorithm"], sum_norm, grpo)
     sft = {**grpo, "algorithm": {"name": "sft"}}
     differs(kit, steps, "algorithm", {"name": "sft"}, GRPO["algorithm"], sft)
 
@@ -839,7 +853,7 @@ def _parallel(kit):
                 .options._timeout
             )
 
-    differs(kit, timeout, "trainer.collective_timeout_s", 60.0, 90.0)
+    differs(kit, timeout, "trainer.collective_timeout_s", 60.0, 90.0, trainer__parallel="ddp")
     with one_process_group():
         wrapper = lambda c: type(make_trainer(c).parallel.wrapped).__name__  # noqa: E731
         differs(kit, wrapper, "trainer.parallel", "none", "ddp")
@@ -928,7 +942,9 @@ def _logger(kit):
         logger.close()
         return written, (run_dir / "wandb").is_dir()
 
-    differs(kit, sinks, "logging.samples_every", 0, 2)
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    differs(kit, sinks, "logging.samples_every", 0, 2, grpo, logging__tensorboard=True)
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
         env[var] = str(kit.root / var)
@@ -1125,3 +1141,234 @@ def test_every_schema_field_has_a_probe_or_an_exemption():
                          ids=lambda f: f.__name__.strip("_"))  # fmt: skip
 def test_probe(fn, kit):
     fn(kit)
+
+
+# -- settings that another setting makes inactive are refused (issue 29) --------------
+
+GRPO_RUN = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_exact"}]}}
+JANUS = {"model": {"kind": "janus_pro", "path": "/ckpt/janus"}}
+UNIAR = {"model": {"kind": "uniar", "visual_head": "bsq", "tiny": {"mixer_kernel": 0}}}
+SUM_NORM = {"algorithm": {"aggregation": "seq_mean_token_sum_norm"}}
+IG_ON = {"algorithm": {"name": "sft", "information_gain": {"weight": 1.0}}}
+INERT: list[tuple[str, dict, str, str, dict]] = [
+    # (id, config, refused dotted key, message fragment, what makes the value act)
+    ("tiny_tie_under_uniar", {**UNIAR, "model": {**UNIAR["model"], "tiny": {
+        "mixer_kernel": 0, "tie_embeddings": True}}}, "model.tiny.tie_embeddings",
+     "acts only with model.kind tiny", {"model": {"kind": "tiny", "visual_head": "bsq"}}),
+    ("tiny_sizes_under_janus", {"model": {**JANUS["model"], "tiny": {"hidden_size": 64}}},
+     "model.tiny.hidden_size", "kind 'janus_pro' takes its sizes from the model.path",
+     {"model": {"kind": "tiny", "path": None}}),
+    ("tiny_tie_under_janus", {"model": {**JANUS["model"], "tiny": {"tie_embeddings": True}}},
+     "model.tiny.tie_embeddings", "built from the config (kind tiny or uniar)",
+     {"model": {"kind": "tiny", "path": None}}),
+    ("codec_under_janus", {"model": {**JANUS["model"], "codec": {"codebook_size": 64}}},
+     "model.codec.codebook_size", "kind 'janus_pro' ships its image codec",
+     {"model": {"kind": "tiny", "path": None}}),
+    ("codebook_with_bsq", {"model": {"visual_head": "bsq", "codec": {"codebook_size": 64}}},
+     "model.codec.codebook_size", "acts only with model.visual_head vq",
+     {"model": {"visual_head": "vq"}}),
+    ("bits_with_vq", {"model": {"codec": {"bits": 8}}}, "model.codec.bits",
+     "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
+    ("group_with_vq", {"model": {"codec": {"group": 2}}}, "model.codec.group",
+     "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
+    ("horizon_with_token_mean", {**GRPO_RUN, "algorithm": {"name": "grpo", "horizon": 64}},
+     "algorithm.horizon", "acts only with aggregation 'seq_mean_token_sum_norm' (got "
+     "'token_mean'", SUM_NORM),
+    ("horizon_with_seq_mean_token_mean", {**GRPO_RUN, "algorithm": {
+        "name": "grpo", "aggregation": "seq_mean_token_mean", "horizon": 64}},
+     "algorithm.horizon", "(got 'seq_mean_token_mean'", SUM_NORM),
+    *((f"lora_{k}_when_off", {"trainer": {"lora": {k: v}}}, f"trainer.lora.{k}",
+       "acts only with trainer.lora.enabled true", {"trainer": {"lora": {"enabled": True}}})
+      for k, v in [("r", 16), ("alpha", 32.0), ("dropout", 0.1), ("rslora", True),
+                   ("target_modules", r".*\.q_proj$")]),
+    ("ddp_under_none", {"trainer": {"ddp": {"find_unused_parameters": False}}},
+     "trainer.ddp.find_unused_parameters", "acts only with trainer.parallel ddp (got 'none')",
+     {"trainer": {"parallel": "ddp"}}),
+    ("ddp_under_fsdp2", {"trainer": {"parallel": "fsdp2", "ddp": {"static_graph": True}}},
+     "trainer.ddp.static_graph", "acts only with trainer.parallel ddp (got 'fsdp2')",
+     {"trainer": {"parallel": "ddp"}}),
+    ("fsdp_under_ddp", {"trainer": {"parallel": "ddp", "fsdp": {"param_dtype": "fp32"}}},
+     "trainer.fsdp.param_dtype", "acts only with trainer.parallel fsdp2 (got 'ddp')",
+     {"trainer": {"parallel": "fsdp2"}}),
+    ("fsdp_reduce_under_none", {"trainer": {"fsdp": {"reduce_dtype": "bf16"}}},
+     "trainer.fsdp.reduce_dtype", "acts only with trainer.parallel fsdp2 (got 'none')",
+     {"trainer": {"parallel": "fsdp2"}}),
+    ("fsdp_reshard_under_none", {"trainer": {"fsdp": {"reshard_after_forward": False}}},
+     "trainer.fsdp.reshard_after_forward", "acts only with trainer.parallel fsdp2",
+     {"trainer": {"parallel": "fsdp2"}}),
+    ("collective_timeout_under_none", {"trainer": {"collective_timeout_s": 60.0}},
+     "trainer.collective_timeout_s", "opens no process group", {"trainer": {"parallel": "ddp"}}),
+    *((f"ig_{k}_when_off", {"algorithm": {"name": "sft", "information_gain": {k: v}}},
+       f"algorithm.information_gain.{k}", "acts only with information_gain.weight > 0", IG_ON)
+      for k, v in [("formulation", "absolute"), ("temperature", 1.0), ("eps", 1e-2),
+                   ("text_to_visual_weight", 0.5), ("visual_to_text_weight", 0.0),
+                   ("event_selection", "all"), ("blind_view_chunk_size", 2)]),
+    *((f"{k}_without_std", {**GRPO_RUN, "algorithm": {
+        "name": "grpo", "normalize_by_std": False, k: v}}, f"algorithm.{k}",
+       "acts only with normalize_by_std true", {"algorithm": {"normalize_by_std": True}})
+      for k, v in [("std_ddof", 0), ("eps", 1e-3)]),
+    ("bitflip_mode_without_flips", {"model": {"visual_head": "bsq"},
+                                    "algorithm": {"name": "sft",
+                                                  "bitflip": {"probability_mode": "uniform"}}},
+     "algorithm.bitflip.probability_mode", "acts only with bitflip.probability > 0",
+     {"algorithm": {"bitflip": {"probability": 0.1}}}),
+    ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
+     "rollout.guidance_logprob", "acts only with rollout.guidance != 1",
+     {"rollout": {"guidance": 2.0}}),
+    ("bit_temperature_with_vq", {"rollout": {"bit_temperature": 0.5}},
+     "rollout.bit_temperature", "acts only with model.visual_head bsq",
+     {"model": {"visual_head": "bsq"}}),
+    ("cycle_repeats_with_the_stop_off", {"rollout": {"cycle_max_period": 0, "cycle_repeats": 5}},
+     "rollout.cycle_repeats", "acts only with rollout.cycle_max_period > 0",
+     {"rollout": {"cycle_max_period": 4}}),
+    ("truncated_reward_without_plugins", {"reward": {"truncated_reward": "keep"}},
+     "reward.truncated_reward", "acts only with reward.plugins",
+     {"reward": {"plugins": [{"name": "mc_exact"}]}}),
+    ("on_error_without_plugins", {"reward": {"on_error": "zero"}}, "reward.on_error",
+     "acts only with reward.plugins", {"reward": {"plugins": [{"name": "mc_exact"}]}}),
+    ("pass_threshold_without_plugins", {"evaluation": {"pass_threshold": 0.5}},
+     "evaluation.pass_threshold", "acts only with reward.plugins",
+     {"reward": {"plugins": [{"name": "mc_exact"}]}}),
+    ("eval_every_without_val_rows", {"trainer": {"eval_every": 5}, "data": {"val_size": 0}},
+     "trainer.eval_every", "5 evaluates nothing: data.val_size is 0",
+     {"data": {"val_size": 4}}),
+    ("logging_every_without_a_sink", {"logging": {"every": 5, "jsonl": False,
+                                                  "tensorboard": False}},
+     "logging.every", "acts only with a metrics sink", {"logging": {"jsonl": True}}),
+    ("samples_every_without_tb_or_wandb", {**GRPO_RUN, "logging": {
+        "samples_every": 10, "tensorboard": False}}, "logging.samples_every",
+     "acts only with logging.tensorboard or logging.wandb", {"logging": {"tensorboard": True}}),
+    ("samples_every_under_sft", {"logging": {"samples_every": 10}}, "logging.samples_every",
+     "sft logs no samples", GRPO_RUN),
+    ("shuffle_under_grpo", {**GRPO_RUN, "data": {"shuffle": False}}, "data.shuffle",
+     "acts only with sft: grpo draws its prompts", {"algorithm": {"name": "sft"}}),
+    ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
+     "data.image_resize", "acts only on data.path images",
+     {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),
+]  # fmt: skip
+
+
+def _dotted(data: dict, key: str, value: Any = ...) -> Any:
+    """`data`'s value at dotted `key`; with `value`, set it there (sections created)."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    if value is not ...:
+        data[leaf] = value
+    return data[leaf]
+
+
+@pytest.mark.parametrize(("case", "key", "fragment", "acts"), [c[1:] for c in INERT],
+                         ids=[c[0] for c in INERT])  # fmt: skip
+def test_a_setting_another_makes_inactive_is_refused(tmp_path, capsys, case, key, fragment, acts):
+    """A non-default value of a setting the rest of the config makes inactive is a config
+    error naming the file and the dotted key (`unirl inspect` exits 2 with one line); the
+    same value where it acts is accepted, and so is the default value where it does not."""
+    from unirl import cli
+    from unirl.config import load_config
+    from unirl.config.yaml_io import deep_merge
+
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(case))  # JSON is YAML
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == key, str(info.value)
+    assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)
+    assert "\n" not in str(info.value)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"unirl: error: {info.value}"]
+    validate_config(deep_merge(copy.deepcopy(case), acts))
+    grpo = case.get("algorithm", {}).get("name") == "grpo"
+    defaults = validate_config(GRPO_RUN if grpo else {}).model_dump(mode="json")
+    harmless = copy.deepcopy(case)
+    _dotted(harmless, key, _dotted(defaults, key))
+    validate_config(harmless)
+
+
+# -- trainer.micro_token_budget: micro_batch_size still caps the rows ------------------
+
+
+def promised_micro_batches(lengths: list[int], size: int, budget: int) -> list[list[int]]:
+    """The row lengths of each micro-batch the two settings promise: rows in order of
+    length fill a micro-batch until the next one would give it more than `size`
+    (micro_batch_size) rows or more than `budget` padded tokens (rows x its longest row);
+    a row longer than the budget is a micro-batch of its own."""
+    out: list[list[int]] = []
+    rows: list[int] = []
+    for n in sorted(lengths):
+        if rows and (len(rows) == size or max(rows + [n]) * (len(rows) + 1) > budget):
+            out.append(rows)
+            rows = []
+        rows.append(n)
+    return out + [rows] if rows else out
+
+
+@pytest.mark.parametrize(
+    ("lengths", "size", "budget", "expected"),
+    [
+        # the budget (25 rows of 4 tokens) would take all ten rows: 3 per micro-batch
+        ([4] * 10, 3, 100, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]),
+        # both bind: three short rows hit the row cap, then 2 x 10 = 20 tokens the budget
+        ([10, 2, 10, 2, 10, 2, 2, 10], 3, 20, [[1, 3, 5], [6, 0], [2, 4], [7]]),
+        ([30, 5], 4, 20, [[1], [0]]),  # a row longer than the budget goes alone
+        ([5] * 7, 3, 0, [[0, 1, 2], [3, 4, 5], [6]]),  # no budget: micro_batch_size rows
+    ],
+)
+def test_micro_batches_respect_the_row_cap_and_the_token_budget(lengths, size, budget, expected):
+    from unirl.train.engine.batching import micro_batches
+
+    rows = [[0] * n for n in lengths]  # only a row's length is read
+    got = micro_batches(rows, size, budget)  # type: ignore[arg-type]
+    assert got == expected
+    assert sorted(i for g in got for i in g) == list(range(len(lengths)))
+    if budget:
+        assert [[lengths[i] for i in g] for g in got] == promised_micro_batches(
+            lengths, size, budget
+        )
+    for g in got:
+        assert len(g) <= size
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= (budget or 10**9)
+
+
+BUDGETS: list[tuple[str, int, Callable[[list[int]], int], tuple[bool, bool]]] = [
+    # (id, micro_batch_size, budget from the row lengths, (the cap binds, the budget binds))
+    ("cap_binds", 2, lambda lengths: 100 * max(lengths), (True, False)),
+    ("both_bind", 3, lambda lengths: 4 * min(lengths), (True, True)),
+    ("budget_binds", 12, lambda lengths: 2 * max(lengths), (False, True)),
+]
+
+
+@pytest.mark.parametrize(("size", "budget_of", "binding"), [c[1:] for c in BUDGETS],
+                         ids=[c[0] for c in BUDGETS])  # fmt: skip
+def test_an_update_trains_on_micro_batches_within_both_limits(kit, size, budget_of, binding):
+    """The micro-batches an SFT update actually runs forward and backward (12 rows of
+    t2i and i2t_mc): exactly the promised ones, never more than trainer.micro_batch_size
+    rows nor more padded tokens than trainer.micro_token_budget (a lone over-long row
+    aside). Each case checks which limit shapes it: lifting a binding limit changes the
+    promised micro-batches, lifting the other does not."""
+    geometry = {"trainer.total_updates": 1, "trainer.global_batch_size": 12,
+                "trainer.micro_batch_size": 2, "data.train_size": 4}  # fmt: skip
+    lengths = [len(t) for t in make_trainer(config(kit, geometry)).source.global_batch(0)]
+    budget = budget_of(lengths)
+    promised = promised_micro_batches(lengths, size, budget)
+    cap_binds = promised != promised_micro_batches(lengths, len(lengths), budget)
+    budget_binds = promised != promised_micro_batches(lengths, size, sum(lengths) * len(lengths))
+    assert (cap_binds, budget_binds) == binding, (sorted(lengths), promised)
+    cfg = config(kit, {**geometry, "trainer.micro_batch_size": size,
+                       "trainer.micro_token_budget": budget})  # fmt: skip
+    trainer = make_trainer(cfg)
+    seen: list[tuple[int, int, list[int]]] = []
+    loss = trainer.objective.loss
+
+    def recording(model, micro, n_global):
+        rows, width = micro.token_ids.shape
+        seen.append((rows, width, sorted(int(n) for n in micro.attention_mask.sum(1))))
+        return loss(model, micro, n_global)
+
+    trainer.objective.loss = recording
+    trainer.step()
+    assert [real for _, _, real in seen] == promised
+    for rows, width, real in seen:
+        assert rows == len(real) <= size and width == max(real)
+        assert rows * width <= budget or rows == 1

@@ -142,7 +142,7 @@ def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
     train = load_split("train")
     DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
     assets = {"vq": codec_dir, "clf": tmp_path / "c"}
-    trainer = {**TRAINER, "lora": {"enabled": lora, "r": 4}}
+    trainer = {**TRAINER, **({"lora": {"enabled": True, "r": 4}} if lora else {})}
 
     def make(run_dir: Path) -> dict:
         return grpo_config(run_dir, assets, trainer=trainer, checkpoint={"every_updates": 0})
@@ -282,7 +282,9 @@ def one_process_trainer(cfg: dict, mode: str, info):
     from unirl.train.engine.trainer import Trainer
     from unirl.train.run import JOBS, _prepare_model
 
-    trainer = {**cfg["trainer"], "parallel": mode, "fsdp": {"param_dtype": "fp32"}}
+    trainer = {**cfg["trainer"], "parallel": mode}
+    if mode == "fsdp2":
+        trainer["fsdp"] = {"param_dtype": "fp32"}
     cfg = validate_config({**cfg, "trainer": trainer})
     run_dir = Path(cfg.run.output_dir)
     model = _prepare_model(cfg, run_dir, torch.device("cpu"))

@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from unirl.config.base import StrictModel, incompatible
+from unirl.config.base import StrictModel, changed, first_changed, incompatible
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -24,6 +24,14 @@ class BitflipConfig(StrictModel):
         "fixed",
         description="fixed: every sample uses `probability`; uniform: per sample ~ U(0, probability).",
     )
+
+    @model_validator(mode="after")
+    def _mode_needs_noise(self) -> BitflipConfig:
+        if self.probability == 0 and changed(self, "probability_mode"):
+            raise incompatible(
+                "probability_mode", "acts only with bitflip.probability > 0 (no bits are flipped)"
+            )
+        return self
 
 
 class InformationGainConfig(StrictModel):
@@ -67,6 +75,10 @@ class InformationGainConfig(StrictModel):
                 "weight",
                 f"weight={self.weight} has no effect with both direction weights 0",
             )
+        if self.weight == 0:
+            name = first_changed(self)
+            if name is not None:
+                raise incompatible(name, "acts only with information_gain.weight > 0 (IG is off)")
         return self
 
 
@@ -170,6 +182,18 @@ class GRPOConfig(StrictModel):
             )
         if self.aggregation == "seq_mean_token_sum_norm" and self.horizon is None:
             raise incompatible("horizon", "aggregation 'seq_mean_token_sum_norm' requires horizon")
+        if self.aggregation != "seq_mean_token_sum_norm" and changed(self, "horizon"):
+            raise incompatible(
+                "horizon",
+                f"acts only with aggregation 'seq_mean_token_sum_norm' (got '{self.aggregation}', "
+                "which normalises by the token or sequence count)",
+            )
+        if not self.normalize_by_std:
+            name = first_changed(self, ("std_ddof", "eps"))
+            if name is not None:
+                raise incompatible(
+                    name, "acts only with normalize_by_std true (advantages are r - mean)"
+                )
         return self
 
 

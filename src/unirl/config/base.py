@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -48,6 +49,22 @@ class StrictModel(BaseModel):
             if problem:
                 raise incompatible(name, problem)
         return self
+
+
+def changed(model: BaseModel, name: str) -> bool:
+    """Whether field `name` of `model` was given explicitly (`model_fields_set`) a value
+    other than its default: what an "acts only with ..." refusal refuses (a value equal to
+    the default, e.g. one a child recipe sets back, is harmless)."""
+    if name not in model.model_fields_set:
+        return False
+    default = type(model).model_fields[name].get_default(call_default_factory=True)
+    return bool(getattr(model, name) != default)
+
+
+def first_changed(model: BaseModel, names: Iterable[str] | None = None) -> str | None:
+    """The first of `names` (default: every field, in schema order) that `changed`."""
+    pool = type(model).model_fields if names is None else names
+    return next((n for n in pool if changed(model, n)), None)
 
 
 def incompatible(field: str, detail: str) -> PydanticCustomError:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from unirl.config.algorithms import AlgorithmConfig, GRPOConfig, OPDConfig, SFTConfig
-from unirl.config.base import StrictModel, incompatible
+from unirl.config.base import StrictModel, changed, first_changed, incompatible
 from unirl.config.errors import suggest
 from unirl.config.ray import RayConfig, check_workers
 from unirl.config.trainer import TrainerConfig
@@ -65,7 +65,8 @@ class RunConfig(StrictModel):
 
 
 class TinyModelConfig(StrictModel):
-    """Sizes of the embedded tiny decoder (used when model.kind = tiny)."""
+    """Sizes of a decoder built from the config: model.kind tiny (every field) or uniar
+    (all but tie_embeddings); a kind that loads a checkpoint reads none (`KIND_READS`)."""
 
     hidden_size: int = Field(128, gt=0, description="Residual width.")
     num_layers: int = Field(4, gt=0, description="Decoder layers.")
@@ -120,6 +121,28 @@ class CodecConfig(StrictModel):
         return self
 
 
+KIND_READS: dict[str, dict[str, tuple[str, ...]]] = {
+    "tiny": {"tiny": tuple(TinyModelConfig.model_fields), "codec": tuple(CodecConfig.model_fields)},
+    "uniar": {
+        "tiny": tuple(n for n in TinyModelConfig.model_fields if n != "tie_embeddings"),
+        "codec": tuple(CodecConfig.model_fields),
+    },
+    "janus_pro": {"tiny": (), "codec": ()},
+}
+"""The `model.tiny` and `model.codec` fields each registered kind's builder reads
+(`unirl.models.tiny.build.build_tiny`, `unirl.models.uniar.tiny.build_uniar`; janus_pro
+has no builder: it always loads model.path). A kind not listed is left to the model
+registry, which refuses an unknown kind."""
+KIND_IGNORES: dict[tuple[str, str], str] = {
+    ("uniar", "tiny"): "acts only with model.kind tiny (kind 'uniar' builds its Qwen3-VL "
+    "decoder with untied embeddings)",
+    ("janus_pro", "tiny"): "acts only for a model built from the config (kind tiny or uniar); "
+    "kind 'janus_pro' takes its sizes from the model.path checkpoint",
+    ("janus_pro", "codec"): "acts only for a model built from the config (kind tiny or uniar); "
+    "kind 'janus_pro' ships its image codec in the model.path checkpoint",
+}
+
+
 class ModelConfig(StrictModel):
     """Which unified model to post-train.
 
@@ -143,6 +166,36 @@ class ModelConfig(StrictModel):
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
     codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
+
+    @model_validator(mode="after")
+    def _what_the_kind_reads(self) -> ModelConfig:
+        """Refuse `model.tiny` / `model.codec` fields the kind never reads (`KIND_READS`)
+        and, when the codec is fitted from this section (a model built from the config,
+        no codec.path), the sizes of the other visual head's codec."""
+        reads = KIND_READS.get(self.kind)
+        if reads is None:
+            return self
+        builds = bool(reads["tiny"])
+        # A kind that only loads checkpoints is refused without model.path by
+        # `unirl.models.check_model_config` ("loads a local checkpoint"), the clearer error.
+        if builds or self.path is not None:
+            for section in ("tiny", "codec"):
+                model = getattr(self, section)
+                unread = [n for n in type(model).model_fields if n not in reads[section]]
+                name = first_changed(model, unread)
+                if name is not None:
+                    raise incompatible(f"{section}.{name}", KIND_IGNORES[self.kind, section])
+        if builds and self.path is None and self.codec.path is None:
+            other = ("bits", "group") if self.visual_head == "vq" else ("codebook_size",)
+            name = first_changed(self.codec, other)
+            if name is not None:
+                head = "bsq" if self.visual_head == "vq" else "vq"
+                raise incompatible(
+                    f"codec.{name}",
+                    f"acts only with model.visual_head {head} (the codec fitted here is "
+                    f"{self.visual_head})",
+                )
+        return self
 
 
 class DataConfig(StrictModel):
@@ -231,6 +284,12 @@ class DataConfig(StrictModel):
             for key in ("val_path", "test_path", "default_task"):
                 if getattr(self, key) is not None:
                     raise incompatible(key, "needs data.path (the digits tasks are built in)")
+            if changed(self, "image_resize"):
+                raise incompatible(
+                    "image_resize",
+                    "acts only on data.path images (the built-in digits images are the tiny "
+                    "model's size)",
+                )
         if self.default_task is not None and self.default_task not in self.tasks:
             raise incompatible("default_task", f"'{self.default_task}' is not in data.tasks")
         return self
@@ -322,6 +381,10 @@ class RewardConfig(StrictModel):
             raise incompatible(
                 "plugins", "every plugin has weight 0: the total reward would always be 0"
             )
+        if not self.plugins:
+            name = first_changed(self, ("truncated_reward", "on_error"))
+            if name is not None:
+                raise incompatible(name, "acts only with reward.plugins (no plugin scores a row)")
         return self
 
 
@@ -367,6 +430,15 @@ class LoggingConfig(StrictModel):
         if self.wandb and importlib.util.find_spec("wandb") is None:
             raise incompatible(
                 "wandb", "the wandb package is not installed (pip install 'unirl[wandb]')"
+            )
+        if not (self.jsonl or self.tensorboard or self.wandb) and changed(self, "every"):
+            raise incompatible(
+                "every", "acts only with a metrics sink (logging.jsonl, tensorboard or wandb)"
+            )
+        if not (self.tensorboard or self.wandb) and changed(self, "samples_every"):
+            raise incompatible(
+                "samples_every",
+                "acts only with logging.tensorboard or logging.wandb (samples go to no other sink)",
             )
         return self
 
@@ -477,7 +549,56 @@ class UnirlConfig(StrictModel):
             )
         if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
+        self._inert(algo)
         return self
+
+    def _inert(self, algo: AlgorithmConfig) -> None:
+        """Settings another section makes inactive, refused when set to a non-default
+        value (a value equal to the default is harmless). `RolloutConfig` on its own maps
+        1:1 onto the engine's `SamplingParams`, which take any combination; a run refuses
+        the rollout settings its rollouts would never read."""
+        rollout = self.rollout
+        if rollout.guidance == 1.0 and changed(rollout, "guidance_logprob"):
+            raise incompatible(
+                "rollout.guidance_logprob",
+                "acts only with rollout.guidance != 1 (without guidance the guided and the "
+                "conditional distributions are the same)",
+            )
+        if self.model.visual_head == "vq" and changed(rollout, "bit_temperature"):
+            raise incompatible(
+                "rollout.bit_temperature",
+                "acts only with model.visual_head bsq (VQ codes are sampled at "
+                "rollout.temperature)",
+            )
+        if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
+            raise incompatible(
+                "rollout.cycle_repeats",
+                "acts only with rollout.cycle_max_period > 0 (the cycle stop is off)",
+            )
+        if not self.reward.plugins and changed(self.evaluation, "pass_threshold"):
+            raise incompatible(
+                "evaluation.pass_threshold",
+                "acts only with reward.plugins (without them no rollout has a total reward "
+                "to pass)",
+            )
+        if self.trainer.eval_every > 0 and self.data.val_size == 0:
+            raise incompatible(
+                "trainer.eval_every",
+                f"{self.trainer.eval_every} evaluates nothing: data.val_size is 0 (set it > 0, "
+                "or eval_every 0)",
+            )
+        if not isinstance(algo, SFTConfig):
+            if changed(self.data, "shuffle"):
+                raise incompatible(
+                    "data.shuffle",
+                    f"acts only with sft: {algo.name} draws its prompts from a fresh "
+                    "permutation of each task's pool every epoch",
+                )
+        elif changed(self.logging, "samples_every"):
+            raise incompatible(
+                "logging.samples_every",
+                "acts only with rollouts in training (grpo, opd); sft logs no samples",
+            )
 
     def _packing(self, algo: AlgorithmConfig) -> None:
         """Sequence packing is built for SFT rows on the tiny model, without per-row noise

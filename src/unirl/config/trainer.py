@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from unirl.config.base import StrictModel, incompatible
+from unirl.config.base import StrictModel, changed, first_changed, incompatible
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -76,6 +76,14 @@ class LoRAConfig(StrictModel):
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
+    @model_validator(mode="after")
+    def _only_when_enabled(self) -> LoRAConfig:
+        if not self.enabled:
+            name = first_changed(self)
+            if name is not None:
+                raise incompatible(name, "acts only with trainer.lora.enabled true (LoRA is off)")
+        return self
+
 
 class DDPConfig(StrictModel):
     """torch DistributedDataParallel options (`trainer.parallel: ddp`)."""
@@ -125,7 +133,8 @@ class TrainerConfig(StrictModel):
     micro_token_budget: int | None = Field(
         None,
         gt=0,
-        description="If set, pack micro-batches up to this many tokens (micro_batch_size caps rows).",
+        description="If set, pack micro-batches up to this many padded tokens (rows x longest "
+        "row); micro_batch_size still caps the rows of each.",
     )
     packing: bool = Field(
         False,
@@ -174,6 +183,19 @@ class TrainerConfig(StrictModel):
                 "eval_every",
                 "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
                 "every rank: set eval_every 0 and run `unirl eval` on the exported model",
+            )
+        for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
+            name = first_changed(getattr(self, section))
+            if name is not None and self.parallel != mode:
+                raise incompatible(
+                    f"{section}.{name}",
+                    f"acts only with trainer.parallel {mode} (got '{self.parallel}')",
+                )
+        if self.parallel == "none" and changed(self, "collective_timeout_s"):
+            raise incompatible(
+                "collective_timeout_s",
+                "acts only with trainer.parallel ddp or fsdp2 (parallel 'none' runs one "
+                "process and opens no process group)",
             )
         for name in ("param_dtype", "reduce_dtype"):
             fp64 = getattr(self.fsdp, name) == "fp64"
