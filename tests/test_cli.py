@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 from unirl import cli
 from unirl.config import config_hash, load_config
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "recipes" / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "recipes" / "examples"
 SCRIPT = Path(sys.executable).with_name("unirl")
 ENTRY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "unirl"]
 
@@ -183,6 +185,37 @@ def test_inspect_prints_yaml_and_a_hash_stable_across_processes(tmp_path):
     changed = run_cli(["inspect", config, "run.name=124"], cwd=tmp_path)
     assert changed.stdout.rsplit("\n", 2)[-2] != last
     assert list(tmp_path.iterdir()) == []  # inspect creates nothing
+
+
+# Run in a fresh process: `--help` and `inspect` of a digits recipe, then list what they
+# imported. Checking a config reads the model kinds' `kind.json` (no model package) and
+# the parser's `data export` options come from the config layer (no numpy, PIL, torch).
+LIGHT_IMPORTS = """
+import json, sys
+import unirl.cli
+assert unirl.cli.main(["--help"]) == 0
+assert unirl.cli.main(["inspect", "recipes/digits/sft_vq.yaml"]) == 0
+print(json.dumps(sorted(sys.modules)))
+"""
+HEAVY = ("torch", "transformers", "numpy", "PIL", "tokenizers", "safetensors", "peft", "sklearn")
+
+
+def test_help_and_inspect_import_no_model_and_no_torch():
+    proc = subprocess.run(
+        [sys.executable, "-c", LIGHT_IMPORTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\nhash: " in proc.stdout
+    modules = json.loads(proc.stdout.rstrip("\n").rsplit("\n", 1)[-1])
+    models = [m for m in modules if m.startswith("unirl.models.")]
+    assert models == ["unirl.models.registry"], models
+    assert [m for m in modules if m.split(".")[0] in HEAVY] == []
+    assert not [m for m in modules if m.startswith(("unirl.core", "unirl.train", "unirl.codecs"))]
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["train"], ["generate"], ["eval"]])

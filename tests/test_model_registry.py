@@ -1,9 +1,12 @@
-"""Model kinds come from the model packages' own registrations; the `model` config section
-is checked against them before anything is built (one line naming the key)."""
+"""Model kinds come from the model packages' own declarations (`kind.json`, read without
+importing the package) and `register_model`; the `model` config section is checked against
+them before anything is built (one line naming the key)."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +30,9 @@ def check(model: dict) -> registry.ModelSpec:
     return registry.check_model_config(validate_config({"model": model}).model)
 
 
-def test_builtin_packages_register_their_kinds():
+def test_builtin_packages_declare_their_kinds():
     specs = registry.discover()
+    assert specs["tiny"].builds and specs["uniar"].builds and not specs["janus_pro"].builds
     assert specs["tiny"].load == TinyUnifiedModel.from_pretrained
     assert specs["tiny"].visual_heads == ("vq", "bsq") and specs["tiny"].build is not None
     assert specs["janus_pro"].load == JanusProModel.from_pretrained
@@ -105,3 +109,63 @@ def test_cli_refuses_a_planned_kind_before_creating_anything(planned, tmp_path, 
         assert err.startswith(f"unirl: error: {config}: model.kind: kind 'futurar'"), err
         assert "not implemented yet" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_declared_kind_is_imported_only_when_loaded(monkeypatch, tmp_path):
+    """`kind.json` names the loader and builder; checking a config imports neither."""
+    (tmp_path / "lazy_kind_plugin.py").write_text(
+        "def load(path):\n    return ('loaded', path)\n\n"
+        "def build(cfg, seed, codec_dir, tokenizer):\n    return ('built', seed)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kind_file = tmp_path / registry.KIND_FILE
+    kind_file.write_text(
+        json.dumps(
+            {
+                "kind": "lazy",
+                "load": "lazy_kind_plugin:load",
+                "build": "lazy_kind_plugin:build",
+                "visual_heads": ["bsq"],
+                "transformers_model_types": ["lazy_hf"],
+            }
+        )
+    )
+    monkeypatch.setattr(registry, "_SPECS", dict(registry.discover()))
+    registry._add(registry.read_kind_file(kind_file))
+    spec = check({"kind": "lazy", "visual_head": "bsq"})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / registry.TRANSFORMERS_CONFIG).write_text(json.dumps({"model_type": "lazy_hf"}))
+    assert registry.model_kind(hf) == "lazy" and spec.builds
+    assert "lazy_kind_plugin" not in sys.modules
+    assert spec.build(None, 3, None, None) == ("built", 3)
+    assert registry.load_model(hf) == ("loaded", hf)
+    monkeypatch.delitem(sys.modules, "lazy_kind_plugin")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ({"kind": "x", "load": "m:f"}, "field visual_heads missing"),
+        ({"kind": "x", "load": "m.f", "visual_heads": ["vq"]}, "field load must be a 'module:"),
+        (
+            {"kind": "x", "load": "m:f", "visual_heads": []},
+            "field visual_heads must be a non-empty",
+        ),
+        ({"kind": "x", "load": "m:f", "visual_heads": ["vq"], "builder": "m:b"}, "unknown field"),
+        ([], "expected a JSON object"),
+    ],
+)
+def test_a_malformed_kind_file_is_refused_naming_the_field(tmp_path, text, fragment):
+    kind_file = tmp_path / registry.KIND_FILE
+    kind_file.write_text(json.dumps(text))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(kind_file))}: ") as info:
+        registry.read_kind_file(kind_file)
+    assert fragment in str(info.value)
+
+
+def test_every_model_package_declares_its_kind():
+    """A model package without a `kind.json` would be imported by every config check."""
+    root = Path(registry.__file__).parent
+    packages = [p.parent.name for p in root.glob("*/__init__.py")]
+    assert packages and all((root / p / registry.KIND_FILE).is_file() for p in packages)

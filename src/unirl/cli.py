@@ -2,7 +2,9 @@
 
 Each subcommand is a `Command`: a name, a one-line help, a function that adds its arguments
 to its own parser, and a function `run(args) -> exit code`. To add one, write those two
-functions and append a `Command` to `COMMANDS`.
+functions and append a `Command` to `COMMANDS`. Keep `unirl --help` and `unirl inspect`
+light: a `run` imports its implementation inside the function, and a `configure` imports
+only light modules (tests/test_cli.py checks that they load no model package and no torch).
 
 Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
 a bad file it names, a refused resume); 1 any other failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`

@@ -35,6 +35,10 @@ DIGITS_TASKS: tuple[str, ...] = (
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
 """The digits tasks whose answers hold an image (dataset rows say so themselves)."""
 DIGITS_IMAGE_SIZE = 8  # == unirl.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)
+Split = Literal["train", "val", "test"]
+SPLITS: tuple[Split, ...] = ("train", "val", "test")
+"""The digits image splits (`unirl.data.digits_images` re-exports them; here so that
+`unirl data export --help` needs no numpy)."""
 
 
 class RunConfig(StrictModel):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 import numpy as np
 
-Split = Literal["train", "val", "test"]
-SPLITS: tuple[Split, ...] = ("train", "val", "test")
+from unirl.config.schema import SPLITS, Split
+
 IMAGE_SIZE = 8
 _FRACTIONS = (0.70, 0.15)
 

@@ -11,7 +11,8 @@ directory which is then renamed to DIR, so a failure leaves DIR as it was. DIR m
 exist or be empty, unless `overwrite` replaces it.
 
 CLI (`unirl data export`): `add_arguments(parser)` + `run(args) -> int`; `main(argv)`
-runs them standalone.
+runs them standalone. Importing this module is light (no numpy, PIL or torch: they are
+imported by the export itself), so `unirl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from PIL import Image
+from unirl.config.schema import DIGITS_TASKS as TASKS
+from unirl.config.schema import SPLITS, Split
 
-from unirl.core.sample import ImagePart, Sample, TextPart
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.digits_images import SPLITS, Split
+if TYPE_CHECKING:
+    import numpy as np
+
+    from unirl.core.sample import Sample
 
 IMAGE_DIR = "images"
 
@@ -41,6 +44,9 @@ def _file_stem(sample_id: str) -> str:
 
 
 def _write_png(path: Path, pixels: np.ndarray) -> None:
+    import numpy as np
+    from PIL import Image
+
     if pixels.ndim != 2:
         raise ValueError(f"only grayscale [H, W] images can be exported, got {pixels.shape}")
     levels = np.round(np.clip(pixels, 0.0, 1.0) * 255.0).astype(np.uint8)
@@ -52,6 +58,8 @@ def _write_png(path: Path, pixels: np.ndarray) -> None:
 
 def sample_to_row(sample: Sample, root: Path) -> dict:
     """The loader row of `sample`; its images are written under root/images/."""
+    from unirl.core.sample import ImagePart, TextPart
+
     messages: list[dict] = []
     n_images = 0
     for k, part in enumerate(sample.parts):
@@ -112,6 +120,8 @@ def export_task(
     task: str, split: Split, n: int, out_dir: str | Path, seed: int = 0, overwrite: bool = False
 ) -> Path:
     """Export `make_task_samples(task, split, n, seed)` to out_dir/<task>-<split>.jsonl."""
+    from unirl.data.digits import make_task_samples
+
     samples = make_task_samples(task, split, n, seed)
     return export_samples(samples, out_dir, f"{task}-{split}", overwrite=overwrite)
 

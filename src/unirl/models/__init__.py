@@ -1,7 +1,12 @@
 """Models behind the `UnifiedModel` hooks. Each model package (tiny/, janus_pro/, ...)
-registers its kind with `register_model`; `load_model` and `check_model_config` find them."""
+declares its kind in its `kind.json` (plugins use `register_model`); `load_model` and
+`check_model_config` find them.
 
-from unirl.models.base import BodyOutput, UnifiedModel
+Importing this package imports no model and no torch: `UnifiedModel` and `BodyOutput`
+(`unirl.models.base`) are imported on first access, so a config check stays light."""
+
+from typing import TYPE_CHECKING
+
 from unirl.models.registry import (
     ModelSpec,
     check_model_config,
@@ -10,6 +15,21 @@ from unirl.models.registry import (
     model_spec,
     register_model,
 )
+
+if TYPE_CHECKING:
+    from unirl.models.base import BodyOutput, UnifiedModel
+
+_FROM_BASE = ("BodyOutput", "UnifiedModel")
+
+
+def __getattr__(name: str):
+    """`BodyOutput` and `UnifiedModel`, imported from `unirl.models.base` when first asked."""
+    if name in _FROM_BASE:
+        from unirl.models import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BodyOutput",

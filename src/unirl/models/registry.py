@@ -1,20 +1,35 @@
-"""Model kinds: every model package registers its own, and model directories load by kind.
+"""Model kinds: every model package declares its own, and model directories load by kind.
 
-A package under `unirl.models` registers its kind when it is imported, on its model class
-(whose `from_pretrained(path)` loads a directory) or on a loader function::
+A package under `unirl.models` declares its kind in a `kind.json` next to its
+`__init__.py`, naming its loader and builder by "module:attribute" instead of importing
+them::
 
-    register_model("janus_pro", visual_heads=("vq",), transformers_model_types=("janus",))(
-        JanusProModel
+    {"kind": "janus_pro", "load": "unirl.models.janus_pro:JanusProModel",
+     "visual_heads": ["vq"], "transformers_model_types": ["janus"]}
+
+`load` is a model class (whose `from_pretrained(path)` loads a directory) or a `load(path)`
+function; the optional `build` is `build(model_cfg, seed, codec_dir, tokenizer)`; the
+optional `transformers_model_types` are the `config.json` model_type values that are this
+kind. The registry names no model: on the first lookup it reads the `kind.json` of every
+subpackage of `unirl.models` (`pkgutil.iter_modules`) and imports none of them, so
+checking a config (`check_model_config`, `unirl inspect`) loads no model code, and adding
+a model touches only its own folder. The package is imported when a model of its kind is
+loaded or built (`ModelSpec.load` / `ModelSpec.build`).
+
+A model defined elsewhere (a plugin) registers its kind when it is imported, on its model
+class or on a loader function::
+
+    register_model("mymodel", visual_heads=("vq",), transformers_model_types=("my",))(
+        MyModel
     )
 
-The registry names no model: on the first lookup it imports every subpackage of
-`unirl.models` (`pkgutil.iter_modules`), so adding a model touches only its own folder. A
-kind whose implementation is still to come is declared with `declare_planned_model`; a
-config naming it is refused with "not implemented yet".
+A subpackage of `unirl.models` without a `kind.json` is imported on the first lookup, so
+its `register_model` calls run. A kind whose implementation is still to come is declared
+with `declare_planned_model`; a config naming it is refused with "not implemented yet".
 
 A directory written by unirl records its kind in `unirl_model.json`. A transformers
 checkpoint directory without one (e.g. a Janus-Pro download) is recognised by the
-`model_type` of its `config.json`, as the kinds registered it.
+`model_type` of its `config.json`, as the kinds declared it.
 """
 
 from __future__ import annotations
@@ -25,48 +40,94 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unirl.config.errors import ConfigError
 from unirl.config.schema import ModelConfig
-from unirl.models.base import UnifiedModel, VisualHead
+
+if TYPE_CHECKING:  # models.base imports torch; a lookup must not
+    from unirl.models.base import UnifiedModel, VisualHead
 
 MODEL_CONFIG = "unirl_model.json"
 TRANSFORMERS_CONFIG = "config.json"
+KIND_FILE = "kind.json"
+"""A model package's declaration of its kind (module docstring)."""
 
-Loader = Callable[[Path], UnifiedModel]
-Builder = Callable[[ModelConfig, int, Path | None, Any], UnifiedModel]
+Loader = Callable[[Path], "UnifiedModel"]
+Builder = Callable[[ModelConfig, int, Path | None, Any], "UnifiedModel"]
 """`build(model_cfg, seed, codec_dir, tokenizer)`: a fresh model from the `model` config
 section (`tokenizer` None = the kind's default)."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a model package registers about its kind.
+    """What a model package declares or registers about its kind.
 
-    load: `load(path)` of a model directory; None for a kind declared but not implemented.
+    loader: the model class or `load(path)` function, or its "module:attribute" name
+    (imported on first use, by `load`); None for a kind declared but not implemented.
     visual_heads: the visual action spaces the kind can have (`model.visual_head`).
     transformers_model_types: `config.json` model_type values that are this kind.
-    build: builds the model from the config alone (no `model.path`); None when the kind
+    builder: builds the model from the config alone (no `model.path`), or its
+    "module:attribute" name (imported on first use, by `build`); None when the kind
     always loads a checkpoint.
     planned: for a declared kind, what it will be (the refusal names it).
     """
 
     kind: str
-    load: Loader | None
+    loader: Loader | str | None
     visual_heads: tuple[VisualHead, ...]
     transformers_model_types: tuple[str, ...] = ()
-    build: Builder | None = None
+    builder: Builder | str | None = None
     planned: str = ""
 
     @property
     def implemented(self) -> bool:
-        return self.load is not None
+        return self.loader is not None
+
+    @property
+    def builds(self) -> bool:
+        """Whether the kind builds from the config alone (known without importing it)."""
+        return self.builder is not None
+
+    @property
+    def load(self) -> Loader | None:
+        """`load(path)` of a model directory (imports the kind's package)."""
+        return None if self.loader is None else _as_loader(self.kind, self.loader)
+
+    @property
+    def build(self) -> Builder | None:
+        """The builder (imports the kind's package); None when the kind does not build."""
+        return _target(self.builder) if isinstance(self.builder, str) else self.builder
 
 
 _SPECS: dict[str, ModelSpec] = {}
 _discovered = False
 T = TypeVar("T")
+
+
+def _target(name: str) -> Any:
+    """The object a "module:attribute" name names, importing the module."""
+    module, _, attribute = name.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _as_loader(kind: str, target: Any) -> Loader:
+    """`load(path)` of a model class (its `from_pretrained`; its `kind` must be `kind`) or
+    of a loader function; a "module:attribute" name is imported first."""
+    from unirl.models.base import UnifiedModel
+
+    if isinstance(target, str):
+        target = _target(target)
+    if isinstance(target, type) and issubclass(target, UnifiedModel):
+        if getattr(target, "kind", None) != kind:
+            raise ValueError(f"{target.__name__}.kind is not {kind!r}")
+        return target.from_pretrained
+    if callable(target):
+        return target
+    raise TypeError(f"model kind {kind!r}: {target!r} is neither a model class nor a loader")
 
 
 def _add(spec: ModelSpec) -> None:
@@ -94,15 +155,8 @@ def register_model(
     `kind`; directories load with its `from_pretrained`) or on a `load(path)` function."""
 
     def register(target: T) -> T:
-        if isinstance(target, type) and issubclass(target, UnifiedModel):
-            if getattr(target, "kind", None) != kind:
-                raise ValueError(f"{target.__name__}.kind is not {kind!r}")
-            load: Any = target.from_pretrained
-        elif callable(target):
-            load = target
-        else:
-            raise TypeError(f"register_model({kind!r}) decorates a model class or a loader")
-        _add(ModelSpec(kind, load, tuple(visual_heads), tuple(transformers_model_types), build))
+        loader = _as_loader(kind, target)
+        _add(ModelSpec(kind, loader, tuple(visual_heads), tuple(transformers_model_types), build))
         return target
 
     return register
@@ -114,12 +168,54 @@ def declare_planned_model(kind: str, *, visual_heads: tuple[VisualHead, ...], pl
     _add(ModelSpec(kind, None, tuple(visual_heads), planned=planned))
 
 
+def read_kind_file(path: Path) -> ModelSpec:
+    """The `ModelSpec` a package's `kind.json` declares (module docstring), its loader and
+    builder left as names; ValueError naming the file and the field when malformed."""
+    data = read_json(path)
+    shapes = {
+        "kind": "a string",
+        "load": "a 'module:attribute' string",
+        "build": "a 'module:attribute' string",
+        "visual_heads": "a non-empty list of strings",
+        "transformers_model_types": "a list of strings",
+    }
+    for key in data:
+        if key not in shapes:
+            raise ValueError(f"{path}: unknown field {key!r}; expected {', '.join(shapes)}")
+    for key in ("kind", "load", "visual_heads"):
+        if key not in data:
+            raise ValueError(f"{path}: field {key} missing ({shapes[key]})")
+    for key, value in data.items():
+        if key in ("visual_heads", "transformers_model_types"):
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            ok = ok and (bool(value) or key != "visual_heads")
+        else:
+            ok = isinstance(value, str) and (key == "kind" or ":" in value)
+        if not ok:
+            raise ValueError(f"{path}: field {key} must be {shapes[key]}, got {value!r}")
+    return ModelSpec(
+        data["kind"],
+        data["load"],
+        tuple(data["visual_heads"]),
+        tuple(data.get("transformers_model_types", ())),
+        data.get("build"),
+    )
+
+
 def discover() -> dict[str, ModelSpec]:
-    """Every registered kind, after importing each subpackage of `unirl.models` once."""
+    """Every kind: on the first call, those the subpackages of `unirl.models` declare in
+    their `kind.json` (read, not imported; a subpackage without one is imported, for its
+    `register_model` calls), then every kind registered or declared since."""
     global _discovered
     if not _discovered:
-        for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-            if info.ispkg:
+        root = Path(__file__).parent
+        for info in pkgutil.iter_modules([str(root)]):
+            if not info.ispkg:
+                continue
+            kind_file = root / info.name / KIND_FILE
+            if kind_file.is_file():
+                _add(read_kind_file(kind_file))
+            else:
                 importlib.import_module(f"{__package__}.{info.name}")
         _discovered = True
     return dict(_SPECS)
@@ -156,7 +252,7 @@ def check_model_config(model: ModelConfig) -> ModelSpec:
         heads = " or ".join(f"'{h}'" for h in spec.visual_heads)
         raise ConfigError(f"kind '{model.kind}' has a {heads} head", key="model.visual_head")
     if model.path is None:
-        if spec.build is None:
+        if not spec.builds:
             raise ConfigError(
                 f"required: kind '{model.kind}' loads a local checkpoint", key="model.path"
             )
