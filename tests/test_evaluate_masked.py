@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
+from unirl.eval.digits import evaluate_task, rollout_task
 
 from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples
 from unirl.data.template import serialize
-from unirl.eval.digits import evaluate_task, rollout_task
 from unirl.eval.masked import (
     cut_after_drawn_image,
     evaluate_masked_answer,

@@ -40,11 +40,10 @@ from unirl.data.digits_images import load_split
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError
 from unirl.data.rows import split_rows
-from unirl.eval.digits import CLASSIFIER_DIR
 from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
 from unirl.models import check_model_config
 from unirl.models.tiny.build import new_codec
-from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
