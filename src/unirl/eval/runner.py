@@ -306,6 +306,7 @@ def run_eval(cfg: UnirlConfig) -> Path:
     config's seed), evaluate it, and return the output directory."""
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
+    evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads
     model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
     evaluate(cfg, model, out)
     return out
