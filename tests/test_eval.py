@@ -279,3 +279,66 @@ def test_unirl_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
         assert {k: v for k, v in logged[update].items() if k.startswith("val/")} == {
             f"val/{k}": v for k, v in _flat(val).items()
         }
+
+
+def test_every_digits_task_declares_a_default_verifier():
+    from unirl.config import DIGITS_TASKS
+    from unirl.rewards import PLUGINS, TASK_VERIFIERS
+
+    assert set(TASK_VERIFIERS) == set(DIGITS_TASKS)
+    assert all(v.plugin in PLUGINS for v in TASK_VERIFIERS.values())
+
+
+def test_a_task_nothing_can_score_is_a_config_error(tmp_path):
+    """data.path rows of a task without a default verifier and no reward.plugins: a
+    ConfigError naming reward.plugins before anything is written (no silent zeros)."""
+    from unirl.config import ConfigError, UnirlConfig
+    from unirl.eval import run_eval
+    from unirl.train.run import run_train
+
+    data = make_dataset(tmp_path / "data", 4)
+    path = write_config(tmp_path, data)
+    text = path.read_text().replace(
+        "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n", ""
+    )
+    path.write_text(text + f"evaluation: {{output_dir: {tmp_path / 'out'}}}\n")
+    cfg: UnirlConfig = load_config(path)
+    with pytest.raises(ConfigError, match="colour_qa.*no default verifier") as err:
+        run_eval(cfg)
+    assert err.value.key == "reward.plugins" and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="no default verifier"):
+        run_train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_definition_of_passing():
+    """A row passes when its total reward is >= evaluation.pass_threshold (default 0.5:
+    a classifier's 0.9999 passes), in evaluation and in GRPO/OPD's accuracy."""
+    import torch
+
+    from unirl.config import EvaluationConfig
+    from unirl.rewards import RewardResult, passes
+    from unirl.train.rollouts.stats import row_passes, task_accuracy
+
+    threshold = EvaluationConfig().pass_threshold
+    total = torch.tensor([0.9999, 1.0, 0.5, 0.4999, 0.0])
+    assert passes(total, threshold).tolist() == [True, True, True, False, False]
+    assert passes(0.9999, 1.0).item() is False and passes(torch.tensor([1.0]), 1.0).item()
+    n = len(total)
+    result = RewardResult(
+        total=total,
+        raw_total=total,
+        per_plugin={"p": total},
+        applied={"p": torch.ones(n, dtype=torch.bool)},
+        invalid={"p": torch.zeros(n, dtype=torch.bool)},
+        errors={"p": torch.zeros(n, dtype=torch.bool)},
+        truncated=torch.zeros(n, dtype=torch.bool),
+        overwritten=torch.zeros(n, dtype=torch.bool),
+        sample_ids=[str(i) for i in range(n)],
+        tasks=["a", "a", "b", "b", "b"],
+    )
+    assert row_passes(result, threshold).tolist() == passes(total, threshold).tolist()
+    assert task_accuracy(result, threshold) == {
+        "task/a/accuracy": 1.0,
+        "task/b/accuracy": 1 / 3,
+    }
