@@ -16,10 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from unirl.config import load_config
-from unirl.eval.digits import evaluate_digits, load_or_fit_classifier
+from unirl.eval.runner import evaluate, split_config, task_metrics
 from unirl.train.engine.build import build_model
 
 
@@ -33,13 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.model.path:
         print(f"{args.recipe}: model.path is set; the baseline is a fresh model", file=sys.stderr)
         return 2
-    tasks, seed = list(cfg.data.tasks), cfg.data.seed
     n = cfg.data.test_size if args.split == "test" else cfg.data.val_size
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(cfg, Path(tmp) / "codec").eval()
-        classifier = load_or_fit_classifier(Path(tmp) / "classifier")
-        with torch.no_grad():
-            base = evaluate_digits(model, tasks, args.split, n, classifier, seed)
+        summary = evaluate(
+            split_config(cfg, args.split),
+            model,
+            Path(tmp) / "eval",
+            per_task=n,
+            classifier_dir=Path(tmp) / "classifier",
+        )
+        base = task_metrics(summary)
     trained_path = Path(cfg.run.output_dir) / "eval.json"
     trained = json.loads(trained_path.read_text()) if trained_path.is_file() else {}
     print(f"{args.recipe} {' '.join(args.overrides)}  ({args.split}, n={n} per task)")

@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 
 from unirl.config import load_config
-from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
 from unirl.eval.drift import drift_to_noise
 from unirl.train.engine.build import build_model
 from unirl.train.engine.metrics import read_metrics
-from unirl.train.run import run_train
+from unirl.train.run import evaluate_split, run_train
 
 HELD_OUT = ("accuracy", "score", "exact_match")
 
@@ -52,10 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run_dir} exists; pass --fresh to replace it", file=sys.stderr)
             return 2
         shutil.rmtree(run_dir)
-    tasks, n, seed = list(cfg.data.tasks), cfg.data.test_size, cfg.data.seed
+    n = cfg.data.test_size
     run_dir.mkdir(parents=True)
-    classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-    before = evaluate_digits(build_model(cfg).eval(), tasks, "test", n, classifier, seed)
+    before = evaluate_split(cfg, build_model(cfg).eval(), run_dir, "test", 0)  # update 0
     t0 = time.perf_counter()
     run_train(cfg)
     wall = time.perf_counter() - t0

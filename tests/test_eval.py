@@ -165,7 +165,7 @@ def test_eval_refuses_another_config_in_the_same_directory(tmp_path):
     cfg = load_config(write_config(tmp_path, data))
     model = build_model(cfg).eval()
     evaluate(cfg, model, tmp_path / "out")
-    other = load_config(write_config(tmp_path, data), ["evaluation.pass_threshold=0.5"])
+    other = load_config(write_config(tmp_path, data), ["evaluation.pass_threshold=0.25"])
     with pytest.raises(Exception, match="evaluation.output_dir"):
         evaluate(other, model, tmp_path / "out")
 
@@ -200,3 +200,145 @@ def test_training_validates_and_tests_with_the_evaluator(tmp_path):
     assert sorted(r["id"] for r in records) == ["sq3", "sq7"]
     assert results["colour_qa/mean@n"] == pytest.approx(np.mean([r["total"] for r in records]))
     assert results["colour_qa/n_samples"] == 2.0
+
+
+def _flat(summary: dict) -> dict[str, float]:
+    return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
+
+
+def test_unirl_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
+    """One evaluator (issue 29): a short digits SFT run validates every eval_every
+    updates and writes eval.json at the end; `unirl eval` on the run's model/ with the
+    run's config and its test split gives exactly those numbers, and the logged val/
+    metrics are the val evaluations' summaries."""
+    from trainer_helpers import fit_small_codec, tiny_config
+
+    from unirl.cli import main
+    from unirl.config import validate_config
+    from unirl.data.digits_images import load_split
+    from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
+    from unirl.train.run import run_train
+
+    run_dir = tmp_path / "run"
+    train = load_split("train")  # a small classifier where the run looks for its own
+    clf = DigitClassifier().fit(train.images[:200], train.labels[:200])
+    clf.save_pretrained(run_dir / CLASSIFIER_DIR)
+    sections = {
+        "data": {
+            "tasks": ["t2i", "i2t_mc", "draw_then_answer"],
+            "train_size": 32,
+            "val_size": 2,
+            "test_size": 4,
+        },
+        "trainer": {
+            "total_updates": 150,
+            "eval_every": 75,
+            "global_batch_size": 8,
+            "optimizer": {"lr": 5e-3},
+        },
+        "checkpoint": {"every_updates": 0},
+        "rollout": {"max_new_tokens": 48, "batch_size": 8},
+    }
+    cfg = validate_config(tiny_config(run_dir, fit_small_codec(tmp_path / "codec"), **sections))
+    run_train(cfg)
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert results["i2t_mc/accuracy"] == results["i2t_mc/mean@n"]  # the headline names
+    assert results["t2i/score"] == results["t2i/digit_classifier/mean"]
+    assert results["t2i/n_samples"] == 4.0 and "t2i/finish_length_exact_frac" in results
+    for key in ("exact_match", "exact_match_unmasked", "exact_match_masked_image"):
+        assert f"draw_then_answer/{key}" in results  # the masked-image probe is part of it
+    out = tmp_path / "unirl-eval"
+    argv = [
+        "eval",
+        str(run_dir / "config.yaml"),
+        f"model.path={run_dir / 'model'}",
+        "evaluation.split=test",
+        f"evaluation.output_dir={out}",
+    ]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert _flat(summary) == results  # the same numbers, exactly
+    assert summary["scoring"]["source"] == "task defaults"
+    assert [p["name"] for p in summary["scoring"]["plugins"]] == [
+        "digit_classifier",
+        "mc_exact",
+        "exact_answer",
+    ]
+    records = [json.loads(line) for line in (out / "results.jsonl").open()]
+    t2i = [r for r in records if r["task"] == "t2i"]
+    assert len({tuple(map(tuple, r["codes"][0])) for r in t2i}) > 1  # sampled images
+    drawn = [r for r in records if r["task"] == "draw_then_answer"]
+    assert any(r["images"] for r in drawn)  # (trained enough to draw: the probe bites)
+    for r in drawn:  # greedy: re-decoding the answer unmasked gives the engine's answer
+        assert r["masked"]["unmasked"] == r["scores"]["exact_answer"]
+    logged = {m["update"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").open())}
+    for update in (75, 150):
+        val = json.loads(
+            (run_dir / "evals" / f"val-update-{update:06d}" / "summary.json").read_text()
+        )
+        assert {k: v for k, v in logged[update].items() if k.startswith("val/")} == {
+            f"val/{k}": v for k, v in _flat(val).items()
+        }
+
+
+def test_every_digits_task_declares_a_default_verifier():
+    from unirl.config import DIGITS_TASKS
+    from unirl.rewards import PLUGINS, TASK_VERIFIERS
+
+    assert set(TASK_VERIFIERS) == set(DIGITS_TASKS)
+    assert all(v.plugin in PLUGINS for v in TASK_VERIFIERS.values())
+
+
+def test_a_task_nothing_can_score_is_a_config_error(tmp_path):
+    """data.path rows of a task without a default verifier and no reward.plugins: a
+    ConfigError naming reward.plugins before anything is written (no silent zeros)."""
+    from unirl.config import ConfigError, UnirlConfig
+    from unirl.eval import run_eval
+    from unirl.train.run import run_train
+
+    data = make_dataset(tmp_path / "data", 4)
+    path = write_config(tmp_path, data)
+    text = path.read_text().replace(
+        "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n", ""
+    )
+    path.write_text(text + f"evaluation: {{output_dir: {tmp_path / 'out'}}}\n")
+    cfg: UnirlConfig = load_config(path)
+    with pytest.raises(ConfigError, match="colour_qa.*no default verifier") as err:
+        run_eval(cfg)
+    assert err.value.key == "reward.plugins" and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="no default verifier"):
+        run_train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_definition_of_passing():
+    """A row passes when its total reward is >= evaluation.pass_threshold (default 0.5:
+    a classifier's 0.9999 passes), in evaluation and in GRPO/OPD's accuracy."""
+    import torch
+
+    from unirl.config import EvaluationConfig
+    from unirl.rewards import RewardResult, passes
+    from unirl.train.rollouts.stats import row_passes, task_accuracy
+
+    threshold = EvaluationConfig().pass_threshold
+    total = torch.tensor([0.9999, 1.0, 0.5, 0.4999, 0.0])
+    assert passes(total, threshold).tolist() == [True, True, True, False, False]
+    assert passes(0.9999, 1.0).item() is False and passes(torch.tensor([1.0]), 1.0).item()
+    n = len(total)
+    result = RewardResult(
+        total=total,
+        raw_total=total,
+        per_plugin={"p": total},
+        applied={"p": torch.ones(n, dtype=torch.bool)},
+        invalid={"p": torch.zeros(n, dtype=torch.bool)},
+        errors={"p": torch.zeros(n, dtype=torch.bool)},
+        truncated=torch.zeros(n, dtype=torch.bool),
+        overwritten=torch.zeros(n, dtype=torch.bool),
+        sample_ids=[str(i) for i in range(n)],
+        tasks=["a", "a", "b", "b", "b"],
+    )
+    assert row_passes(result, threshold).tolist() == passes(total, threshold).tolist()
+    assert task_accuracy(result, threshold) == {
+        "task/a/accuracy": 1.0,
+        "task/b/accuracy": 1 / 3,
+    }

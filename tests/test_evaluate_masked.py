@@ -1,22 +1,26 @@
 """The masked-drawn-image answer evaluation: where it cuts, that the mask removes every
 path from the drawn image (codes changed -> same hidden state), that without mixers it
-equals deleting those positions (positions kept), and the end-to-end metrics."""
+equals deleting those positions (positions kept), and the end-to-end metrics (the probe
+runs inside the one evaluator, `unirl.eval.runner.evaluate`, on its rollouts)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
 
+from unirl.config import validate_config
 from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples
 from unirl.data.template import serialize
-from unirl.eval.digits import evaluate_task, rollout_task
 from unirl.eval.masked import (
+    TASK,
     cut_after_drawn_image,
     evaluate_masked_answer,
     last_hidden,
 )
+from unirl.eval.runner import engine_rollout, eval_samples, evaluate, make_request
 from unirl.models.base import ModelInputs, image_positions
 
 
@@ -84,24 +88,47 @@ def test_without_mixers_masking_equals_deleting_the_positions():
         assert torch.allclose(masked, hidden, atol=1e-5)
 
 
-def test_end_to_end_unmasked_matches_the_engine_evaluation():
-    model = tiny_model("vq")
-    samples = make_task_samples("draw_then_answer", "val", 6, seed=3)
-    out = evaluate_masked_answer(model, samples)
-    assert set(out) == {
-        "draw_then_answer/exact_match_unmasked",
-        "draw_then_answer/exact_match_masked_image",
-        "draw_then_answer/masked_drop",
-    }
-    engine = evaluate_task(model, "draw_then_answer", samples, classifier=None)
-    assert out["draw_then_answer/exact_match_unmasked"] == engine["draw_then_answer/exact_match"]
+def _digits_config(tmp_path, **evaluation):
+    return validate_config(
+        {
+            "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
+            "data": {"tasks": [TASK], "val_size": 6, "test_size": 0, "seed": 3},
+            "rollout": {"batch_size": 4},
+            "evaluation": {"split": "val", **evaluation},
+        }
+    )
 
 
-def test_the_task_evaluation_rollouts_give_the_same_metrics():
+def test_end_to_end_unmasked_matches_the_engine_evaluation(tmp_path):
+    """The probe runs inside the evaluation, on its rollouts: per rollout, the unmasked
+    greedy re-decode scores what the engine's answer scored."""
     model = tiny_model("vq")
-    samples = make_task_samples("draw_then_answer", "val", 5, seed=4)
-    trajs = rollout_task(model, "draw_then_answer", samples, seed=7)
-    reused = evaluate_masked_answer(model, samples, seed=7, trajectories=trajs)
-    assert reused == evaluate_masked_answer(model, samples, seed=7)
-    with pytest.raises(ValueError, match="4 trajectories for 5 samples"):
-        evaluate_masked_answer(model, samples, seed=7, trajectories=trajs[:4])
+    summary = evaluate(_digits_config(tmp_path), model, tmp_path / "eval")
+    stats = summary["tasks"][TASK]
+    assert {"exact_match_unmasked", "exact_match_masked_image", "masked_drop"} <= set(stats)
+    assert stats["exact_match_unmasked"] == stats["exact_match"]
+    records = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").open()]
+    assert len(records) == 6
+    for r in records:
+        assert r["masked"]["unmasked"] == r["scores"]["exact_answer"]
+
+
+def test_the_evaluation_rollouts_give_the_same_metrics(tmp_path):
+    """The per-batch probe of the records (4 rows a batch) equals the probe of all the
+    evaluation's rollouts at once."""
+    model = tiny_model("vq")
+    cfg = _digits_config(tmp_path)
+    summary = evaluate(cfg, model, tmp_path / "eval")
+    samples = eval_samples(cfg, model)
+    grid = tuple(model.codec.grid)
+    requests = [make_request(cfg, s, k, 0, grid) for k, s in enumerate(samples)]
+    trajs = engine_rollout(model)(requests)
+    alone = evaluate_masked_answer(model, samples, trajs)
+    assert alone == {f"{TASK}/{k}": v for k, v in masked_metrics_of(summary).items()}
+    with pytest.raises(ValueError, match="5 trajectories for 6 samples"):
+        evaluate_masked_answer(model, samples, trajs[:5])
+
+
+def masked_metrics_of(summary):
+    keys = ("exact_match_unmasked", "exact_match_masked_image", "masked_drop")
+    return {k: summary["tasks"][TASK][k] for k in keys}

@@ -414,8 +414,7 @@ def test_ig_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
 
 def test_validation_logs_ig_metrics(tmp_path, codec_dir):
     from unirl.data.digits_images import load_split
-    from unirl.eval.digits import CLASSIFIER_DIR
-    from unirl.rewards.digit_classifier import DigitClassifier
+    from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
     from unirl.train.run import _val_evaluator
 
     sections = {

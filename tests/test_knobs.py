@@ -40,11 +40,10 @@ from unirl.data.digits_images import load_split
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError
 from unirl.data.rows import split_rows
-from unirl.eval.digits import CLASSIFIER_DIR
 from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
 from unirl.models import check_model_config
 from unirl.models.tiny.build import new_codec
-from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
@@ -1090,6 +1089,7 @@ def _own_tokenizer(kit):
     "evaluation.max_samples",
     "evaluation.rollouts_per_sample",
     "evaluation.greedy",
+    "evaluation.sample_images",
     "evaluation.pass_threshold",
     "evaluation.output_dir",
 )
@@ -1117,6 +1117,11 @@ def _evaluation(kit):
     request = lambda c: make_request(c, eval_samples(c, model)[0], 0, 0, (4, 4))  # noqa: E731
     assert request(own_config(kit, two)).params.greedy
     assert not request(own_config(kit, sampled)).params.greedy
+    t2i = make_task_samples("t2i", "val", 1)[0]  # an image answer: sampled under greedy
+    image = lambda c: make_request(c, t2i, 0, 0, (4, 4)).params  # noqa: E731
+    assert not image(own_config(kit, {"evaluation.sample_images": True})).greedy
+    assert image(own_config(kit, {"evaluation.sample_images": False})).greedy
+    assert image(own_config(kit, {"evaluation.sample_images": False})).length_semantics == "exact"
     assert records(own_config(kit, {**two, "evaluation.pass_threshold": -1.0}))[0] == 1.0
     assert records(own_config(kit, {**two, "evaluation.pass_threshold": 2.0}))[0] == 0.0
     where = str(tmp_path / "chosen")

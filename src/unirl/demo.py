@@ -6,7 +6,8 @@
 2. GRPO on text-to-image from that checkpoint (`recipes/digits/grpo_t2i_vq.yaml`), rewarded
    by the digits classifier's p(asked digit | decoded image);
 3. `report.md` with every SFT task's held-out (test split) metrics for the seed-initialised
-   model SFT starts from and after SFT, those of GRPO before and after, the reward
+   model SFT starts from and after SFT, those of GRPO before and after (all from the one
+   evaluator, `unirl.train.run.evaluate_split`: `<run>/evals/test-update-NNNNNN`), the reward
    curve with its least-squares drift and noise band (`reward_curve.png`) and the images
    drawn for every digit before and after from the same seeds (`before_after.png`).
 
@@ -19,11 +20,10 @@ import json
 from pathlib import Path
 
 from unirl.config import load_config
-from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
 from unirl.models import load_model
 from unirl.report import before_after_png, draw_digits, markdown_table, reward_curve_png
 from unirl.train.engine.build import build_model
-from unirl.train.run import run_train
+from unirl.train.run import evaluate_split, run_train
 
 RECIPES = Path("recipes") / "digits"
 REWARD_KEY = "reward/total_mean"
@@ -51,25 +51,17 @@ def run_demo(out: Path, sft_updates: int, grpo_updates: int, recipes: Path = REC
     )
     sft_dir = run_train(sft_cfg)
     sft_model = load_model(sft_dir / "model").eval()
-    classifier = load_or_fit_classifier(sft_dir / CLASSIFIER_DIR)
-    sft_tasks, sft_seed = list(sft_cfg.data.tasks), sft_cfg.data.seed
     # The model SFT started from: its seed, with the codec the SFT run fitted and saved
-    # (loaded, not fitted again), evaluated as SFT's final evaluation is.
+    # (loaded, not fitted again), evaluated as SFT's final evaluation is (its update 0).
     codec = sft_cfg.model.codec.model_copy(update={"path": str(sft_dir / "codec")})
     init_cfg = sft_cfg.model_copy(
         update={"model": sft_cfg.model.model_copy(update={"codec": codec})}
     )
-    random_init = evaluate_digits(
-        build_model(init_cfg).eval(),
-        sft_tasks,
-        "test",
-        sft_cfg.data.test_size,
-        classifier,
-        sft_seed,
-    )
-    tasks = list(grpo_cfg.data.tasks)
+    random_init = evaluate_split(init_cfg, build_model(init_cfg).eval(), sft_dir, "test", 0)
+    # GRPO's update 0 (the SFT model), scored as GRPO's final evaluation is (the classifier
+    # is fitted into the GRPO run directory here, and the GRPO run trains on it).
+    before = evaluate_split(grpo_cfg, sft_model, Path(grpo_cfg.run.output_dir), "test", 0)
     n_test = grpo_cfg.data.test_size
-    before = evaluate_digits(sft_model, tasks, "test", n_test, classifier, grpo_cfg.data.seed)
     grpo_dir = run_train(grpo_cfg)
     after = json.loads((grpo_dir / "eval.json").read_text())
     grpo_model = load_model(grpo_dir / "model").eval()

@@ -98,12 +98,16 @@ def before_after_png(
     return image_grid_png(rows, out_png, cols=2 * per_digit + 1)
 
 
+COUNTS = ("/n", "/n_samples", "/n_rollouts")
+"""Metric-name endings of row counts (an evaluation's size, not a result)."""
+
+
 def markdown_table(before: dict[str, float], after: dict[str, float]) -> str:
-    """A markdown table of the held-out metrics before and after ("-": not measured before,
-    e.g. the masked-image evaluation, which runs after training only)."""
+    """A markdown table of the held-out metrics before and after, without the row counts
+    ("-": not measured before)."""
     lines = ["| metric | before | after |", "|---|---|---|"]
     for key in sorted(after):
-        if key.endswith("/n"):
+        if key.endswith(COUNTS):
             continue
         was = f"{before[key]:.3f}" if key in before else "-"
         lines.append(f"| {key} | {was} | {after[key]:.3f} |")

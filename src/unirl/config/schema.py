@@ -451,7 +451,9 @@ BPE_VOCAB_DEFAULT = DataConfig.model_fields["bpe_vocab_size"].default
 
 
 class EvaluationConfig(StrictModel):
-    """`unirl eval`: the model on one data split, scored by the reward plugins."""
+    """`unirl eval`, in-training validation and the final test evaluation (one evaluator,
+    `unirl.eval.runner`): the model on one data split, scored by the reward plugins (or
+    each task's default verifier, `unirl.rewards.defaults`)."""
 
     split: Literal["train", "val", "test"] = Field(
         "test", description="Rows to evaluate: data.<split>_path, or data.path rows of it."
@@ -461,8 +463,18 @@ class EvaluationConfig(StrictModel):
         1, ge=1, description="Rollouts n per row: mean@n and pass@n are reported."
     )
     greedy: bool = Field(True, description="Greedy decoding (n must be 1) or sampled.")
+    sample_images: bool = Field(
+        True,
+        description="Rows whose answer is an image (t2i) are sampled with the rollout: "
+        "parameters even when evaluation.greedy is true (greedy decoding would draw one "
+        "image per prompt text, e.g. one per digit); false: evaluation.greedy decides "
+        "for them too.",
+    )
     pass_threshold: float = Field(
-        1.0, description="A rollout passes when its total reward is >= this (pass@n)."
+        0.5,
+        description="A row passes when its total reward is >= this: pass@n, the records' "
+        "`passed`, GRPO/OPD task/<task>/accuracy and OPD's verified routing "
+        "(unirl.rewards.passes). 0.5 passes a verifier's 1 and a classifier's 0.9999.",
     )
     output_dir: str | None = Field(
         None, description="Results directory; null = <run.output_dir>/eval-<split>."

@@ -1,10 +1,11 @@
 """Does the interleaved task's answer depend on the image the model drew?
 
-For each prompt of `draw_then_answer`: the greedy trajectory (`evaluate.rollout_task`, the
-one `evaluate.evaluate_task` scores) is cut right after the drawn image's `<|vision_end|>`;
+For each rollout of a `draw_then_answer` row (the trajectory the evaluation scored,
+`unirl.eval.runner`) the response is cut right after the drawn image's `<|vision_end|>`;
 the final answer is then decoded greedily again, teacher-forced over that prefix, twice:
 
-- `unmasked`: with the plain attention mask (reproduces the engine's answer, a check);
+- `unmasked`: with the plain attention mask (under greedy evaluation it reproduces the
+  engine's answer: a check);
 - `masked`: with the drawn image's visual positions removed from the attention mask, so
   no later position (and no layer) can attend to their keys (the tiny model's mixers
   zero them too).
@@ -12,11 +13,14 @@ the final answer is then decoded greedily again, teacher-forced over that prefix
 Both answers are scored by the task's own verifier (`ExactAnswer`) on the trajectory
 prefix + decoded answer. Metrics: `draw_then_answer/exact_match_unmasked`,
 `.../exact_match_masked_image` and `.../masked_drop` (unmasked - masked). If the answer is
-read from the drawn image, masking it drops accuracy toward chance (0.1).
+read from the drawn image, masking it drops accuracy toward chance (0.1). The runner
+stores each rollout's two scores in its record (`masked`), so the metrics are part of
+every evaluation of the task (validation, the final test evaluation, `unirl eval`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -24,10 +28,8 @@ import torch
 from unirl.core.sample import Sample
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality, Owner
-from unirl.eval.digits import rollout_task
 from unirl.models.base import UnifiedModel
 from unirl.rewards.plugins import ExactAnswer, build_responses, parse_response
-from unirl.rollout import RolloutTrajectory
 
 TASK = "draw_then_answer"
 MAX_ANSWER_TOKENS = 4
@@ -119,26 +121,22 @@ def _decode_answers(
 
 
 @torch.no_grad()
-def evaluate_masked_answer(
+def masked_answer_scores(
     model: UnifiedModel,
-    samples: list[Sample],
-    seed: int = 0,
+    samples: Sequence[Sample],
+    trajectories: Sequence[Trajectory],
     batch_size: int = 64,
-    trajectories: list[RolloutTrajectory] | None = None,
-) -> dict[str, float]:
-    """Answer exact match of `draw_then_answer` with and without the drawn image's keys
-    (module docstring). `trajectories`: the `evaluate.rollout_task` trajectories of
-    `samples` (with this `seed`) when the task evaluation already generated them."""
-    if any(s.task != TASK for s in samples):
-        raise ValueError(f"evaluate_masked_answer scores {TASK} samples only")
-    if trajectories is not None and len(trajectories) != len(samples):
+) -> dict[str, list[float]]:
+    """Per row, the `ExactAnswer` score of the answer decoded `unmasked` and with the
+    drawn image `masked_image` (module docstring); 0 for a row without a complete drawn
+    image. `trajectories[i]` is the evaluation's rollout of `samples[i]`."""
+    if len(trajectories) != len(samples):
         raise ValueError(f"{len(trajectories)} trajectories for {len(samples)} samples")
+    if any(s.task != TASK for s in samples):
+        raise ValueError(f"the masked-answer evaluation scores {TASK} samples only")
     grid = tuple(model.codec.grid)
-    trajs = trajectories
-    if trajs is None:
-        trajs = rollout_task(model, TASK, samples, seed, batch_size)
     vision_end = model.special_ids.vision_end
-    cuts = [cut_after_drawn_image(t.to("cpu"), vision_end) for t in trajs]
+    cuts = [cut_after_drawn_image(t.to("cpu"), vision_end) for t in trajectories]
     keep = [i for i, c in enumerate(cuts) if c is not None]
     plugin, n_visual = ExactAnswer(), grid[0] * grid[1]
     out = {}
@@ -153,8 +151,26 @@ def evaluate_masked_answer(
             responses, _ = build_responses(parsed, None)
             for i, s in zip(idx, plugin.score([samples[i] for i in idx], responses)):
                 scores[i] = s
-        out[f"{TASK}/exact_match_{name}"] = sum(scores) / len(samples)
-    out[f"{TASK}/masked_drop"] = (
-        out[f"{TASK}/exact_match_unmasked"] - out[f"{TASK}/exact_match_masked_image"]
-    )
+        out[name] = scores
     return out
+
+
+def masked_metrics(unmasked: Sequence[float], masked: Sequence[float]) -> dict[str, float]:
+    """The task's metrics (module docstring, without the task prefix) from per-row scores."""
+    n = max(len(unmasked), 1)
+    out = {"exact_match_unmasked": sum(unmasked) / n, "exact_match_masked_image": sum(masked) / n}
+    out["masked_drop"] = out["exact_match_unmasked"] - out["exact_match_masked_image"]
+    return out
+
+
+def evaluate_masked_answer(
+    model: UnifiedModel,
+    samples: Sequence[Sample],
+    trajectories: Sequence[Trajectory],
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """`draw_then_answer/exact_match_unmasked`, `.../exact_match_masked_image` and
+    `.../masked_drop` of `samples` from their evaluation rollouts `trajectories`."""
+    scores = masked_answer_scores(model, samples, trajectories, batch_size)
+    metrics = masked_metrics(scores["unmasked"], scores["masked_image"])
+    return {f"{TASK}/{k}": v for k, v in metrics.items()}

@@ -1,9 +1,19 @@
 """`summary.json` and `index.html` of an evaluation, computed from its records.
 
 Per task and over all rows, with n rollouts per sample and total reward r_{i,m}:
-mean@n = mean_i (1/n) sum_m r_{i,m}; pass@n = mean_i [max_m passed_{i,m}], where a
-rollout passes when r >= `evaluation.pass_threshold`; per plugin the mean of its score
-over the rows it scored; the fraction of rows per finish reason.
+
+- `mean@n` = mean_i (1/n) sum_m r_{i,m}; `pass@n` = mean_i [max_m passed_{i,m}], where a
+  rollout passes when r >= `evaluation.pass_threshold` (`unirl.rewards.passes`);
+- the task's headline metric, when it declares one (`unirl.rewards.TASK_VERIFIERS`):
+  `accuracy`, `score` or `exact_match`, equal to its `mean@n` (the names the digits
+  evaluations have always reported, read by `unirl demo`, `bench/` and eval.json users);
+- `<plugin>/mean`: each plugin's mean score over the rollouts it scored;
+- `invalid_frac`: share of rollouts a plugin scoring them found malformed;
+- `finish_<reason>_frac`: share of rollouts per finish reason;
+- `n_samples`, `n_rollouts`;
+- for rows whose records carry the masked-image probe (`draw_then_answer`,
+  `unirl.eval.masked`): `exact_match_unmasked`, `exact_match_masked_image`,
+  `masked_drop`, over those rollouts.
 
 The HTML page is one table (prompt, prompt images, generated images, response, finish
 reason, total and plugin scores); clicking a column header sorts by it.
@@ -15,8 +25,11 @@ import html
 import json
 import os
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from unirl.eval.masked import masked_metrics
 
 SUMMARY = "summary.json"
 PAGE = "index.html"
@@ -26,31 +39,46 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _stats(records: list[dict[str, Any]]) -> dict[str, float]:
+def _stats(records: list[dict[str, Any]], headline: str | None = None) -> dict[str, float]:
     by_id: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_id[r["id"]].append(r)
+    mean_n = _mean([_mean([r["total"] for r in rs]) for rs in by_id.values()])
     out = {
         "n_samples": float(len(by_id)),
         "n_rollouts": float(len(records)),
-        "mean@n": _mean([_mean([r["total"] for r in rs]) for rs in by_id.values()]),
+        "mean@n": mean_n,
         "pass@n": _mean([float(any(r["passed"] for r in rs)) for rs in by_id.values()]),
+        "invalid_frac": _mean([float(bool(r.get("invalid"))) for r in records]),
     }
+    if headline is not None:
+        out[headline] = mean_n
     plugins = sorted({k for r in records for k in r["scores"]})
     for name in plugins:
         out[f"{name}/mean"] = _mean([r["scores"][name] for r in records if name in r["scores"]])
     for reason, count in sorted(Counter(r["finish_reason"] for r in records).items()):
         out[f"finish_{reason}_frac"] = count / len(records)
+    probed = [r["masked"] for r in records if "masked" in r]
+    if probed:
+        out.update(
+            masked_metrics([p["unmasked"] for p in probed], [p["masked_image"] for p in probed])
+        )
     return out
 
 
-def summarize(records: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """The summary of `records` (module docstring), overall and per task."""
+def summarize(
+    records: list[dict[str, Any]], n: int, headline: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The summary of `records` (module docstring), overall and per task; `headline`
+    maps a task to the name of its headline metric."""
+    headline = headline or {}
     tasks = sorted({str(r["task"]) for r in records})
     return {
         "rollouts_per_sample": n,
         "all": _stats(records),
-        "tasks": {t: _stats([r for r in records if str(r["task"]) == t]) for t in tasks},
+        "tasks": {
+            t: _stats([r for r in records if str(r["task"]) == t], headline.get(t)) for t in tasks
+        },
     }
 
 

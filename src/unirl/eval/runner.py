@@ -1,23 +1,42 @@
-"""`unirl eval`: a model on one data split, through the rollout engine, scored by the
+"""The evaluator: `unirl eval`, in-training validation (`val/...` every
+`trainer.eval_every`) and the end-of-run test evaluation (`eval.json`) are all
+`evaluate` — a model on one data split, through the rollout engine, scored by the
 configured reward plugins; resumable records, `summary.json` and `index.html`.
 
 Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, images
 through the model's processor; a row a verifier would score without the answer it
 needs is a DatasetError naming its file:line, `check_answers`), or the digits tasks'
-rows of that split (`data.<split>_size` per task); the first `evaluation.max_samples`
-(0 = all).
+rows of that split (`data.<split>_size` per task, from `data.seed`); training keeps the
+first `data.<split>_size` rows per task of a `data.path` split; then the first
+`evaluation.max_samples` (0 = all).
 
-Each row i is rolled out n = `evaluation.rollouts_per_sample` times; member m draws with
-the stateless seed `seed_for(run.seed, 0, i, m)`, so two checkpoints evaluated on the
-same config see common random numbers. A row whose answer is one image (an image or a
-generate_image item, never a task name) is forced into an image of its grid with an
-exact count of H*W positions; other rows decode under the `rollout:` cap. Greedy or
-sampled is `evaluation.greedy`; the other sampling parameters are `rollout:`'s.
+Scoring (`unirl.rewards.evaluation_reward`): the `reward:` plugins, or, when it names
+none, each task's default verifier (`unirl.rewards.TASK_VERIFIERS`: the digits
+classifier for t2i, the exact answer for draw_then_answer, ...); which one is written to
+summary.json (`scoring`). A task with neither is a ConfigError. The digits classifier,
+when a plugin needs it, is `<run.output_dir>/classifier` (fitted there on first use;
+training passes its run directory's), so a run's evaluations and `unirl eval` with the
+run's config score with one classifier. A rollout passes when its total reward is >=
+`evaluation.pass_threshold` (`unirl.rewards.passes`).
+
+Decoding: row i of task t is its task's k-th row; it is rolled out
+n = `evaluation.rollouts_per_sample` times, member m drawing with the stateless seed
+`seed_for(run.seed, 0, k, m)`, so two checkpoints evaluated on the same config see
+common random numbers, and a task's seeds do not depend on the other tasks or on how
+many rows are kept. A row whose answer is one image (an image or a generate_image item,
+never a task name) is forced into an image of its grid with an exact count of H*W
+positions; other rows decode under the `rollout:` cap. Greedy or sampled is
+`evaluation.greedy` (image rows: sampled whenever `evaluation.sample_images`); the other
+sampling parameters are `rollout:`'s.
+
+Task extras: for `draw_then_answer` rows the masked-image answer probe
+(`unirl.eval.masked`) runs on the same rollouts and each record keeps its two scores.
 
 Layout of the output directory (`evaluation.output_dir`, default
-<run.output_dir>/eval-<split>): results.jsonl (one record per (id, member), see
-`unirl.eval.records`), images/*.png, summary.json, index.html, config_hash (a re-run
-with another config refuses to mix its records in).
+<run.output_dir>/eval-<split>; training: <run_dir>/evals/<split>-update-NNNNNN):
+results.jsonl (one record per (id, member), see `unirl.eval.records`), images/*.png,
+summary.json, index.html, config_hash (a re-run with another config refuses to mix its
+records in).
 """
 
 from __future__ import annotations
@@ -37,11 +56,21 @@ from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
 from unirl.data.rows import answer_image_grid
+from unirl.eval.masked import TASK as MASKED_TASK
+from unirl.eval.masked import masked_answer_scores
 from unirl.eval.records import ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
 from unirl.models.build import build_model, dataset_rows, resolve_device
-from unirl.rewards import RewardService, build_responses, build_reward_service, check_answers
+from unirl.rewards import (
+    RewardService,
+    build_responses,
+    build_reward_service,
+    check_answers,
+    evaluation_reward,
+    headline_metrics,
+    passes,
+)
 from unirl.rewards.digit_classifier import (
     CLASSIFIER_DIR,
     load_or_fit_classifier,
@@ -62,20 +91,14 @@ def engine_rollout(model: UnifiedModel) -> Rollout:
 
 def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> list[Sample]:
     """The rows to evaluate (module docstring); with `per_task` > 0, only the first
-    `per_task` rows of each task (validation during training: `data.val_size`)."""
+    `per_task` rows of each task (training: `data.<split>_size`)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
         rows = dataset_rows(cfg, model, split)
-        check_answers(cfg.reward, rows)
+        check_answers(evaluation_reward(cfg)[0], rows)
         samples = rows.samples
         if per_task:
-            seen: dict[str | None, int] = {}
-            kept = []
-            for s in samples:
-                seen[s.task] = seen.get(s.task, 0) + 1
-                if seen[s.task] <= per_task:
-                    kept.append(s)
-            samples = kept
+            samples = [s for s, k in zip(samples, task_indices(samples)) if k < per_task]
     else:
         n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
         if n[split] == 0:
@@ -93,27 +116,42 @@ def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> li
     return samples[:cap] if cap else samples
 
 
+def task_indices(samples: Sequence[Sample]) -> list[int]:
+    """Each row's index among the rows of its own task, in order (its seed index)."""
+    seen: dict[str | None, int] = {}
+    out = []
+    for sample in samples:
+        k = seen.get(sample.task, 0)
+        out.append(k)
+        seen[sample.task] = k + 1
+    return out
+
+
 def make_request(cfg: UnirlConfig, sample: Sample, index: int, member: int, grid) -> RolloutRequest:
-    """Member `member` of row `index` (module docstring)."""
-    greedy = cfg.evaluation.greedy
+    """Member `member` of the task's row `index` (module docstring)."""
+    e = cfg.evaluation
     seed = seed_for(cfg.run.seed, 0, index, member)
     image = answer_image_grid(sample, grid)
     if image is not None:
         params = sampling_params(
-            cfg.rollout, max_new_tokens=image[0] * image[1], length_semantics="exact", greedy=greedy
+            cfg.rollout,
+            max_new_tokens=image[0] * image[1],
+            length_semantics="exact",
+            greedy=e.greedy and not e.sample_images,
         )
         return RolloutRequest(sample.fork(member), seed, params, image_grid=image)
-    params = sampling_params(cfg.rollout, length_semantics="cap", greedy=greedy)
+    params = sampling_params(cfg.rollout, length_semantics="cap", greedy=e.greedy)
     return RolloutRequest(sample.fork(member), seed, params)
 
 
-def _rewards(cfg: UnirlConfig, model: UnifiedModel, out: Path) -> RewardService | None:
-    if not cfg.reward.plugins:
-        return None
+def eval_rewards(cfg: UnirlConfig, model: UnifiedModel, classifier_dir: Path) -> RewardService:
+    """The reward service an evaluation scores with (`evaluation_reward`); the digits
+    classifier, when a plugin needs one, from (or fitted into) `classifier_dir`."""
+    reward, _ = evaluation_reward(cfg)
     resources = {}
-    if needs_digit_classifier(cfg.reward):
-        resources["digit_classifier"] = load_or_fit_classifier(out / CLASSIFIER_DIR)
-    return build_reward_service(cfg.reward, decode_images=model.codec.decode, resources=resources)
+    if needs_digit_classifier(reward):
+        resources["digit_classifier"] = load_or_fit_classifier(classifier_dir)
+    return build_reward_service(reward, decode_images=model.codec.decode, resources=resources)
 
 
 def _text_of(parts: Sequence[Part]) -> str:
@@ -132,13 +170,21 @@ def _pixels(part: ImagePart, model: UnifiedModel) -> np.ndarray | None:
         return None
 
 
-def _records(cfg, model, log, batch, trajs, rewards) -> None:
-    """Score one batch of (index, member, sample) rows and commit their records."""
+def _records(cfg, model, log, batch, trajs, rewards: RewardService) -> None:
+    """Score one batch of (task index, member, sample) rows and commit their records."""
     forked = [s.fork(m) for _, m, s in batch]
     parsed = [model.parse_response(t) for t in trajs]
     responses, _ = build_responses(parsed, model.codec.decode)
-    result = rewards.score(forked, trajs, parsed) if rewards is not None else None
-    for j, ((_, m, sample), traj, response) in enumerate(zip(batch, trajs, responses)):
+    result = rewards.score(forked, trajs, parsed, alarm=False)
+    passed = passes(result.total, cfg.evaluation.pass_threshold)
+    probe = [j for j, s in enumerate(forked) if s.task == MASKED_TASK and s.answer is not None]
+    masked: dict[int, dict[str, float]] = {}
+    if probe:
+        scores = masked_answer_scores(
+            model, [forked[j] for j in probe], [trajs[j] for j in probe], cfg.rollout.batch_size
+        )
+        masked = {j: {k: v[r] for k, v in scores.items()} for r, j in enumerate(probe)}
+    for j, ((index, m, sample), traj, response) in enumerate(zip(batch, trajs, responses)):
         images: dict[str, np.ndarray] = {}
         prompt_parts = [p for p in sample.parts if p.role != "assistant"]
         prompt_images = []
@@ -157,10 +203,7 @@ def _records(cfg, model, log, batch, trajs, rewards) -> None:
                 rel = log.image_path(sample.id, m, k)
                 images[rel] = pixels.numpy()
                 out_images.append(rel)
-        scores, total = {}, 0.0
-        if result is not None:
-            scores = {k: float(v[j]) for k, v in result.per_plugin.items() if result.applied[k][j]}
-            total = float(result.total[j])
+        applied = [k for k in result.per_plugin if result.applied[k][j]]
         record: dict[str, Any] = {
             "id": sample.id,
             "member": m,
@@ -173,11 +216,14 @@ def _records(cfg, model, log, batch, trajs, rewards) -> None:
             "images": out_images,
             "codes": codes,
             "finish_reason": traj.finish_reason,
-            "scores": scores,
-            "total": total,
-            "passed": result is not None and total >= cfg.evaluation.pass_threshold,
-            "seed": seed_for(cfg.run.seed, 0, batch[j][0], m),
+            "scores": {k: float(result.per_plugin[k][j]) for k in applied},
+            "invalid": [k for k in applied if bool(result.invalid[k][j])],
+            "total": float(result.total[j]),
+            "passed": bool(passed[j]),
+            "seed": seed_for(cfg.run.seed, 0, index, m),
         }
+        if j in masked:
+            record["masked"] = masked[j]
         log.commit(record, images)
 
 
@@ -203,35 +249,56 @@ def evaluate(
     out: Path,
     rollout: Rollout | None = None,
     per_task: int = 0,
+    classifier_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
-    `per_task` > 0 keeps the first rows of each task (`eval_samples`)."""
+    `per_task` > 0 keeps the first rows of each task (`eval_samples`); `classifier_dir`
+    (default <run.output_dir>/classifier) holds the digits classifier."""
+    reward, source = evaluation_reward(cfg)
     samples = eval_samples(cfg, model, per_task)
     out.mkdir(parents=True, exist_ok=True)
     _check_hash(out, cfg)
     log = ResultLog(out)
-    rewards = _rewards(cfg, model, out)
+    classifier_dir = classifier_dir or Path(cfg.run.output_dir) / CLASSIFIER_DIR
+    rewards = eval_rewards(cfg, model, classifier_dir)
     rollout = rollout or engine_rollout(model)
     grid = tuple(model.codec.grid)
     n = cfg.evaluation.rollouts_per_sample
-    todo = [(i, m, s) for i, s in enumerate(samples) for m in range(n) if (s.id, m) not in log.done]
+    todo = [
+        (k, m, s)
+        for s, k in zip(samples, task_indices(samples))
+        for m in range(n)
+        if (s.id, m) not in log.done
+    ]
     quiet = os.environ.get("CI", "").lower() == "true" or not sys.stderr.isatty()
     size = cfg.rollout.batch_size
     with Progress(disable=quiet, transient=False) as progress:
         bar = progress.add_task("eval", total=len(samples) * n, completed=len(log.done))
         for start in range(0, len(todo), size):
             batch = todo[start : start + size]
-            requests = [make_request(cfg, s, i, m, grid) for i, m, s in batch]
+            requests = [make_request(cfg, s, k, m, grid) for k, m, s in batch]
             with torch.no_grad():
                 trajs = rollout(requests)
             _records(cfg, model, log, batch, trajs, rewards)
             progress.advance(bar, len(batch))
     wanted = {(s.id, m) for s in samples for m in range(n)}
     records = [r for r in log.records if (r["id"], r["member"]) in wanted]
-    summary = summarize(records, n)
+    summary = summarize(records, n, headline_metrics(cfg.data.tasks))
+    summary["scoring"] = {
+        "source": source,
+        "plugins": [p.model_dump(mode="json") for p in reward.plugins],
+        "truncated_reward": reward.truncated_reward,
+        "pass_threshold": cfg.evaluation.pass_threshold,
+    }
     write_json(out / SUMMARY, summary)
     write_page(out / PAGE, records, summary)
     return summary
+
+
+def task_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's per-task statistics as flat `<task>/<statistic>` metrics (what
+    training logs under `val/` and writes to eval.json)."""
+    return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
 
 
 def run_eval(cfg: UnirlConfig) -> Path:
@@ -239,6 +306,7 @@ def run_eval(cfg: UnirlConfig) -> Path:
     config's seed), evaluate it, and return the output directory."""
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
+    evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads
     model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
     evaluate(cfg, model, out)
     return out

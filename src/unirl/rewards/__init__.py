@@ -4,6 +4,13 @@
 from __future__ import annotations
 
 from unirl.rewards.answers import check_answers, check_dataset_answers
+from unirl.rewards.defaults import (
+    TASK_VERIFIERS,
+    TaskVerifier,
+    evaluation_reward,
+    headline_metrics,
+    passes,
+)
 from unirl.rewards.plugins import (
     PLUGINS,
     DecodeImages,
@@ -30,6 +37,7 @@ from unirl.rewards.service import (
 
 __all__ = [
     "PLUGINS",
+    "TASK_VERIFIERS",
     "AllRewardsOverwrittenWarning",
     "DecodeImages",
     "DigitClassifierReward",
@@ -42,12 +50,16 @@ __all__ = [
     "RewardPlugin",
     "RewardResult",
     "RewardService",
+    "TaskVerifier",
     "TextExact",
     "build_plugin",
     "build_responses",
     "build_reward_service",
     "check_answers",
     "check_dataset_answers",
+    "evaluation_reward",
+    "headline_metrics",
     "parse_response",
+    "passes",
     "response_parts",
 ]

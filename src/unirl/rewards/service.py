@@ -205,11 +205,15 @@ class RewardService:
         samples: Sequence[Sample],
         trajectories: Sequence[Trajectory] | TrajectoryBatch,
         responses: Sequence[Sequence[Part] | None],
+        *,
+        alarm: bool = True,
     ) -> RewardResult:
         """Score N rollout rows: row i is (samples[i], trajectories[i], responses[i]).
 
         `trajectories` give each row's finish_reason / length_semantics (a list of
         `Trajectory` or a `TrajectoryBatch`); their sample ids must match the samples'.
+        `alarm` False: no warning when every row is overwritten (evaluation, which trains
+        on nothing and reports its finish reasons instead).
         """
         n = len(samples)
         if isinstance(trajectories, TrajectoryBatch):
@@ -257,7 +261,7 @@ class RewardService:
             tasks=[s.task for s in samples],
             n_undecodable_images=n_bad,
         )
-        if n and bool(overwritten.all()):
+        if alarm and n and bool(overwritten.all()):
             msg = (
                 f"truncation shaping overwrote 100% of the rewards ({n}/{n} rows ended "
                 "cap/context/cycle with truncated_reward=zero): this update trains on "

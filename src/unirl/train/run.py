@@ -8,8 +8,10 @@ Layout of a run directory::
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
-    evals/<split>-update-NNNNNN/   `unirl eval` results of data.path runs' validation
-                         (val) and final test evaluation (test)
+    classifier/          the digits classifier, when a reward plugin or a task's default
+                         verifier needs it (fitted on first use)
+    evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
+                         validation (val) and of the final test evaluation (test)
     eval.json, report.md, curves.png
 
 Re-running the same command on the same directory resumes from the latest intact
@@ -33,13 +35,11 @@ from pathlib import Path
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
-from unirl.data.digits import make_task_samples
 from unirl.data.rows import has_split
-from unirl.eval.digits import CLASSIFIER_DIR, evaluate_digits, load_or_fit_classifier
-from unirl.eval.masked import TASK as MASKED_TASK
-from unirl.eval.masked import evaluate_masked_answer
-from unirl.eval.runner import evaluate, split_config
+from unirl.eval.runner import evaluate, split_config, task_metrics
 from unirl.models.base import UnifiedModel
+from unirl.rewards import evaluation_reward
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
 from unirl.train.engine.build import (
     adapter_state,
@@ -116,6 +116,9 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
+    validates = cfg.trainer.eval_every > 0 and _has_rows(cfg, "val", cfg.data.val_size)
+    if validates or _has_rows(cfg, "test", cfg.data.test_size):
+        evaluation_reward(cfg)  # a task nothing can score: a ConfigError before anything runs
     device = resolve_device(cfg.run.device)
     set_determinism(cfg.run.deterministic, device)
     info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
@@ -159,12 +162,17 @@ def _digits_tasks(cfg: UnirlConfig) -> bool:
     return cfg.data.path is None
 
 
+def _has_rows(cfg: UnirlConfig, split: str, size: int) -> bool:
+    """`data.<split>_size` > 0 and, for a `data.path` run, the split has rows."""
+    return size > 0 and (_digits_tasks(cfg) or has_split(cfg.data, split))
+
+
 def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:
-    """Whether a `data.path` run evaluates `split` (`data.<split>_size` > 0 and the split
-    has rows); logs why not when the split has none."""
-    if cfg.data.path is None or size == 0:
+    """Whether the run evaluates `split` (`_has_rows`); logs why not when a `data.path`
+    run's split has no rows."""
+    if size == 0:
         return False
-    if has_split(cfg.data, split):
+    if _has_rows(cfg, split, size):
         return True
     logger.warning(
         "no %s rows (neither data.%s_path nor data.path rows with split: %s): no %s "
@@ -178,14 +186,25 @@ def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:
     return False
 
 
-def dataset_evaluation(
-    cfg: UnirlConfig, model: UnifiedModel, split: str, out: Path, per_task: int
+def evaluate_split(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, split: str, update: int
 ) -> dict[str, float]:
-    """`unirl eval` of `model` on the first `per_task` rows per task of `split` into
-    `out`: per task t and summary statistic k (mean@n, pass@n, <plugin>/mean,
-    finish_<reason>_frac, n_samples, n_rollouts; `unirl.eval.report`), `t/k`."""
-    summary = evaluate(split_config(cfg, split), model, out, per_task=per_task)
-    return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
+    """The run's evaluation of `model` on `split` after `update` updates — validation and
+    the final test evaluation alike: `unirl eval` (`unirl.eval.runner.evaluate`) on the
+    first `data.<split>_size` rows per task, into `<run_dir>/evals/<split>-update-NNNNNN`,
+    with the run's digits classifier; per task t and summary statistic k (mean@n, pass@n,
+    the task's headline metric, <plugin>/mean, invalid_frac, finish_<reason>_frac,
+    n_samples, n_rollouts, the masked-image probe; `unirl.eval.report`), `t/k`."""
+    size = {"val": cfg.data.val_size, "test": cfg.data.test_size}[split]
+    out = run_dir / EVALS / f"{split}-update-{update:06d}"
+    summary = evaluate(
+        split_config(cfg, split),
+        model,
+        out,
+        per_task=size,
+        classifier_dir=run_dir / CLASSIFIER_DIR,
+    )
+    return task_metrics(summary)
 
 
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
@@ -195,7 +214,7 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     ig = getattr(cfg.algorithm, "information_gain", None)
     if ig is None or ig.weight <= 0 or cfg.data.val_size == 0:
         return tasks
-    if not (_digits_tasks(cfg) or _rows_of(cfg, "val", cfg.data.val_size)):
+    if not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
     rows = sft_trajectories(cfg, model, "val", cfg.data.val_size)
 
@@ -208,36 +227,22 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
 
 
 def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
-    """Validation metrics `val/<task>/<metric>` every `trainer.eval_every` updates: the
-    digits val split (`data.val_size` rows per task), or, with `data.path`, the
-    `unirl eval` evaluator on the val rows (the first `data.val_size` per task; results
-    in `<run_dir>/evals/val-update-NNNNNN`)."""
-    if _digits_tasks(cfg) and cfg.data.val_size > 0:
-        classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-
-        def evaluate_val(update: int) -> dict[str, float]:
-            out = evaluate_digits(
-                model, list(cfg.data.tasks), "val", cfg.data.val_size, classifier, cfg.data.seed
-            )
-            return {f"val/{k}": v for k, v in out.items()}
-
-        return evaluate_val
+    """Validation metrics `val/<task>/<statistic>` every `trainer.eval_every` updates
+    (`evaluate_split` on the val split), or None when the run has no val rows."""
     if not _rows_of(cfg, "val", cfg.data.val_size):
         return None
 
-    def evaluate_rows(update: int) -> dict[str, float]:
-        out = run_dir / EVALS / f"val-update-{update:06d}"
-        metrics = dataset_evaluation(cfg, model, "val", out, cfg.data.val_size)
+    def evaluate_val(update: int) -> dict[str, float]:
+        metrics = evaluate_split(cfg, model, run_dir, "val", update)
         return {f"val/{k}": v for k, v in metrics.items()}
 
-    return evaluate_rows
+    return evaluate_val
 
 
 def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
     """Export the final model (atomically), evaluate it on the test split
-    (`data.test_size` rows per task: the digits evaluator, or with `data.path` the
-    `unirl eval` evaluator into `<run_dir>/evals/test-update-NNNNNN`) into eval.json, plot
-    the curves (rank 0)."""
+    (`evaluate_split`: the first `data.test_size` rows per task, into
+    `<run_dir>/evals/test-update-NNNNNN`) into eval.json, plot the curves (rank 0)."""
 
     def export(path: Path) -> None:
         model.save_pretrained(path, state_dict=merged_state_dict(model))
@@ -245,22 +250,8 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
 
     ckpt.write_dir_atomic(run_dir, "model", export)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
-    results = None
-    if _digits_tasks(cfg) and cfg.data.test_size > 0:
-        classifier = load_or_fit_classifier(run_dir / CLASSIFIER_DIR)
-        rollouts: dict = {}
-        tasks, size, seed = list(cfg.data.tasks), cfg.data.test_size, cfg.data.seed
-        results = evaluate_digits(model, tasks, "test", size, classifier, seed, rollouts)
-        if MASKED_TASK in cfg.data.tasks:  # does the answer read the drawn image?
-            samples = make_task_samples(MASKED_TASK, "test", cfg.data.test_size, cfg.data.seed)
-            trajs = rollouts[MASKED_TASK]  # the same rows, already generated
-            results.update(
-                evaluate_masked_answer(model, samples, cfg.data.seed, trajectories=trajs)
-            )
-    elif _rows_of(cfg, "test", cfg.data.test_size):
-        out = run_dir / EVALS / f"test-update-{cfg.trainer.total_updates:06d}"
-        results = dataset_evaluation(cfg, model, "test", out, cfg.data.test_size)
-    if results is not None:
+    if _rows_of(cfg, "test", cfg.data.test_size):
+        results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates)
         write_text_atomic(
             run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n"
         )

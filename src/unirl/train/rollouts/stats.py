@@ -9,24 +9,21 @@ from collections.abc import Sequence
 import torch
 
 from unirl.core.types import Owner
-from unirl.rewards import RewardResult
+from unirl.rewards import RewardResult, passes
 from unirl.rollout import RolloutTrajectory
 
 
-def row_passes(result: RewardResult) -> torch.Tensor:
-    """bool [N]: the rows that every plugin scoring them passes (score >= 0.5: a
-    verifier's 1, or p(target) >= 0.5 for the classifier) and that truncation shaping did
-    not overwrite (a capped row fails)."""
-    ok = ~result.overwritten.clone()
-    for key, scores in result.per_plugin.items():
-        ok &= ~result.applied[key] | (scores >= 0.5)
-    return ok
+def row_passes(result: RewardResult, threshold: float) -> torch.Tensor:
+    """bool [N]: the rows that pass (`unirl.rewards.passes`: total reward after
+    truncation shaping >= `threshold`, the config's `evaluation.pass_threshold`; a row
+    shaping overwrote scores 0 and fails a positive threshold)."""
+    return passes(result.total, threshold)
 
 
-def task_accuracy(result: RewardResult) -> dict[str, float]:
+def task_accuracy(result: RewardResult, threshold: float) -> dict[str, float]:
     """`task/<task>/accuracy`: share of the task's rows that pass (`row_passes`)."""
     n = len(result.tasks)
-    ok = row_passes(result)
+    ok = row_passes(result, threshold)
     out = {}
     for task in sorted({t for t in result.tasks if t is not None}):
         rows = torch.tensor([result.tasks[i] == task for i in range(n)])

@@ -129,6 +129,7 @@ class GRPOSource(BatchSource):
         self.group_size = algo.group_size
         self.n_prompts = cfg.trainer.global_batch_size // algo.group_size
         self.run_seed = cfg.run.seed
+        self.pass_threshold = cfg.evaluation.pass_threshold
         self.info = info
         self.run_dir = Path(run_dir)
         self.anchor = anchor
@@ -240,7 +241,7 @@ class GRPOSource(BatchSource):
         t2 = time.perf_counter()
         metrics = {
             **result.metrics(),
-            **task_accuracy(result),
+            **task_accuracy(result, self.pass_threshold),
             **{f"adv/{k}": v for k, v in adv_stats.items()},
             **rollout_stats(trajs, t1 - t0),
             "time/rollout_s": t1 - t0,

@@ -126,6 +126,7 @@ class OPDSource(BatchSource):
         self.params = sampling_params(cfg.rollout, greedy=greedy)
         self.n_prompts = cfg.trainer.global_batch_size
         self.run_seed = cfg.run.seed
+        self.pass_threshold = cfg.evaluation.pass_threshold
         self._batch: OPDBatch | None = None
 
     # -- the trainer's interface ---------------------------------------------------
@@ -158,8 +159,8 @@ class OPDSource(BatchSource):
             trajs, result = score_sharded(
                 self.service, self.rewards, self.model.parse_response, samples, local
             )
-            correct = (row_passes(result) & ~result.truncated).tolist()
-            metrics.update({**result.metrics(), **task_accuracy(result)})
+            correct = (row_passes(result, self.pass_threshold) & ~result.truncated).tolist()
+            metrics.update({**result.metrics(), **task_accuracy(result, self.pass_threshold)})
         else:
             trajs = self.service.gather(local, len(samples))
             correct = [None] * len(trajs)
