@@ -385,10 +385,6 @@ class RewardConfig(StrictModel):
             raise incompatible(
                 "plugins", "every plugin has weight 0: the total reward would always be 0"
             )
-        if not self.plugins:
-            name = first_changed(self, ("truncated_reward", "on_error"))
-            if name is not None:
-                raise incompatible(name, "acts only with reward.plugins (no plugin scores a row)")
         return self
 
 
@@ -590,12 +586,6 @@ class UnirlConfig(StrictModel):
             raise incompatible(
                 "rollout.cycle_repeats",
                 "acts only with rollout.cycle_max_period > 0 (the cycle stop is off)",
-            )
-        if not self.reward.plugins and changed(self.evaluation, "pass_threshold"):
-            raise incompatible(
-                "evaluation.pass_threshold",
-                "acts only with reward.plugins (without them no rollout has a total reward "
-                "to pass)",
             )
         if self.trainer.eval_every > 0 and self.data.val_size == 0:
             raise incompatible(
