@@ -33,7 +33,6 @@ every row has it.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from unirl.core.atomic import atomic_write
 from unirl.core.types import (
     FINISH_REASONS,
     LENGTH_SEMANTICS,
@@ -597,15 +597,11 @@ class TrajectoryBatch:
 
 def save_trajectories(path: str | Path, trajs: Sequence[Trajectory]) -> None:
     """Write `trajs` (their `to_state`, with the class name of each) to `path` atomically:
-    a temporary file, fsynced, then renamed."""
+    a temporary file, fsynced, then renamed (`unirl.core.atomic`)."""
     path = Path(path)
     payload = [{"kind": type(t).__name__, "state": t.to_state()} for t in trajs]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_trajectories(path: str | Path, kinds: Sequence[type[Trajectory]] = ()) -> list[Trajectory]:
