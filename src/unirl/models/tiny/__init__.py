@@ -6,8 +6,8 @@ directory its `save_pretrained` wrote.
 
 from unirl.models.registry import register_model
 from unirl.models.tiny.build import build_tiny
-from unirl.models.tiny.model import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny.model import TinyArchitecture, TinyUnifiedModel
 
 register_model("tiny", visual_heads=("vq", "bsq"), build=build_tiny)(TinyUnifiedModel)
 
-__all__ = ["TinyModelConfig", "TinyUnifiedModel", "build_tiny"]
+__all__ = ["TinyArchitecture", "TinyUnifiedModel", "build_tiny"]

@@ -9,13 +9,14 @@ or loaded from a directory its `save_pretrained` wrote (`loading`).
 from unirl.models.registry import register_model
 from unirl.models.uniar.loading import check_directory
 from unirl.models.uniar.model import InterleavedOutput, UniARModel, UniARSpec
-from unirl.models.uniar.tiny import TinyUniARSizes, build_tiny_uniar, build_uniar
+from unirl.models.uniar.tiny import SMALL_SIZES, TinyUniARSizes, build_tiny_uniar, build_uniar
 
 register_model(
     "uniar", visual_heads=("bsq",), transformers_model_types=("qwen3_vl",), build=build_uniar
 )(UniARModel)
 
 __all__ = [
+    "SMALL_SIZES",
     "InterleavedOutput",
     "TinyUniARSizes",
     "UniARModel",
