@@ -55,7 +55,7 @@ from unirl.data.digits import TASKS, make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.trainer import Trainer
@@ -85,7 +85,7 @@ def build_model(args: argparse.Namespace) -> TinyUnifiedModel:
     codec = build_codec("vq", codebook_size=32, n_init=1, max_iter=5)
     codec.fit(load_split("train").images[:200])
     torch.manual_seed(0)
-    config = TinyModelConfig(
+    config = TinyArchitecture(
         hidden_size=args.width,
         num_layers=args.layers,
         num_heads=args.width // 48 if args.width % 48 == 0 else max(1, args.width // 64),
@@ -383,8 +383,8 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
-    parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
         "--variants",
         nargs="+",

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vs_trl import UnirlSide, build_model, text_prompts  # noqa: E402
 
 from unirl.data.tokenizer import SpecialIds  # noqa: E402
-from unirl.models.tiny import TinyModelConfig  # noqa: E402
 
 PHASES = ("rollout", "reward+advantages", "old log-probs", "update (fwd+bwd+AdamW)")
 
@@ -42,8 +41,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, default=15)
-    parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
-    parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
         "--unshared", action="store_true", help="every row prefilled and replayed on its own"
     )

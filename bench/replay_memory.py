@@ -56,7 +56,7 @@ from unirl.core.types import Owner
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer, build_vocab
 from unirl.forward import body_hidden
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import SamplingParams, SamplingRecord
 from unirl.train.methods.grpo.objective import GRPOObjective, Reference, scored_mask
@@ -82,8 +82,12 @@ def build(batch: int, response: int, mixer_kernel: int) -> tuple[TinyUnifiedMode
     codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=3)
     codec.fit(load_split("train").images[:100])
     torch.manual_seed(0)
-    config = TinyModelConfig(
-        hidden_size=128, num_layers=2, num_heads=4, max_positions=SEQ, mixer_kernel=mixer_kernel
+    config = TinyArchitecture(
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=SEQ,
+        mixer_kernel=mixer_kernel,
     )
     model = TinyUnifiedModel(config, tokenizer, codec).eval()
     trajs = []
@@ -264,7 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--mixer-kernel",
         type=int,
-        default=TinyModelConfig.mixer_kernel,
+        default=4,
         help="the tiny body's conv prior (0 = off, as before it existed)",
     )
     args = parser.parse_args()

@@ -36,7 +36,7 @@ from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 
@@ -46,7 +46,7 @@ def build(eos_scale: float) -> tuple[TinyUnifiedModel, LlamaForCausalLM]:
     codec.fit(load_split("train").images[:200])
     torch.manual_seed(0)
     # A plain Llama body (no conv prior): generate runs the very same decoder modules.
-    config = TinyModelConfig(initializer_range=0.05, mixer_kernel=0)
+    config = TinyArchitecture(hidden_size=192, initializer_range=0.05, mixer_kernel=0)
     model = TinyUnifiedModel(config, tokenizer, codec).eval()
     eos = SpecialIds.from_tokenizer(tokenizer).eos
     with torch.no_grad():

@@ -46,17 +46,17 @@ from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.batching import pack, padded_fraction
 from unirl.train.engine.build import set_determinism
 from unirl.train.methods.sft.objective import SFTObjective
 
 
-def body_config(args: argparse.Namespace) -> TinyModelConfig:
+def body_config(args: argparse.Namespace) -> TinyArchitecture:
     """The tiny body of `--width` / `--layers` (heads of width 48 where that divides the
     width, else 64; MLP 8/3 x width)."""
-    return TinyModelConfig(
+    return TinyArchitecture(
         hidden_size=args.width,
         num_layers=args.layers,
         num_heads=args.width // 48 if args.width % 48 == 0 else max(1, args.width // 64),
@@ -97,9 +97,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--width", type=int, default=TinyModelConfig.hidden_size)
-    parser.add_argument("--layers", type=int, default=TinyModelConfig.num_layers)
-    parser.add_argument("--mixer-kernel", type=int, default=TinyModelConfig.mixer_kernel)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--mixer-kernel", type=int, default=4)
     parser.add_argument("--deterministic", choices=("on", "off"), default="on")
     parser.add_argument("--ig", action="store_true", help="IG vs vanilla SFT (see docstring)")
     parser.add_argument("--ig-selection", choices=("cycle", "all"), default="cycle")

@@ -25,7 +25,7 @@ import torch
 from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
 from unirl.config import load_config
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
+from unirl.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.build import adapter_state, apply_lora, build_model
 from unirl.train.engine.trainer import Trainer
@@ -180,7 +180,9 @@ def tiny_checkpoint(path: Path) -> Path:
             spatial_group=4,
         )  # fmt: skip
     )
-    model = build_tiny_uniar(codec, TinyUniARSizes(hidden_size=256, num_layers=4, num_heads=8))
+    model = build_tiny_uniar(
+        codec, SMALL_SIZES.model_copy(update={"hidden_size": 256, "num_layers": 4, "num_heads": 8})
+    )
     model.save_pretrained(path)
     return path
 

@@ -19,7 +19,7 @@ from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutRequest, SamplingParams
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
@@ -42,13 +42,13 @@ def tiny_model(
     kind: str, init: float = 0.1, seed: int = 0, max_positions: int = 512, mixer_kernel: int = 4
 ):
     torch.manual_seed(seed)
-    config = TinyModelConfig(
+    config = TinyArchitecture(
         visual_head=kind,
         hidden_size=64,
         num_layers=2,
         num_heads=4,
         intermediate_size=128,
-        max_positions=max_positions,
+        max_position_embeddings=max_positions,
         initializer_range=init,
         mixer_kernel=mixer_kernel,
     )

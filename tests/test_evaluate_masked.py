@@ -65,7 +65,7 @@ def test_masked_answer_does_not_see_the_drawn_codes(kind):
 def test_without_mixers_masking_equals_deleting_the_positions():
     model = tiny_model("vq", init=0.3)
     model = type(model)(
-        dataclasses.replace(model.config, mixer_kernel=0), model.tokenizer, model.codec
+        model.config.model_copy(update={"mixer_kernel": 0}), model.tokenizer, model.codec
     ).eval()
     n_visual = model.codec.grid[0] * model.codec.grid[1]
     for row, first in _prefixes(model):

@@ -17,7 +17,7 @@ from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import body_hidden
 from unirl.models.base import packed_attention_mask, packed_positions
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.train.engine.batching import bins, pack, padded_fraction
 from unirl.train.methods.sft.objective import SFTObjective
 
@@ -28,7 +28,7 @@ def setup():
     codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=5)
     codec.fit(load_split("train").images[:100], seed=0)
     tok = build_tokenizer()
-    config = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    config = TinyArchitecture(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     model = TinyUnifiedModel(config, tok, codec).double()
     samples = [s for t in TASKS for s in make_task_samples(t, "train", 3, seed=1)]
     trajs = [serialize(s, tok, encode_image=codec.encode) for s in samples]

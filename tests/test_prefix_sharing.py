@@ -19,7 +19,7 @@ from unirl.config import validate_config
 from unirl.config.algorithms import GRPOConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.forward import body_hidden, prefix_groups, prompt_lengths, shared_prefix_hidden
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.replay import replay_logprobs
 from unirl.rollout import RolloutEngine, SamplingParams, sampling_records
 from unirl.train.methods.grpo.objective import GRPOObjective
@@ -30,7 +30,7 @@ G = 3
 def plain_model(kind: str) -> TinyUnifiedModel:
     """A tiny model without the conv prior (the one prefix sharing is built for)."""
     torch.manual_seed(0)
-    config = TinyModelConfig(
+    config = TinyArchitecture(
         visual_head=kind,
         hidden_size=64,
         num_layers=2,

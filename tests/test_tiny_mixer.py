@@ -11,7 +11,7 @@ from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.models.base import ModelInputs, image_positions
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.models.tiny.mixer import CausalMixer, MixCache, MixContext
 
 
@@ -31,7 +31,7 @@ def setup():
 
 def _model(tokenizer, codec, kernel=4):
     torch.manual_seed(0)
-    cfg = TinyModelConfig(
+    cfg = TinyArchitecture(
         hidden_size=64,
         num_layers=2,
         num_heads=4,

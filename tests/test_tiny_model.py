@@ -17,7 +17,7 @@ from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.forward import forward_interleaved, scored_indices
 from unirl.models import load_model
 from unirl.models.base import image_positions
-from unirl.models.tiny import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.train.state import checkpoint as ckpt
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
@@ -38,7 +38,7 @@ def codecs():
 
 def _model(kind, tokenizer, codecs, init=0.02):
     torch.manual_seed(0)
-    cfg = TinyModelConfig(
+    cfg = TinyArchitecture(
         visual_head=kind,
         hidden_size=64,
         num_layers=2,
@@ -138,11 +138,11 @@ def test_save_and_load_round_trip_bitwise(kind, tokenizer, codecs, tmp_path):
 
 
 def test_default_size_and_head_mismatch(tokenizer, codecs):
-    model = TinyUnifiedModel(TinyModelConfig(visual_head="vq"), tokenizer, codecs["vq"])
+    model = TinyUnifiedModel(TinyArchitecture(visual_head="vq"), tokenizer, codecs["vq"])
     n = sum(p.numel() for p in model.parameters())
     assert 1_000_000 <= n <= 3_000_000, n
     with pytest.raises(ValueError, match="needs a bsq codec"):
-        TinyUnifiedModel(TinyModelConfig(visual_head="bsq"), tokenizer, codecs["vq"])
+        TinyUnifiedModel(TinyArchitecture(visual_head="bsq"), tokenizer, codecs["vq"])
 
 
 def test_incomplete_model_directory_is_named(tmp_path):
@@ -194,7 +194,8 @@ def test_tied_embeddings_share_one_matrix(tokenizer, codecs, tmp_path):
     the same values; save/load and a checkpoint keep the tie."""
     untied = _model("vq", tokenizer, codecs)
     torch.manual_seed(0)
-    tied = TinyUnifiedModel(replace(untied.config, tie_embeddings=True), tokenizer, codecs["vq"])
+    tied_config = untied.config.model_copy(update={"tie_embeddings": True})
+    tied = TinyUnifiedModel(tied_config, tokenizer, codecs["vq"])
     tied.load_state_dict(
         {**untied.state_dict(), "text_head.weight": untied.decoder.embed_tokens.weight}
     )

@@ -24,12 +24,12 @@ from unirl.core.types import Modality
 from unirl.forward import forward_interleaved as teacher_forced
 from unirl.models import load_model
 from unirl.models.base import image_positions, rope_positions
-from unirl.models.uniar import TinyUniARSizes, UniARModel, UniARSpec, build_tiny_uniar
+from unirl.models.uniar import SMALL_SIZES, UniARModel, UniARSpec, build_tiny_uniar
 from unirl.models.uniar.template import special_id_map
 from unirl.replay import replay_logprobs
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
 
-SIZES = TinyUniARSizes(initializer_range=0.5)
+SIZES = SMALL_SIZES.model_copy(update={"initializer_range": 0.5})
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from unirl.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
 from unirl.codecs.base import single_thread
 from unirl.config import load_config
-from unirl.models.uniar import TinyUniARSizes, UniARModel, build_tiny_uniar
+from unirl.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
 from unirl.models.uniar.convert import main as convert
 from unirl.models.uniar.template import add_special_tokens
 from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config, uniar_tokenizer
@@ -166,7 +166,7 @@ def _converted_uniar(tmp_path: Path) -> Path:
     tok = uniar_tokenizer()
     add_special_tokens(tok)
     qwen = tmp_path / "qwen"
-    config = tiny_qwen3_vl_config(TinyUniARSizes(), tok)
+    config = tiny_qwen3_vl_config(SMALL_SIZES, tok)
     torch.manual_seed(0)
     Qwen3VLForConditionalGeneration(config).save_pretrained(str(qwen))
     tok.save_pretrained(str(qwen))
@@ -181,7 +181,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
     assert isinstance(model.codec, BSQTokenizer)
     assert model.image_grid == (2, 2) and model.n_visual_outputs == 1024
     assert model.visual_decoder.proj_out.out_features == 1024
-    built = build_tiny_uniar(tiny_tokenizer(), TinyUniARSizes())
+    built = build_tiny_uniar(tiny_tokenizer(), SMALL_SIZES)
     assert built.record()["bits_per_position"] == 1024
     sft_rows, t2i_rows = _rows(tmp_path / "data")
     common = [
@@ -234,7 +234,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
 
 
 def test_uniar_loader_refuses_a_tokenizer_that_makes_another_grid_or_width(tmp_path):
-    model = build_tiny_uniar(tiny_tokenizer(), TinyUniARSizes())
+    model = build_tiny_uniar(tiny_tokenizer(), SMALL_SIZES)
     for name, fields, message in [
         ("grid", {"spatial_group": 2}, r"codec/config\.json: field image_size/patch_size/"
          r"spatial_group: the codec makes a 4x4 grid but unirl_model\.json field image_grid"),

@@ -19,7 +19,7 @@ from transformers import Qwen3VLForConditionalGeneration
 from unirl.codecs.base import single_thread
 from unirl.config import load_config, validate_config
 from unirl.core.sample import GenerationRequest, Sample, TextPart
-from unirl.models.uniar import TinyUniARSizes, UniARModel
+from unirl.models.uniar import SMALL_SIZES, UniARModel
 from unirl.models.uniar.convert import main as convert
 from unirl.models.uniar.template import add_special_tokens
 from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
@@ -190,7 +190,7 @@ def test_convert_a_qwen3_vl_checkpoint_adds_tokens_and_reloads(codec_dir, tmp_pa
     ids = add_special_tokens(probe)  # what conversion does to the checkpoint's tokenizer
     assert {ids["image_gen"], ids["pad"]} == {n_before, n_before + 1}  # appended, in order
     qwen = tmp_path / "qwen"
-    Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(TinyUniARSizes(), probe)).save_pretrained(
+    Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(SMALL_SIZES, probe)).save_pretrained(
         str(qwen)
     )
     tok.save_pretrained(str(qwen))  # the checkpoint's own tokenizer, without UniAR's tokens

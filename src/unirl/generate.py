@@ -11,8 +11,6 @@ image, upscaled with nearest-neighbour so the 8x8 digits are visible) and
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ import torch
 from PIL import Image
 
 from unirl.config import UnirlConfig
+from unirl.core.atomic import atomic_write, write_json_atomic
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.rewards.plugins import build_responses, parse_response
@@ -44,9 +43,8 @@ def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, col
         big = np.kron(np.clip(img, 0.0, 1.0), np.ones((scale, scale)))
         y, x = pad + r * (h * scale + pad), pad + c * (w * scale + pad)
         canvas[y : y + h * scale, x : x + w * scale] = 1.0 - big
-    tmp = path.with_name(f".{path.name}.tmp")
-    Image.fromarray((canvas * 255).round().astype(np.uint8), mode="L").save(tmp, format="PNG")
-    os.replace(tmp, path)
+    with atomic_write(path, "wb") as f:
+        Image.fromarray((canvas * 255).round().astype(np.uint8), mode="L").save(f, format="PNG")
     return path
 
 
@@ -85,7 +83,5 @@ def generate(cfg: UnirlConfig, prompt: str, n: int, out_dir: Path, image: bool) 
     summary = {"prompt": prompt, "samples": records, "png": None}
     if images:
         summary["png"] = str(image_grid_png(images, out_dir / "generations.png"))
-    tmp = out_dir / ".generations.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out_dir / "generations.json")
+    write_json_atomic(out_dir / "generations.json", summary, indent=2)
     return summary

@@ -8,12 +8,12 @@ after training from the same stateless seeds.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from unirl.core.atomic import atomic_write
 from unirl.core.sample import GenerationRequest, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import T2I_PROMPT
@@ -55,10 +55,9 @@ def reward_curve_png(metrics_path: Path, key: str, out_png: Path) -> DriftNoise:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_write(out_png, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, out_png)
     return fit
 
 

@@ -68,9 +68,10 @@ class RunConfig(StrictModel):
         return data
 
 
-class TinyModelConfig(StrictModel):
-    """Sizes of a decoder built from the config: model.kind tiny (every field) or uniar
-    (all but tie_embeddings); a kind that loads a checkpoint reads none (`KIND_READS`)."""
+class DecoderSizes(StrictModel):
+    """The sizes of a decoder built from the config (their one definition): the base of
+    `TinyModelConfig` (the `model.tiny` keys) and of the classes the model packages build
+    from (`unirl.models.tiny.TinyArchitecture`, `unirl.models.uniar.TinyUniARSizes`)."""
 
     hidden_size: int = Field(128, gt=0, description="Residual width.")
     num_layers: int = Field(4, gt=0, description="Decoder layers.")
@@ -79,6 +80,21 @@ class TinyModelConfig(StrictModel):
     max_position_embeddings: int = Field(
         512, gt=0, description="Native context length (a rollout stop condition)."
     )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DecoderSizes:
+        if self.hidden_size % self.num_heads:
+            raise incompatible(
+                "num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}"
+            )
+        return self
+
+
+class TinyModelConfig(DecoderSizes):
+    """Sizes of a decoder built from the config: model.kind tiny (every field) or uniar
+    (all but tie_embeddings; mixer_kernel must be 0: `KIND_READS`); a kind that loads a checkpoint
+    reads none."""
+
     mixer_kernel: int = Field(
         4,
         ge=0,
@@ -90,14 +106,6 @@ class TinyModelConfig(StrictModel):
         description="Share one matrix between the input token embedding and the text "
         "output head (logits = h @ E^T).",
     )
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise incompatible(
-                "num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}"
-            )
-        return self
 
 
 class CodecConfig(StrictModel):

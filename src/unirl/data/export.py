@@ -6,9 +6,9 @@
     DIR/images/<id>-<k>.png      image k of sample <id>, 8-bit grayscale
 
 Pixels are stored as round(255 * p), so reading back (value / 255) is exact to 0.5/255.
-The export is atomic: everything is written (and fsynced) into a temporary sibling
-directory which is then renamed to DIR, so a failure leaves DIR as it was. DIR must not
-exist or be empty, unless `overwrite` replaces it.
+The export is atomic (`unirl.core.atomic.write_dir_atomic`): everything is written (and
+fsynced) into a temporary sibling directory which is then renamed to DIR, so a failure
+leaves DIR as it was. DIR must not exist or be empty, unless `overwrite` replaces it.
 
 CLI (`unirl data export`): `add_arguments(parser)` + `run(args) -> int`; `main(argv)`
 runs them standalone. Importing this module is light (no numpy, PIL or torch: they are
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +32,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from unirl.core.sample import Sample
+
+from unirl.core.atomic import write_dir_atomic
 
 IMAGE_DIR = "images"
 
@@ -50,10 +49,7 @@ def _write_png(path: Path, pixels: np.ndarray) -> None:
     if pixels.ndim != 2:
         raise ValueError(f"only grayscale [H, W] images can be exported, got {pixels.shape}")
     levels = np.round(np.clip(pixels, 0.0, 1.0) * 255.0).astype(np.uint8)
-    with open(path, "wb") as f:
-        Image.fromarray(levels).save(f, format="PNG")
-        f.flush()
-        os.fsync(f.fileno())
+    Image.fromarray(levels).save(path, format="PNG")
 
 
 def sample_to_row(sample: Sample, root: Path) -> dict:
@@ -95,24 +91,13 @@ def export_samples(
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty; choose a new directory or overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         (tmp / IMAGE_DIR).mkdir()
         lines = [json.dumps(sample_to_row(s, tmp), ensure_ascii=False) for s in samples]
-        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        if out.is_dir() and any(out.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        (tmp / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines), "utf-8")
+
+    write_dir_atomic(out.parent, out.name, fill, unique=True)
     return out / f"{name}.jsonl"
 
 

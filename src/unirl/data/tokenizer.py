@@ -30,10 +30,7 @@ character. Anything else encodes to `<unk>`.
 
 from __future__ import annotations
 
-import os
-import shutil
 import string
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +38,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from unirl.core.atomic import write_dir_atomic
 from unirl.data.digits import vocabulary_texts
 
 PAD = "<pad>"
@@ -157,13 +155,12 @@ def load_or_train_bpe(
     tokenizer = train_bpe_tokenizer(texts, vocab_size)
     if directory is not None:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
-            tokenizer.save_pretrained(str(tmp))
-            os.replace(tmp, directory)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        write_dir_atomic(
+            directory.parent,
+            directory.name,
+            lambda tmp: tokenizer.save_pretrained(str(tmp)),
+            unique=True,
+        )
     return tokenizer
 
 

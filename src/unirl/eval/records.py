@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from unirl.core.atomic import atomic_write
+
 RESULTS = "results.jsonl"
 IMAGES = "images"
 
@@ -31,12 +33,8 @@ def file_stem(text: str) -> str:
 def write_png(path: Path, pixels: np.ndarray) -> None:
     """float [H, W] or [H, W, 3] in [0, 1] -> 8-bit PNG, atomically (tmp + fsync + rename)."""
     levels = np.round(np.clip(np.asarray(pixels, dtype=np.float32), 0.0, 1.0) * 255.0)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         Image.fromarray(levels.astype(np.uint8)).save(f, format="PNG")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ResultLog:

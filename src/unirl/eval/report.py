@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from unirl.core.atomic import write_json_atomic, write_text_atomic
 from unirl.eval.masked import masked_metrics
 
 SUMMARY = "summary.json"
@@ -83,13 +83,8 @@ def summarize(
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write `data` as JSON atomically (temporary file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `data` as JSON atomically (`unirl.core.atomic`)."""
+    write_json_atomic(path, data, indent=2, sort_keys=True)
 
 
 _SORT_JS = """
@@ -157,6 +152,4 @@ def write_page(path: Path, records: list[dict[str, Any]], summary: dict[str, Any
         f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
         "</body></html>\n"
     )
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, page)

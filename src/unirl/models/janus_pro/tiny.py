@@ -53,7 +53,7 @@ class TinyJanusSpec:
     num_heads: int = 4
     codebook_size: int = 64
     vocab_size: int | None = None  # None: the tokenizer's size
-    max_positions: int = 2048
+    max_position_embeddings: int = 2048
     initializer_range: float = 0.2
     seed: int = 0
 
@@ -93,7 +93,7 @@ def tiny_config(spec: TinyJanusSpec, tokenizer: PreTrainedTokenizerFast) -> Janu
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads,
-        max_position_embeddings=spec.max_positions,
+        max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],

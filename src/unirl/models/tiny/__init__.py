@@ -5,6 +5,6 @@ directory its `save_pretrained` wrote.
 """
 
 from unirl.models.tiny.build import build_tiny
-from unirl.models.tiny.model import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny.model import TinyArchitecture, TinyUnifiedModel
 
-__all__ = ["TinyModelConfig", "TinyUnifiedModel", "build_tiny"]
+__all__ = ["TinyArchitecture", "TinyUnifiedModel", "build_tiny"]

@@ -17,7 +17,7 @@ from unirl.codecs.base import CONFIG_NAME
 from unirl.config.schema import ModelConfig
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
-from unirl.models.tiny.model import TinyModelConfig, TinyUnifiedModel
+from unirl.models.tiny.model import TinyArchitecture, TinyUnifiedModel
 
 
 def new_codec(cfg: ModelConfig) -> ImageCodec:
@@ -56,19 +56,9 @@ def build_tiny(
     """A fresh tiny model of `model.tiny`'s sizes, initialised from `seed`; `tokenizer`
     None = the digits WordLevel tokenizer."""
     codec = build_or_load_codec(cfg, seed, codec_dir)
-    t = cfg.tiny
     torch.manual_seed(seed)
     return TinyUnifiedModel(
-        TinyModelConfig(
-            visual_head=cfg.visual_head,
-            hidden_size=t.hidden_size,
-            num_layers=t.num_layers,
-            num_heads=t.num_heads,
-            intermediate_size=t.intermediate_size,
-            max_positions=t.max_position_embeddings,
-            mixer_kernel=t.mixer_kernel,
-            tie_embeddings=t.tie_embeddings,
-        ),
+        TinyArchitecture(**cfg.tiny.model_dump(), visual_head=cfg.visual_head),
         build_tokenizer() if tokenizer is None else tokenizer,
         codec,
     )

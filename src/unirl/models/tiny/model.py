@@ -12,7 +12,6 @@ states the caller passes (the positions it scores).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from unirl.codecs import ImageCodec, load_codec
+from unirl.config.schema import TinyModelConfig
 from unirl.core.types import Modality
 from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
 from unirl.models.registry import MODEL_CONFIG
@@ -30,20 +30,24 @@ from unirl.models.tiny.mixer import MixCache, MixContext, install_mixers, mixer_
 WEIGHTS = "model.safetensors"
 
 
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """Decoder sizes of the tiny model (defaults give ~1.9 M parameters)."""
+class TinyArchitecture(TinyModelConfig):
+    """What a tiny model is built from, and what its ``unirl_model.json`` records: the
+    `model.tiny` sizes (`unirl.config.TinyModelConfig`, where they are defined) plus what
+    the config does not set."""
 
     visual_head: VisualHead = "vq"
-    hidden_size: int = 192
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
-    max_positions: int = 512
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
-    mixer_kernel: int = 4
-    tie_embeddings: bool = False
+
+    @classmethod
+    def from_saved(cls, data: dict[str, Any]) -> TinyArchitecture:
+        """The architecture a ``unirl_model.json`` records (``max_positions``, the name
+        files written before the size classes were unified used, is read as
+        ``max_position_embeddings``)."""
+        data = dict(data)
+        if "max_positions" in data:
+            data["max_position_embeddings"] = data.pop("max_positions")
+        return cls(**data)
 
 
 class TinyUnifiedModel(UnifiedModel):
@@ -51,7 +55,7 @@ class TinyUnifiedModel(UnifiedModel):
     supports_packing = True
 
     def __init__(
-        self, config: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec
+        self, config: TinyArchitecture, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec
     ) -> None:
         super().__init__()
         if config.visual_head != codec.kind:
@@ -99,7 +103,7 @@ class TinyUnifiedModel(UnifiedModel):
             self.text_head.weight = self.decoder.embed_tokens.weight
 
     @staticmethod
-    def _llama_config(config: TinyModelConfig, vocab_size: int) -> LlamaConfig:
+    def _llama_config(config: TinyArchitecture, vocab_size: int) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=config.hidden_size,
@@ -107,7 +111,7 @@ class TinyUnifiedModel(UnifiedModel):
             num_hidden_layers=config.num_layers,
             num_attention_heads=config.num_heads,
             num_key_value_heads=config.num_heads,
-            max_position_embeddings=config.max_positions,
+            max_position_embeddings=config.max_position_embeddings,
             rope_theta=config.rope_theta,
             initializer_range=config.initializer_range,
             tie_word_embeddings=False,
@@ -127,7 +131,7 @@ class TinyUnifiedModel(UnifiedModel):
 
     @property
     def max_positions(self) -> int:
-        return self.config.max_positions
+        return self.config.max_position_embeddings
 
     def embed(self, inputs: ModelInputs) -> torch.Tensor:
         # Dense over all positions (text ones are discarded by the final `where`): no
@@ -193,7 +197,7 @@ class TinyUnifiedModel(UnifiedModel):
     ) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        meta = {"kind": self.kind, "config": asdict(self.config)}
+        meta = {"kind": self.kind, "config": self.config.model_dump()}
         (path / MODEL_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True))
         source = self.state_dict() if state_dict is None else state_dict
         # clone: tied embeddings share storage, which safetensors refuses to save.
@@ -209,7 +213,7 @@ class TinyUnifiedModel(UnifiedModel):
             if not (path / name).exists():
                 raise FileNotFoundError(f"{path}: incomplete model directory (missing {name})")
         meta = json.loads((path / MODEL_CONFIG).read_text())
-        config = TinyModelConfig(**meta["config"])
+        config = TinyArchitecture.from_saved(meta["config"])
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
         model = cls(config, tokenizer, load_codec(path / "codec"))
         model.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)

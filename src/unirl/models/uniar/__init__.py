@@ -8,9 +8,10 @@ or loaded from a directory its `save_pretrained` wrote (`loading`).
 
 from unirl.models.uniar.loading import check_directory
 from unirl.models.uniar.model import InterleavedOutput, UniARModel, UniARSpec
-from unirl.models.uniar.tiny import TinyUniARSizes, build_tiny_uniar, build_uniar
+from unirl.models.uniar.tiny import SMALL_SIZES, TinyUniARSizes, build_tiny_uniar, build_uniar
 
 __all__ = [
+    "SMALL_SIZES",
     "InterleavedOutput",
     "TinyUniARSizes",
     "UniARModel",

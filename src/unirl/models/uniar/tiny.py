@@ -1,8 +1,10 @@
 """A tiny UniAR for CPU: a Qwen3-VL of a few hundred thousand to a few million parameters
 with a BSQ codec, built from sizes (tests) or from the `model` config section (recipes).
 
-Text decoder: `TinyUniARSizes` (head_dim = hidden / heads; M-RoPE sections (t, h, w) with
-h = w = floor(3 s / 8), t = s - 2 h for s = head_dim / 2, as Qwen's [24, 20, 20] for 128).
+Text decoder: `TinyUniARSizes` (the config's `DecoderSizes` plus key/value heads and the
+init scale; `SMALL_SIZES` by default; head_dim = hidden / heads; M-RoPE sections (t, h, w)
+with h = w = floor(3 s / 8), t = s - 2 h for s = head_dim / 2, as Qwen's [24, 20, 20] for
+128).
 Vision tower: one block of width 32, patch 8, merge 2, fed 32x32 pixels by the image
 processor (2x2 = 4 placeholder positions per understanding image). Tokenizer: the digits
 WordLevel tokenizer (it holds the ChatML/Qwen-VL special tokens) plus `<|video_pad|>`.
@@ -10,16 +12,16 @@ WordLevel tokenizer (it holds the ChatML/Qwen-VL special tokens) plus `<|video_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
 from tokenizers import AddedToken
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from unirl.config.errors import ConfigError
-from unirl.config.schema import ModelConfig
+from unirl.config.schema import DecoderSizes, ModelConfig
 from unirl.data.tokenizer import build_tokenizer
 from unirl.models.uniar.model import UniARModel, UniARSpec
 from unirl.models.uniar.template import special_id_map
@@ -29,15 +31,19 @@ IMAGE_SIDE = 32
 PATCH, MERGE = 8, 2
 
 
-@dataclass(frozen=True)
-class TinyUniARSizes:
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    max_positions: int = 512
+class TinyUniARSizes(DecoderSizes):
+    """What the tiny UniAR's text decoder is built from: `DecoderSizes` (the sizes of
+    `model.tiny`, defined there) plus what the config does not set."""
+
+    num_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); None: `num_heads`."""
     initializer_range: float = 0.02
+
+
+SMALL_SIZES = TinyUniARSizes(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+)
+"""The sizes `build_tiny_uniar` defaults to (a few hundred thousand parameters: tests)."""
 
 
 def uniar_tokenizer(tokenizer: Any = None) -> Any:
@@ -64,9 +70,9 @@ def tiny_qwen3_vl_config(sizes: TinyUniARSizes, tokenizer: Any) -> Qwen3VLConfig
         "intermediate_size": sizes.intermediate_size,
         "num_hidden_layers": sizes.num_layers,
         "num_attention_heads": sizes.num_heads,
-        "num_key_value_heads": sizes.num_kv_heads,
+        "num_key_value_heads": sizes.num_kv_heads or sizes.num_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": sizes.max_positions,
+        "max_position_embeddings": sizes.max_position_embeddings,
         "initializer_range": sizes.initializer_range,
         "rope_parameters": {
             "rope_type": "default",
@@ -122,7 +128,7 @@ def build_tiny_uniar(
     seed: int = 0,
 ) -> UniARModel:
     """A fresh tiny UniAR (module docstring), weights from `seed`."""
-    sizes = sizes or TinyUniARSizes()
+    sizes = sizes or SMALL_SIZES
     tok = uniar_tokenizer(tokenizer)
     config = tiny_qwen3_vl_config(sizes, tok)
     torch.manual_seed(seed)
@@ -149,12 +155,5 @@ def build_uniar(cfg: ModelConfig, seed: int, codec_dir: Path | None, tokenizer: 
             key="model.tiny.num_heads",
         )
     codec = build_or_load_codec(cfg, seed, codec_dir)
-    sizes = TinyUniARSizes(
-        hidden_size=t.hidden_size,
-        num_layers=t.num_layers,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_heads,
-        intermediate_size=t.intermediate_size,
-        max_positions=t.max_position_embeddings,
-    )
+    sizes = TinyUniARSizes(**t.model_dump(include=set(DecoderSizes.model_fields)))
     return build_tiny_uniar(codec, sizes, tokenizer=tokenizer, seed=seed)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from unirl.config.schema import LoggingConfig
+from unirl.core.atomic import atomic_write, write_text_atomic
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -47,9 +48,7 @@ def truncate_metrics(path: Path, last_update: int) -> None:
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if r.get("update", -1) <= last_update]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -278,8 +277,7 @@ def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = Non
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
-    tmp = out_png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_write(out_png, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, out_png)
     return out_png

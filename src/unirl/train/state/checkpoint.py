@@ -14,7 +14,7 @@ counted, never the reason a good one is deleted), and a pruned checkpoint is fir
 ``.prune-update-NNNNNN`` and then deleted, so a kill mid-delete leaves a name that
 `tidy_run_dir` removes at the next start, with the staging directories of interrupted
 checkpoint writes and the temporaries of interrupted atomic file and directory writes
-(`write_dir_atomic`, `write_text_atomic`).
+(`unirl.core.atomic`: `write_dir_atomic`, `write_text_atomic`, re-exported here).
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from unirl.core.atomic import fsync_dir, fsync_tree, is_temporary, remove
+from unirl.core.atomic import write_dir_atomic as write_dir_atomic  # re-exported
+from unirl.core.atomic import write_text_atomic as write_text_atomic  # re-exported
 
 STATE = "state.json"
 MODEL = "model.safetensors"
@@ -41,9 +44,6 @@ PREFIX = "update-"
 STAGING = ".tmp-"
 PRUNING = ".prune-"
 CORRUPT = "corrupt"
-TMP_MARK = ".tmp"
-"""Names of temporaries in a run directory: ``.NAME.tmp`` files and ``.NAME.tmp-*`` /
-``.NAME.old.tmp`` directories (a leading dot and ``.tmp`` in the name)."""
 
 logger = logging.getLogger(__name__)
 # Checkpoints this process verified or wrote, with the (name, size, mtime) of their files:
@@ -82,19 +82,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -167,25 +154,18 @@ def seal_checkpoint(run_dir: Path, update: int, state: dict[str, Any], keep_last
     files = sorted(
         str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file() and p.name != STATE
     )
-    manifest = {}
-    for name in files:
-        _fsync_file(staging / name)
-        manifest[name] = {
-            "size": (staging / name).stat().st_size,
-            "sha256": _sha256(staging / name),
-        }
+    manifest = {
+        name: {"size": (staging / name).stat().st_size, "sha256": _sha256(staging / name)}
+        for name in files
+    }
     full_state = {**state, "update": update, "manifest": manifest}
-    state_tmp = staging / STATE
-    state_tmp.write_text(json.dumps(full_state, indent=2, sort_keys=True))
-    _fsync_file(state_tmp)
-    for sub in sorted(p for p in staging.rglob("*") if p.is_dir()):
-        _fsync_dir(sub)
-    _fsync_dir(staging)
+    (staging / STATE).write_text(json.dumps(full_state, indent=2, sort_keys=True))
+    fsync_tree(staging)
     final = checkpoint_dir(run_dir) / f"{PREFIX}{update:06d}"
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     _verified[str(final)] = _signature(final)
     prune(run_dir, keep_last)
     return final
@@ -299,26 +279,15 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return scan.latest
 
 
-def _is_temporary(path: Path) -> bool:
-    return path.name.startswith(".") and TMP_MARK in path.name
-
-
 def stale_temporaries(run_dir: Path) -> list[Path]:
     """What interrupted writes leave behind: checkpoint staging directories, half-pruned
     checkpoints, and the temporaries of atomic writes in the run directory."""
     run_dir = Path(run_dir)
-    found = [p for p in run_dir.iterdir() if _is_temporary(p)] if run_dir.is_dir() else []
+    found = [p for p in run_dir.iterdir() if is_temporary(p)] if run_dir.is_dir() else []
     root = checkpoint_dir(run_dir)
     if root.is_dir():
         found += [p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING))]
     return sorted(found)
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 def tidy_run_dir(run_dir: Path, scan: Scan | None = None) -> list[Path]:
@@ -327,7 +296,7 @@ def tidy_run_dir(run_dir: Path, scan: Scan | None = None) -> list[Path]:
     a log line each. Returns what was removed."""
     removed = stale_temporaries(run_dir)
     for path in removed:
-        _delete(path)
+        remove(path)
         logger.warning("removed %s (left by an interrupted write)", path)
     for path, reason in scan.corrupt if scan is not None else []:
         if path.is_dir():
@@ -342,44 +311,3 @@ def clear_staging(run_dir: Path) -> None:
         for path in root.iterdir():
             if path.name.startswith(STAGING):
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for sub in sorted(path.rglob("*")):
-        if sub.is_file():
-            _fsync_file(sub)
-    for sub in sorted([p for p in path.rglob("*") if p.is_dir()] + [path], reverse=True):
-        _fsync_dir(sub)
-
-
-def write_dir_atomic(run_dir: Path, name: str, write: Callable[[Path], None]) -> Path:
-    """Write directory `run_dir/name` whole or not at all: `write(tmp)` fills
-    ``.NAME.tmp-new``, which is fsynced and renamed into place (an old `name` is renamed
-    ``.NAME.old.tmp`` first and removed after). A kill leaves only temporaries, which
-    `tidy_run_dir` removes."""
-    run_dir = Path(run_dir)
-    final, staging, old = run_dir / name, run_dir / f".{name}.tmp-new", run_dir / f".{name}.old.tmp"
-    for path in (staging, old):
-        if path.exists():
-            _delete(path)
-    write(staging)
-    _fsync_tree(staging)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staging, final)
-    _fsync_dir(run_dir)
-    if old.exists():
-        _delete(old)
-    return final
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (``.NAME.tmp``, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_MARK}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)

@@ -39,7 +39,6 @@ Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during the rollout of 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import torch
 
 from unirl.algorithms.grpo import group_advantages
 from unirl.config import ConfigError, UnirlConfig
+from unirl.core.atomic import atomic_write
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.models.base import UnifiedModel
@@ -261,12 +261,8 @@ class GRPOSource(BatchSource):
         """Write the round atomically, and drop rounds older than every checkpoint's."""
         path = self._round_path(rollout.update)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_write(path, "wb") as f:
             torch.save(vars(rollout), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
         ckpts = [
             int(p.name.removeprefix(PREFIX))
             for p in checkpoint_dir(self.run_dir).glob(f"{PREFIX}*")
