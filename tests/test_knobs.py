@@ -641,6 +641,21 @@ def _grpo(kit):
     differs(kit, steps, "algorithm", {"name": "sft"}, GRPO["algorithm"], sft)
 
 
+@probe("algorithm[grpo].surrogate", "algorithm[grpo].mismatch.replay_bound",
+       "algorithm[grpo].mismatch.percentile")  # fmt: skip
+def _grpo_mismatch(kit):
+    """One GRPO update with bf16 training numerics against fp32 rollouts (a real
+    sampler/replay gap): the aligned surrogate, the replay bound and the percentile guard
+    each change the loss or gradient (their formulas: tests/test_mismatch.py)."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    one = {"trainer__total_updates": 1, "algorithm__updates_per_batch": 1,
+           "trainer__precision": "bf16"}  # fmt: skip
+    differs(kit, steps, "algorithm.surrogate", "standard", "aligned", grpo, **one)
+    differs(kit, steps, "algorithm.mismatch.replay_bound", None, 1.0001, grpo, **one)
+    differs(kit, steps, "algorithm.mismatch.percentile", None, 50.0, grpo, **one)
+
+
 @probe(
     "rollout.workers",
     "reward.workers",
@@ -1171,6 +1186,10 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
     ("group_with_vq", {"model": {"codec": {"group": 2}}}, "model.codec.group",
      "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
+    ("rollout_old_logp_under_aligned", {**GRPO_RUN, "algorithm": {
+        "name": "grpo", "surrogate": "aligned", "old_logp_source": "rollout"}},
+     "algorithm.old_logp_source", "acts only with surrogate 'standard'",
+     {"algorithm": {"surrogate": "standard"}}),
     ("horizon_with_token_mean", {**GRPO_RUN, "algorithm": {"name": "grpo", "horizon": 64}},
      "algorithm.horizon", "acts only with aggregation 'seq_mean_token_sum_norm' (got "
      "'token_mean'", SUM_NORM),
