@@ -15,7 +15,6 @@ compared exactly.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -439,7 +438,3 @@ def test_config_fields_and_refusals():
     # the guards act in every combination, also REINFORCE (replay, one update per batch)
     GRPOConfig(mismatch={"replay_bound": 2.0, "percentile": 99.0}, old_logp_source="rollout")
     GRPOConfig(mismatch={"percentile": 99.0}, updates_per_batch=3)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
