@@ -640,6 +640,30 @@ def _grpo(kit):
     differs(kit, steps, "algorithm", {"name": "sft"}, GRPO["algorithm"], sft)
 
 
+@probe("algorithm[grpo].surrogate", "algorithm[grpo].mismatch.replay_bound",
+       "algorithm[grpo].mismatch.percentile")  # fmt: skip
+def _grpo_mismatch(kit):
+    """One GRPO update with bf16 training numerics against fp32 rollouts (a real
+    sampler/replay gap): the aligned surrogate, the replay bound and the percentile guard
+    each change the loss or gradient (their formulas: tests/test_mismatch.py)."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    one = {"trainer__total_updates": 1, "algorithm__updates_per_batch": 1,
+           "trainer__precision": "bf16", "trainer__global_batch_size": 4}  # fmt: skip
+    runs: dict[str, list] = {}  # the three baselines are one config: run it once
+
+    def once(cfg):
+        key = cfg.model_dump_json()
+        if key not in runs:
+            runs[key] = steps(cfg)
+        return runs[key]
+
+    differs(kit, once, "algorithm.surrogate", "standard", "aligned", grpo, **one)
+    differs(kit, once, "algorithm.mismatch.replay_bound", None, 1.0001, grpo, **one)
+    differs(kit, once, "algorithm.mismatch.percentile", None, 50.0, grpo, **one)
+    assert len(runs) == 4
+
+
 @probe(
     "rollout.workers",
     "reward.workers",
@@ -1176,6 +1200,10 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
     ("group_with_vq", {"model": {"codec": {"group": 2}}}, "model.codec.group",
      "acts only with model.visual_head bsq", {"model": {"visual_head": "bsq"}}),
+    ("rollout_old_logp_under_aligned", {**GRPO_RUN, "algorithm": {
+        "name": "grpo", "surrogate": "aligned", "old_logp_source": "rollout"}},
+     "algorithm.old_logp_source", "acts only with surrogate 'standard'",
+     {"algorithm": {"surrogate": "standard"}}),
     ("horizon_with_token_mean", {**GRPO_RUN, "algorithm": {"name": "grpo", "horizon": 64}},
      "algorithm.horizon", "acts only with aggregation 'seq_mean_token_sum_norm' (got "
      "'token_mean'", SUM_NORM),

@@ -5,8 +5,12 @@
   per factor for BSQ bits (a position's loss is the mean over its L factors).
 - `aggregate` with `LossCounts`: token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   normalised by counts of the *global* batch, so micro-batching never changes the objective.
+- `aligned_surrogate` / `aligned_surrogate_factors`: the clipped loss on the replay ratio,
+  weighted by the sampler correction, so its value is aligned to the sampler (§5a).
 - `kl_penalty` / `kl_penalty_factors` (k1, k2, k3 on sampled actions), `jsd_penalty`
   (full-distribution symmetric JSD), `k3_mismatch` (rollout-vs-replay drift metric).
+- Mismatch guards and diagnostics (§7a): `mismatch_delta`, `replay_bound_keep`,
+  `percentile_keep` with the global `nearest_rank` threshold, `sequence_k3`.
 
 Sign convention: every loss here is minimised; a positive advantage lowers the loss as
 the action's probability rises.
@@ -256,6 +260,93 @@ def clipped_surrogate_factors(
     return out._replace(loss=out.loss.mean(-1))
 
 
+class AlignedSurrogate(NamedTuple):
+    """Output of the aligned surrogate (docs/numerics.md §5a).
+
+    loss: per element, sg(w)·L(r) (per position; for factors the mean over L of w_f·L_f).
+    clipped, dual_clipped: as `Surrogate`, on the trust-region ratio r.
+    ratio: r = exp(ℓ − ℓ°), the replay ratio the clip acts on (per element or factor).
+    weight: w = exp(ℓ° − ℓˢ), the sampler correction (per element or factor, detached).
+    base_loss: L(r), the unweighted clipped loss per element (the standard surrogate with
+    the replay as its old log-prob; per position for factors).
+    """
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    dual_clipped: torch.Tensor
+    ratio: torch.Tensor
+    weight: torch.Tensor
+    base_loss: torch.Tensor
+
+
+def _aligned(
+    logp: torch.Tensor,
+    replay_old_logp: torch.Tensor,
+    sampled_logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> AlignedSurrogate:
+    if sampled_logp.shape != logp.shape:
+        raise ValueError(
+            f"logp {tuple(logp.shape)} and sampled_logp {tuple(sampled_logp.shape)} differ"
+        )
+    base = _surrogate(logp, replay_old_logp, adv, clip_low, clip_high, dual_clip)
+    gap = replay_old_logp.detach() - sampled_logp.detach().to(replay_old_logp)
+    weight = torch.exp(gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).to(base.loss.dtype)
+    return AlignedSurrogate(
+        weight * base.loss, base.clipped, base.dual_clipped, base.ratio, weight, base.loss
+    )
+
+
+def aligned_surrogate(
+    logp: torch.Tensor,
+    replay_old_logp: torch.Tensor,
+    sampled_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> AlignedSurrogate:
+    """The sampler-aligned score-function surrogate per element (docs/numerics.md §5a).
+
+    With ℓ this forward, ℓ° the replay at the sampling parameters (detached) and ℓˢ the
+    sampler's log-prob of the same action:
+
+        r = exp(ℓ − ℓ°)                     trust-region ratio, trainer numerics only
+        w = exp(ℓ° − ℓˢ)                    sampler correction, a constant
+        L = sg(w) · max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))   [dual clip on L(r)]
+
+    Unclipped, L = −A·ρ̃ with ρ̃ = exp(ℓ − sg(ℓ) + sg(ℓ − ℓˢ)) in value and gradient: the
+    value is −A·exp(ℓ − ℓˢ) (the ratio to the sampler's old log-prob), the gradient
+    −A·exp(ℓ − ℓˢ)·∇ℓ. Both log-ratios are clamped to ±20 before exp. With ℓˢ = ℓ°
+    (sampler = replay) w = 1 exactly and L is `clipped_surrogate(logp, replay_old_logp,
+    ...)` bit for bit."""
+    return _aligned(logp, replay_old_logp, sampled_logp, advantages, clip_low, clip_high, dual_clip)
+
+
+def aligned_surrogate_factors(
+    logp_factors: torch.Tensor,
+    replay_old_factors: torch.Tensor,
+    sampled_factors: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> AlignedSurrogate:
+    """`aligned_surrogate` per Bernoulli factor for BSQ bits: r_f, w_f and L_f per factor,
+    the position's loss the mean over its L factors (as `clipped_surrogate_factors`);
+    `loss` and `base_loss` per position, the rest per factor [..., L]."""
+    if logp_factors.dim() == 0:
+        raise ValueError("logp_factors needs a last (factor) dimension")
+    adv = torch.as_tensor(advantages, device=logp_factors.device).unsqueeze(-1)
+    out = _aligned(
+        logp_factors, replay_old_factors, sampled_factors, adv, clip_low, clip_high, dual_clip
+    )
+    return out._replace(loss=out.loss.mean(-1), base_loss=out.base_loss.mean(-1))
+
+
 @dataclass(frozen=True)
 class LossCounts:
     """Counts of the *global* batch (all micro-batches and ranks) that normalise the loss.
@@ -404,3 +495,58 @@ def k3_mismatch(
     if n == 0:
         return k3.new_zeros(())
     return torch.where(m, k3, torch.zeros_like(k3)).sum() / n
+
+
+# ---------------------------------------------------------------- mismatch (§7a)
+
+
+def mismatch_delta(
+    replay_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Δ = ℓ° − ℓˢ (replay minus sampler) per position in float64, 0 off `mask`, no
+    gradient. Both arguments are position-level log-probs [B, T] (BSQ: sums over factors)."""
+    delta = replay_logp.detach().double() - sampled_logp.detach().double()
+    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+
+
+def nearest_rank(values: torch.Tensor, percentile: float) -> float:
+    """The p-th percentile of `values` by nearest rank (the inverse empirical CDF, numpy's
+    method "inverted_cdf"): the k-th smallest value, k = ⌈n·p/100⌉ (at least 1), i.e. the
+    smallest v with at least p% of the values ≤ v. NaN for an empty tensor."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
+    flat = values.detach().double().flatten()
+    n = int(flat.numel())
+    if n == 0:
+        return math.nan
+    k = min(max(math.ceil(n * (percentile / 100.0)), 1), n)
+    return float(torch.kthvalue(flat, k).values)
+
+
+def replay_bound_keep(delta: torch.Tensor, mask: torch.Tensor, bound: float) -> torch.Tensor:
+    """bool [B]: the rows the per-trajectory replay bound keeps. A row's replay/sampler
+    ratio is the geometric mean over its scored actions, W = exp(mean_t Δ_t); the row is
+    kept when 1/C ≤ W ≤ C, i.e. |mean_t Δ_t| ≤ log C. Rows without scored positions are
+    kept (they contribute nothing)."""
+    if not bound > 1.0:
+        raise ValueError(f"replay bound must be > 1, got {bound!r}")
+    m = mask.bool()
+    n = m.sum(-1)
+    mean = torch.where(m, delta.double(), torch.zeros_like(delta, dtype=torch.float64)).sum(-1)
+    mean = mean / n.clamp(min=1)
+    return (mean.abs() <= math.log(bound)) | (n == 0)
+
+
+def percentile_keep(delta: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """bool like `mask`: the scored actions whose |Δ| ≤ `threshold` (the global
+    `nearest_rank` of the batch's |Δ|); an action strictly above it is masked."""
+    return mask.bool() & (delta.double().abs() <= threshold)
+
+
+def sequence_k3(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [B]: k3 of each row's sequence log-ratio δ = Σ_t Δ_t (clamped to ±20),
+    exp(δ) − δ − 1: over rows drawn by the sampler its mean estimates the sequence-level
+    KL(π_sampler ‖ π_replay). 0 for rows without scored positions."""
+    d = torch.where(mask.bool(), delta.double(), torch.zeros_like(delta, dtype=torch.float64))
+    d = d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(d) - d - 1

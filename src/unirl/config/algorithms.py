@@ -113,6 +113,30 @@ class KLConfig(StrictModel):
         return self
 
 
+class MismatchConfig(StrictModel):
+    """Guards against the rollout-training mismatch (docs/numerics.md §7a): the sampler's
+    log-prob ℓˢ of each action against the replay ℓ° of the same parameters at training
+    geometry, Δ = ℓ° − ℓˢ. A masked action contributes 0 to the policy-gradient term; the
+    normalisers stay those of the whole batch; the reference penalty is not masked."""
+
+    replay_bound: float | None = Field(
+        None,
+        gt=1.0,
+        description="C > 1: mask every action of a trajectory whose replay/sampler ratio, "
+        "the geometric mean exp(mean_t Δ) over its scored actions, lies outside [1/C, C] "
+        "(masked importance sampling per trajectory); null = off.",
+    )
+    percentile: float | None = Field(
+        None,
+        gt=0.0,
+        lt=100.0,
+        description="p in (0, 100): mask the actions whose |Δ| exceeds the p-th percentile "
+        "(nearest rank) of |Δ| over every scored action of the update's global batch, all "
+        "micro-batches and ranks; with updates_per_batch 1 the source then anchors the rows "
+        "with a no-grad replay before the update; null = off.",
+    )
+
+
 class GRPOConfig(StrictModel):
     """Group-relative policy optimisation with a clipped surrogate (docs/numerics.md §4-7).
 
@@ -161,6 +185,18 @@ class GRPOConfig(StrictModel):
         description="Consecutive optimizer steps on one rollout batch (PPO epochs; > 1 needs "
         "old_logp_source replay).",
     )
+    surrogate: Literal["standard", "aligned"] = Field(
+        "standard",
+        description="standard: the clipped surrogate on exp(l - l_old) (old from "
+        "old_logp_source); aligned: clipped on the replay ratio exp(l - l_replay_old), "
+        "weighted by the sampler correction sg(exp(l_replay_old - l_sampled)), so its value "
+        "is the ratio to the sampler and its gradient rho_sampled * grad l "
+        "(docs/numerics.md §5a).",
+    )
+    mismatch: MismatchConfig = Field(
+        default_factory=MismatchConfig,
+        description="Rollout-training mismatch guards (replay bound, percentile mask).",
+    )
     chunk_size: int = Field(
         128, gt=0, description="Scored positions per head chunk in replay (memory vs speed)."
     )
@@ -179,6 +215,13 @@ class GRPOConfig(StrictModel):
                 f"'rollout' requires updates_per_batch=1 (got {self.updates_per_batch}): "
                 "later updates must anchor the ratio at a replay at training geometry; "
                 "use old_logp_source=replay",
+            )
+        if self.surrogate == "aligned" and self.old_logp_source == "rollout":
+            raise incompatible(
+                "old_logp_source",
+                "'rollout' acts only with surrogate 'standard': the aligned surrogate reads "
+                "both, its value from the sampler's log-probs and its trust region (clip) "
+                "from the replay",
             )
         if self.aggregation == "seq_mean_token_sum_norm" and self.horizon is None:
             raise incompatible("horizon", "aggregation 'seq_mean_token_sum_norm' requires horizon")

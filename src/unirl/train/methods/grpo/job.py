@@ -33,7 +33,9 @@ def build_grpo_job(
     resources = load_run_classifier(cfg, run_dir, info)
     sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     anchor = None
-    if algo.updates_per_batch > 1:
+    if algo.updates_per_batch > 1 or algo.mismatch.percentile is not None:
+        # the percentile guard's global threshold is computed before the update's first
+        # micro-batch, so the rows must carry the replay ℓ° already (docs/numerics.md §7a)
         anchor = partial(anchor_old_logprobs, model, cfg, info)
     workers = None
     if cfg.rollout.workers or cfg.reward.workers:

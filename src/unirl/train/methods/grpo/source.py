@@ -20,6 +20,10 @@ at its first update; see `GRPOSource`):
 4. Advantages: `group_advantages` with the `algorithm` settings (scope group | global,
    over the whole global batch).
 
+With `algorithm.mismatch.percentile` and one update per batch the rows are anchored the
+same way (a no-grad replay at training geometry before the update, not written to disk):
+the guard's global threshold is computed from it before the first micro-batch.
+
 Under torchrun the rollout requests are split round-robin across ranks
 (`unirl.rollout.RolloutService`); each rank scores the rows it sampled and the
 trajectories and scores are all-gathered (`unirl.train.rollouts.scoring.score_sharded`), so every rank
@@ -116,8 +120,11 @@ class GRPOSource(BatchSource):
                 f"grid: max_new_tokens must be {g[0] * g[1]}, got {r.max_new_tokens}",
                 key="rollout.max_new_tokens",
             )
-        if algo.updates_per_batch > 1 and anchor is None:
-            raise ValueError("updates_per_batch > 1 needs an anchor (old log-prob replay)")
+        anchored = algo.updates_per_batch > 1 or algo.mismatch.percentile is not None
+        if anchored and anchor is None:
+            raise ValueError(
+                "updates_per_batch > 1 and mismatch.percentile need an anchor (old log-prob replay)"
+            )
         self.model = model
         self.service = RolloutService(
             model, r.batch_size, info.rank, info.world_size, info.cpu_group
@@ -250,7 +257,8 @@ class GRPOSource(BatchSource):
         rollout = Rollout(update, samples, trajs, result.total.tolist(), metrics)
         if self.anchor is not None:
             self.anchor(trajs)
-            self._save(rollout)
+            if self.algo.updates_per_batch > 1:
+                self._save(rollout)
         return rollout
 
     # -- rounds on disk (updates_per_batch > 1) -----------------------------------------
