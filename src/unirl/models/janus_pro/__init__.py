@@ -6,14 +6,17 @@ download or a directory its `save_pretrained` wrote).
 """
 
 from unirl.models.janus_pro.images import JanusVQCodec, PixelSpec
-from unirl.models.janus_pro.loading import check_checkpoint
+from unirl.models.janus_pro.loading import check_checkpoint, inspect_checkpoint
 from unirl.models.janus_pro.model import JanusProModel
 from unirl.models.janus_pro.template import JanusTemplate, JanusTokens
 from unirl.models.registry import register_model
 
-register_model("janus_pro", visual_heads=("vq",), transformers_model_types=("janus",))(
-    JanusProModel
-)
+register_model(
+    "janus_pro",
+    visual_heads=("vq",),
+    transformers_model_types=("janus",),
+    inspect=inspect_checkpoint,
+)(JanusProModel)
 
 __all__ = [
     "JanusProModel",

@@ -8,6 +8,8 @@ from unirl.models.registry import register_model
 from unirl.models.tiny.build import build_tiny
 from unirl.models.tiny.model import TinyModelConfig, TinyUnifiedModel
 
-register_model("tiny", visual_heads=("vq", "bsq"), build=build_tiny)(TinyUnifiedModel)
+register_model(
+    "tiny", visual_heads=("vq", "bsq"), build=build_tiny, inspect=TinyUnifiedModel.inspect
+)(TinyUnifiedModel)
 
 __all__ = ["TinyModelConfig", "TinyUnifiedModel", "build_tiny"]

@@ -7,12 +7,22 @@ or loaded from a directory its `save_pretrained` wrote (`loading`).
 """
 
 from unirl.models.registry import register_model
-from unirl.models.uniar.loading import check_directory
+from unirl.models.uniar.loading import check_directory, inspect_directory
 from unirl.models.uniar.model import InterleavedOutput, UniARModel, UniARSpec
-from unirl.models.uniar.tiny import TinyUniARSizes, build_tiny_uniar, build_uniar
+from unirl.models.uniar.tiny import (
+    TinyUniARSizes,
+    build_tiny_uniar,
+    build_uniar,
+    check_uniar_config,
+)
 
 register_model(
-    "uniar", visual_heads=("bsq",), transformers_model_types=("qwen3_vl",), build=build_uniar
+    "uniar",
+    visual_heads=("bsq",),
+    transformers_model_types=("qwen3_vl",),
+    build=build_uniar,
+    check=check_uniar_config,
+    inspect=inspect_directory,
 )(UniARModel)
 
 __all__ = [
