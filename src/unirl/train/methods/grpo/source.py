@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from unirl.algorithms.grpo import group_advantages
-from unirl.config import ConfigError, UnirlConfig
+from unirl.config import UnirlConfig
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.models.base import UnifiedModel
@@ -58,7 +58,7 @@ from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.faults import inject_fault
 from unirl.train.engine.protocols import BatchSource
-from unirl.train.rollouts.prompts import PromptSampler, rollout_request
+from unirl.train.rollouts.prompts import PromptSampler, check_exact_length, rollout_request
 from unirl.train.rollouts.scoring import score_sharded
 from unirl.train.rollouts.stats import rollout_stats, task_accuracy
 from unirl.train.rollouts.workers import Workers
@@ -109,13 +109,7 @@ class GRPOSource(BatchSource):
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         r, algo = cfg.rollout, cfg.algorithm
         self.grid = tuple(model.codec.grid)
-        if r.length_semantics == "exact" and r.max_new_tokens != self.grid[0] * self.grid[1]:
-            g = self.grid
-            raise ConfigError(
-                f"length_semantics 'exact' forces an image of the codec's {g[0]}x{g[1]} "
-                f"grid: max_new_tokens must be {g[0] * g[1]}, got {r.max_new_tokens}",
-                key="rollout.max_new_tokens",
-            )
+        check_exact_length(r, self.grid)  # done by the preflight of `unirl train`; free here
         if algo.updates_per_batch > 1 and anchor is None:
             raise ValueError("updates_per_batch > 1 needs an anchor (old log-prob replay)")
         self.model = model
