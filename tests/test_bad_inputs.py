@@ -11,6 +11,7 @@ metrics, model). The subprocesses run a few at a time; almost all fail in the pr
 before any model is built. Each case is its own process forked from a server that imported
 unirl once (`trainer_helpers.ForkedCLI`): the exit code, stderr and cwd are the child's
 own, as with `python -m unirl`, without paying Python's and torch's start-up per case.
+Only the selected cases' processes start (`-k exact_length` runs one).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import yaml
 from PIL import Image
 from trainer_helpers import ForkedCLI, fit_small_codec, run_cli
 
+from unirl.codecs import build_codec
 from unirl.config import validate_config
+from unirl.data.digits_images import load_split
 from unirl.train.engine.build import build_model
 
 WORKERS = 3
@@ -259,6 +262,74 @@ def _no_config(d: Path, out: Path, w) -> list[str]:
     return []
 
 
+def _answered_rows(d: Path, bad: dict) -> Path:
+    """Rows with answers (digits: words of the word tokenizer), `bad` as the third line."""
+    lines = [json.dumps(row(word, answer=word)) for word in ("1", "2", "4")]
+    lines.insert(2, json.dumps(bad))
+    (d / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    return d / "rows.jsonl"
+
+
+def _opd(out: Path, w: SimpleNamespace, teacher: Path, **sections) -> dict:
+    """OPD toward `teacher` (the same tokenizer as the student's: the word one)."""
+    return tiny(out, w, algorithm={"name": "opd", "teacher": {"path": str(teacher)}}, **sections)
+
+
+def _teacher_with_another_codec(d: Path, out: Path, w) -> list[str]:
+    """OPD toward the saved model with its codec swapped for one of the same size fitted
+    on other images: the same code would mean another image."""
+    teacher = d / "teacher"
+    shutil.copytree(w.saved, teacher)
+    shutil.rmtree(teacher / "codec")
+    codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=20)
+    codec.fit(load_split("train").images[300:600], seed=1).save_pretrained(teacher / "codec")
+    return [write(d, _opd(out, w, teacher))]
+
+
+def _big_image_for_a_saved_model(d: Path, out: Path, w) -> list[str]:
+    """A 16x16 image for the saved tiny model (model.path), whose codec reads 8x8."""
+    (d / "img").mkdir()
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(d / "img" / "x.png")
+    cfg = own(out, w, rows_file(d, image_row("img/x.png")))
+    cfg["model"]["path"] = str(w.saved)
+    return [write(d, cfg)]
+
+
+def _exact_text_rows(d: Path, out: Path, w) -> list[str]:
+    """GRPO under length_semantics exact on rows whose answers are text."""
+    cfg = own(out, w, _answered_rows(d, row("3", answer="3")))
+    cfg.update(
+        algorithm={"name": "grpo", "group_size": 2},
+        reward={"plugins": [{"name": "text_exact"}]},
+        rollout={"length_semantics": "exact", "max_new_tokens": 16},
+    )
+    return [write(d, cfg)]
+
+
+def _image_beyond_max_grid(d: Path, out: Path, w) -> list[str]:
+    """OPD on rows whose third asks for a 40x40 image (rollout.max_grid_side is 32)."""
+    big = {"type": "generate_image", "height": 40, "width": 40}
+    turns = [{"role": "user", "content": "draw"}, {"role": "assistant", "content": [big]}]
+    cfg = own(out, w, _answered_rows(d, {"messages": turns, "task": "say"}), tokenizer="word")
+    cfg["algorithm"] = {"name": "opd", "teacher": {"path": str(w.saved)}}
+    return [write(d, cfg)]
+
+
+def _privileged_row_without_answer(d: Path, out: Path, w) -> list[str]:
+    cfg = own(out, w, _answered_rows(d, row("3")), tokenizer="word")
+    cfg["algorithm"] = {"name": "opd", "teacher": {"path": str(w.saved), "privilege": "answer"}}
+    return [write(d, cfg)]
+
+
+def _opd_row_without_answer(d: Path, out: Path, w) -> list[str]:
+    """OPD's prompts verified by text_exact (routing correct_only): the third row has no
+    answer."""
+    cfg = own(out, w, _answered_rows(d, row("3")), tokenizer="word")
+    cfg["algorithm"] = {"name": "opd", "teacher": {"path": str(w.saved)}, "routing": "correct_only"}
+    cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
+    return [write(d, cfg)]
+
+
 CASES: list[Case] = [
     # -- the config file ---------------------------------------------------------------
     cfg_case("empty_file", ("c.yaml", "empty config file"), lambda out, w: ""),
@@ -460,6 +531,98 @@ CASES: list[Case] = [
         ("<command line>", "reward.plugins.0.name"),
         lambda d, out, w: [write(d, grpo(out, w)), "reward.plugins.0.name=mc_exakt"],
     ),
+    # -- what the model, its codec and the teacher say (issue 29) ------------------------
+    cfg_case(
+        "exact_length_off_the_codec_grid",
+        ("c.yaml", "rollout.max_new_tokens", "codec's 4x4 grid", "must be 16, got 5"),
+        lambda out, w: tiny(
+            out,
+            w,
+            data={"tasks": ["t2i"]},
+            rollout={"length_semantics": "exact", "max_new_tokens": 5},
+            algorithm={"name": "grpo", "group_size": 2},
+            reward={"plugins": [{"name": "digit_classifier"}]},
+        ),
+    ),
+    cfg_case(
+        "uniar_heads_off_the_mrope_sections",
+        ("c.yaml", "model.tiny.num_heads", "divisible by 4", "24 / 4 = 6"),
+        lambda out, w: tiny(
+            out,
+            w,
+            model={
+                "kind": "uniar",
+                "visual_head": "bsq",
+                "tiny": {"hidden_size": 24, "num_heads": 4, "num_layers": 1, "mixer_kernel": 0},
+                "codec": {"path": None},
+            },
+        ),
+    ),
+    cfg_case(
+        "uniar_with_a_mixer",
+        ("model.tiny.mixer_kernel", "has no mixer"),
+        lambda out, w: tiny(
+            out, w, model={"kind": "uniar", "visual_head": "bsq", "codec": {"path": None}}
+        ),
+    ),
+    Case(
+        "teacher_with_another_codec",
+        ("algorithm.teacher.path", "c.yaml", "image codec differs"),
+        _teacher_with_another_codec,
+    ),
+    cfg_case(
+        "prefix_sharing_with_the_conv_prior",
+        ("c.yaml", "algorithm.share_prompt_prefix", "tiny model at", "does not support it"),
+        lambda out, w: tiny(
+            out,
+            w,
+            **{
+                **GRPO,
+                "model": {"path": str(w.saved)},
+                "algorithm": {**GRPO["algorithm"], "share_prompt_prefix": True},
+            },
+        ),
+    ),
+    cfg_case(
+        "codec_path_of_another_head",
+        ("c.yaml", "model.codec.path", "holds a vq codec", "model.visual_head is bsq"),
+        lambda out, w: tiny(out, w, model={"visual_head": "bsq"}),
+    ),
+    cfg_case(
+        "model_path_of_another_head",
+        ("c.yaml", "model.visual_head", "a vq head"),
+        lambda out, w: tiny(out, w, model={"path": str(w.saved), "visual_head": "bsq"}),
+    ),
+    Case(
+        "image_wrong_size_for_a_model_path",
+        ("rows.jsonl:3", "16", "data.path in c.yaml"),
+        _big_image_for_a_saved_model,
+    ),
+    Case(
+        "exact_on_a_text_row",
+        ("rows.jsonl:1", "not one image", "rollout.length_semantics in c.yaml"),
+        _exact_text_rows,
+    ),
+    Case(
+        "image_answer_beyond_max_grid_side",
+        ("rows.jsonl:3", "40x40", "rollout.max_grid_side"),
+        _image_beyond_max_grid,
+    ),
+    Case(
+        "privileged_teacher_row_without_answer",
+        ("rows.jsonl:3", "answer: missing", "algorithm.teacher.privilege in c.yaml"),
+        _privileged_row_without_answer,
+    ),
+    Case(
+        "opd_row_without_answer", ("rows.jsonl:3", "answer", "text_exact"), _opd_row_without_answer
+    ),
+    cfg_case(
+        "ray_workers_beyond_num_cpus",
+        ("ray.rollout_cpus", "ask for 2 CPUs", "has 1"),
+        lambda out, w: tiny(
+            out, w, **{**GRPO, "rollout": {**GRPO["rollout"], "workers": 2}, "ray": {"num_cpus": 1}}
+        ),
+    ),
     # -- an existing run: refused resumes and bad inputs leave it as it was -------------
     Case(
         "resume_with_changed_lr",
@@ -547,11 +710,22 @@ def _run_case(case: Case, w: SimpleNamespace, cli: ForkedCLI) -> dict:
     }
 
 
+def _selected(request) -> list[Case]:
+    """The cases whose `test_bad_input` items this session runs (all of them unless
+    deselected, e.g. by `-k`): only those start a CLI process."""
+    ids = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "case" in params:
+            ids.add(params["case"].id)
+    return [c for c in CASES if c.id in ids]
+
+
 @pytest.fixture(scope="module")
-def results(world) -> dict[str, dict]:
+def results(world, request) -> dict[str, dict]:
     cli = ForkedCLI()
     with ThreadPoolExecutor(WORKERS) as pool:
-        futures = {c.id: pool.submit(_run_case, c, world, cli) for c in CASES}
+        futures = {c.id: pool.submit(_run_case, c, world, cli) for c in _selected(request)}
         return {k: f.result() for k, f in futures.items()}
 
 

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from unirl.core.sample import Sample
 
-from unirl.core.atomic import write_dir_atomic
 
 IMAGE_DIR = "images"
 
@@ -96,6 +95,8 @@ def export_samples(
         (tmp / IMAGE_DIR).mkdir()
         lines = [json.dumps(sample_to_row(s, tmp), ensure_ascii=False) for s in samples]
         (tmp / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines), "utf-8")
+
+    from unirl.core.atomic import write_dir_atomic  # unirl.core imports torch
 
     write_dir_atomic(out.parent, out.name, fill, unique=True)
     return out / f"{name}.jsonl"

@@ -30,6 +30,12 @@ with `declare_planned_model`; a config naming it is refused with "not implemente
 A directory written by unirl records its kind in `unirl_model.json`. A transformers
 checkpoint directory without one (e.g. a Janus-Pro download) is recognised by the
 `model_type` of its `config.json`, as the kinds declared it.
+
+What a run's checks need to know of a model before it is built (`ModelFacts`: its action
+spaces, codec grid, prefix sharing) a kind reads from a directory's small files with its
+declared `inspect` (`inspect_model`); the `model` config of a kind built from the
+config is checked by its declared `check` (`check_model_config`). Neither reads the
+model's weights.
 """
 
 from __future__ import annotations
@@ -57,6 +63,51 @@ Loader = Callable[[Path], "UnifiedModel"]
 Builder = Callable[[ModelConfig, int, Path | None, Any], "UnifiedModel"]
 """`build(model_cfg, seed, codec_dir, tokenizer)`: a fresh model from the `model` config
 section (`tokenizer` None = the kind's default)."""
+Checker = Callable[[ModelConfig], None]
+"""`check(model_cfg)`: ConfigError (naming the `model.` key) for a `model` section the
+kind's builder would refuse; builds nothing."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model is, as far as a run's config checks need it (no weights read).
+
+    visual_head, n_visual_outputs (VQ codebook size K or BSQ bits L), grid (the codec's
+    image grid), supports_prefix_sharing and image_size (the (H, W) pixels of the codec's
+    images, what dataset images are read at: `unirl.models.build.dataset_rows`); with
+    `full`, also vocab (token -> id of the tokenizer) and codec_tensors (the codec's
+    fitted tensors; None for a codec that does not expose them).
+    """
+
+    visual_head: str
+    n_visual_outputs: int
+    grid: tuple[int, int]
+    supports_prefix_sharing: bool = False
+    vocab: dict[str, int] | None = None
+    codec_tensors: dict[str, Any] | None = None
+    image_size: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, model: UnifiedModel) -> ModelFacts:
+        """The facts of a built model (tokenizer and codec already in memory)."""
+        get_vocab = getattr(model.tokenizer, "get_vocab", None)
+        tensors = getattr(model.codec, "tensors", None)
+        return cls(
+            visual_head=model.visual_head,
+            n_visual_outputs=int(model.n_visual_outputs),
+            grid=tuple(model.codec.grid),
+            supports_prefix_sharing=bool(model.supports_prefix_sharing),
+            vocab=get_vocab() if callable(get_vocab) else None,
+            codec_tensors=tensors() if callable(tensors) else None,
+            image_size=tuple(model.codec.image_size),
+        )
+
+
+Inspector = Callable[[Path, bool], ModelFacts]
+"""`inspect(path, full)`: the `ModelFacts` of a model directory of the kind from its
+small files (config, record, codec geometry; with `full` also the tokenizer's vocabulary
+and the codec's tensors), no model weights; ValueError / FileNotFoundError naming the
+file for a directory the kind's loader would refuse."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +121,10 @@ class ModelSpec:
     builder: builds the model from the config alone (no `model.path`), or its
     "module:attribute" name (imported on first use, by `build`); None when the kind
     always loads a checkpoint.
+    check: the config checks of `build` (`Checker`), or its "module:attribute" name
+    (imported on first use, by `checker`); None = none beyond the schema's.
+    inspect: reads a directory's `ModelFacts` (`Inspector`), or its name (imported on first
+    use, by `inspector`); None = not known up front.
     planned: for a declared kind, what it will be (the refusal names it).
     """
 
@@ -79,6 +134,8 @@ class ModelSpec:
     transformers_model_types: tuple[str, ...] = ()
     builder: Builder | str | None = None
     planned: str = ""
+    check: Checker | str | None = None
+    inspect: Inspector | str | None = None
 
     @property
     def implemented(self) -> bool:
@@ -93,6 +150,16 @@ class ModelSpec:
     def load(self) -> Loader | None:
         """`load(path)` of a model directory (imports the kind's package)."""
         return None if self.loader is None else _as_loader(self.kind, self.loader)
+
+    @property
+    def checker(self) -> Checker | None:
+        """The config check (imports its module when declared by name); None = none."""
+        return _target(self.check) if isinstance(self.check, str) else self.check
+
+    @property
+    def inspector(self) -> Inspector | None:
+        """The directory reader (imports its module when declared by name); None = none."""
+        return _target(self.inspect) if isinstance(self.inspect, str) else self.inspect
 
     @property
     def build(self) -> Builder | None:
@@ -150,13 +217,19 @@ def register_model(
     visual_heads: tuple[VisualHead, ...],
     transformers_model_types: tuple[str, ...] = (),
     build: Builder | None = None,
+    check: Checker | None = None,
+    inspect: Inspector | None = None,
 ) -> Callable[[T], T]:
     """Decorator registering `kind`: on a `UnifiedModel` subclass (its `kind` must equal
-    `kind`; directories load with its `from_pretrained`) or on a `load(path)` function."""
+    `kind`; directories load with its `from_pretrained`) or on a `load(path)` function.
+    `build`, `check`, `inspect`: see `ModelSpec`."""
 
     def register(target: T) -> T:
         loader = _as_loader(kind, target)
-        _add(ModelSpec(kind, loader, tuple(visual_heads), tuple(transformers_model_types), build))
+        types = tuple(transformers_model_types)
+        _add(
+            ModelSpec(kind, loader, tuple(visual_heads), types, build, check=check, inspect=inspect)
+        )
         return target
 
     return register
@@ -176,6 +249,8 @@ def read_kind_file(path: Path) -> ModelSpec:
         "kind": "a string",
         "load": "a 'module:attribute' string",
         "build": "a 'module:attribute' string",
+        "check": "a 'module:attribute' string",
+        "inspect": "a 'module:attribute' string",
         "visual_heads": "a non-empty list of strings",
         "transformers_model_types": "a list of strings",
     }
@@ -199,6 +274,8 @@ def read_kind_file(path: Path) -> ModelSpec:
         tuple(data["visual_heads"]),
         tuple(data.get("transformers_model_types", ())),
         data.get("build"),
+        check=data.get("check"),
+        inspect=data.get("inspect"),
     )
 
 
@@ -245,8 +322,9 @@ def model_spec(kind: str) -> ModelSpec:
 def check_model_config(model: ModelConfig) -> ModelSpec:
     """Check the `model` config section against the kind's registration, before anything
     is built or written: the kind exists and is implemented, the visual head is one it
-    has, a `model.path` is given unless the kind builds from the config, and a model
-    directory already at `model.path` holds this kind. ConfigError naming the key."""
+    has, a `model.path` is given unless the kind builds from the config (then the kind's
+    `check` passes: e.g. UniAR's sizes), and a model directory already at `model.path`
+    holds this kind. ConfigError naming the key."""
     spec = model_spec(model.kind)
     if model.visual_head not in spec.visual_heads:
         heads = " or ".join(f"'{h}'" for h in spec.visual_heads)
@@ -256,6 +334,8 @@ def check_model_config(model: ModelConfig) -> ModelSpec:
             raise ConfigError(
                 f"required: kind '{model.kind}' loads a local checkpoint", key="model.path"
             )
+        if spec.checker is not None:
+            spec.checker(model)
     elif Path(model.path).is_dir():
         try:
             found = model_kind(model.path)
@@ -340,6 +420,18 @@ def model_kind(path: str | Path) -> str:
         f"{path}: not a unirl model directory (missing {MODEL_CONFIG}) nor a transformers "
         f"checkpoint (missing {TRANSFORMERS_CONFIG})"
     )
+
+
+def inspect_model(path: str | Path, full: bool = False) -> ModelFacts | None:
+    """The `ModelFacts` of the model directory `path` (see `Inspector`; `full` adds the
+    vocabulary and the codec's tensors), or None for a kind that registered no `inspect`.
+    No model weights are read; ValueError / FileNotFoundError as `load_model` would."""
+    path = Path(path)
+    kind = model_kind(path)
+    spec = discover().get(kind)
+    if spec is None or not spec.implemented:
+        raise ValueError(f"{path}: unknown model kind {kind!r}; known: {_names(discover())}")
+    return None if spec.inspector is None else spec.inspector(path, full)
 
 
 def load_model(path: str | Path) -> UnifiedModel:

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from unirl.models.janus_pro.template import IMAGE, JanusTokens
-from unirl.models.registry import check_transformers_directory
+from unirl.models.registry import ModelFacts, check_transformers_directory
 
 ARCHITECTURE = "JanusForConditionalGeneration"
 ALTERNATIVES: dict[str, tuple[str, ...]] = {
@@ -86,6 +86,23 @@ def check_tokenizer(tokenizer, config: JanusConfig, where: Path) -> JanusTokens:
             f"has {vocab} rows (mismatched tokenizer)"
         )
     return tokens
+
+
+def inspect_checkpoint(path: Path, full: bool = False) -> ModelFacts:
+    """The registered `inspect`: a checkpoint's facts from its config.json (a VQ head of
+    `vq_config.num_embeddings` codes on a `vq_config.num_patches` square grid; no prefix
+    sharing) and its image processor's size, with `full` also the tokenizer's vocabulary
+    (the VQ codebook lives in the weights: no codec tensors). No weights are read."""
+    path = Path(path)
+    check_checkpoint(path)
+    vq = JanusConfig.from_pretrained(str(path)).vq_config
+    processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=False)
+    size = (int(processor.size["height"]), int(processor.size["width"]))
+    vocab = None
+    if full:
+        vocab = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False).get_vocab()
+    side = int(vq.num_patches)
+    return ModelFacts("vq", int(vq.num_embeddings), (side, side), False, vocab, None, size)
 
 
 def load_parts(path: str | Path, dtype: torch.dtype = torch.float32):

@@ -24,7 +24,7 @@ from unirl.codecs import ImageCodec, load_codec
 from unirl.config.schema import TinyModelConfig
 from unirl.core.types import Modality
 from unirl.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
-from unirl.models.registry import MODEL_CONFIG
+from unirl.models.registry import MODEL_CONFIG, ModelFacts, read_json
 from unirl.models.tiny.mixer import MixCache, MixContext, install_mixers, mixer_taps
 
 WEIGHTS = "model.safetensors"
@@ -206,14 +206,44 @@ class TinyUnifiedModel(UnifiedModel):
         self.tokenizer.save_pretrained(str(path / "tokenizer"))
         self.codec.save_pretrained(path / "codec")
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> TinyUnifiedModel:
-        path = Path(path)
+    @staticmethod
+    def _check_directory(path: Path) -> TinyArchitecture:
         for name in (MODEL_CONFIG, WEIGHTS, "tokenizer", "codec"):
             if not (path / name).exists():
                 raise FileNotFoundError(f"{path}: incomplete model directory (missing {name})")
-        meta = json.loads((path / MODEL_CONFIG).read_text())
-        config = TinyArchitecture.from_saved(meta["config"])
+        try:
+            return TinyArchitecture.from_saved(read_json(path / MODEL_CONFIG)["config"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{path / MODEL_CONFIG}: field config: {err}") from None
+
+    @classmethod
+    def inspect(cls, path: str | Path, full: bool = False) -> ModelFacts:
+        """The registered `inspect`: a saved tiny model's facts from `unirl_model.json`
+        (its visual head; prefix sharing without the conv prior, `mixer_kernel` 0) and its
+        small codec; with `full` also the tokenizer's vocabulary and the codec's tensors.
+        No model weights are read."""
+        path = Path(path)
+        config = cls._check_directory(path)
+        codec = load_codec(path / "codec")
+        if config.visual_head != codec.kind:
+            raise ValueError(
+                f"{path / MODEL_CONFIG}: field config.visual_head is {config.visual_head!r} "
+                f"but {path / 'codec'} holds a {codec.kind} codec"
+            )
+        vocab = tensors = None
+        if full:
+            vocab = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer")).get_vocab()
+            tensors = codec.tensors()
+        n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
+        grid = (int(codec.grid[0]), int(codec.grid[1]))
+        size = (int(codec.image_size[0]), int(codec.image_size[1]))
+        prefix = config.mixer_kernel == 0
+        return ModelFacts(config.visual_head, int(n_out), grid, prefix, vocab, tensors, size)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> TinyUnifiedModel:
+        path = Path(path)
+        config = cls._check_directory(path)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
         model = cls(config, tokenizer, load_codec(path / "codec"))
         model.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)

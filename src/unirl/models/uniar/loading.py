@@ -18,10 +18,21 @@ from pathlib import Path
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLConfig
 
-from unirl.codecs import BSQ_KINDS, codec_config_file, codec_geometry, load_codec
-from unirl.codecs.base import CONFIG_NAME
+from unirl.codecs import (
+    BSQ_KINDS,
+    BSQTokenizerConfig,
+    codec_config_file,
+    codec_geometry,
+    load_codec,
+)
+from unirl.codecs.base import CONFIG_NAME, ImageCodec
 from unirl.codecs.bsq_tokenizer import CONFIG_FILE as TOKENIZER_CONFIG
-from unirl.models.registry import MODEL_CONFIG, check_transformers_directory, read_json
+from unirl.models.registry import (
+    MODEL_CONFIG,
+    ModelFacts,
+    check_transformers_directory,
+    read_json,
+)
 from unirl.models.uniar.template import MAX_GRID_SIDE, special_id_map
 
 WEIGHTS = "model.safetensors"
@@ -105,6 +116,33 @@ def check_tokenizer(tokenizer, record: dict, config: Qwen3VLConfig, path: Path) 
             f"{path / 'config.json'}: field text_config.vocab_size is {vocab} but the "
             f"tokenizer has {len(tokenizer)} tokens"
         )
+
+
+def inspect_directory(path: Path, full: bool = False) -> ModelFacts:
+    """The registered `inspect`: a UniAR directory's facts from `check_directory`'s record
+    (a BSQ head, its grid and bits; no prefix sharing), with `full` also the tokenizer's
+    vocabulary and the codec's tensors (None for the real-scale BSQ tokenizer, which
+    exposes none). No model weights are read."""
+    path = Path(path)
+    record = check_directory(path)
+    vocab = tensors = None
+    if full:
+        vocab = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False).get_vocab()
+        get_tensors = getattr(load_codec(path / CODEC_DIR), "tensors", None)
+        tensors = get_tensors() if callable(get_tensors) else None
+    grid, bits = record["image_grid"], int(record["bits_per_position"])
+    size = _codec_image_size(path / CODEC_DIR)
+    return ModelFacts("bsq", bits, (grid[0], grid[1]), False, vocab, tensors, size)
+
+
+def _codec_image_size(directory: Path) -> tuple[int, int]:
+    """(H, W) pixels of a saved codec's images, from its config: a BSQ tokenizer's
+    `image_size`, else the digits codecs' 8x8."""
+    file = codec_config_file(directory)
+    if file.name == TOKENIZER_CONFIG:
+        side = BSQTokenizerConfig.from_file(file).image_size
+        return (side, side)
+    return ImageCodec.image_size
 
 
 def load_parts(path: Path):

@@ -138,11 +138,9 @@ def build_tiny_uniar(
     return UniARModel(hf.eval(), tok, image_processor(), codec, spec).eval()
 
 
-def build_uniar(cfg: ModelConfig, seed: int, codec_dir: Path | None, tokenizer: Any = None):
-    """The registered builder: `model.tiny` sizes (`mixer_kernel` must be 0: Qwen3-VL has
-    no mixer), the codec of `model.codec` fitted or loaded as the tiny model's is."""
-    from unirl.models.tiny.build import build_or_load_codec
-
+def check_uniar_config(cfg: ModelConfig) -> None:
+    """The registered config check (run by `check_model_config` before anything is built
+    or written): `model.tiny` sizes a tiny Qwen3-VL can take. ConfigError naming the key."""
     t = cfg.tiny
     if t.mixer_kernel != 0:
         raise ConfigError(
@@ -151,9 +149,20 @@ def build_uniar(cfg: ModelConfig, seed: int, codec_dir: Path | None, tokenizer: 
         )
     if (t.hidden_size // t.num_heads) % 4:
         raise ConfigError(
-            "uniar needs hidden_size / num_heads divisible by 4 (M-RoPE sections)",
+            f"uniar needs hidden_size / num_heads divisible by 4 (M-RoPE sections); got "
+            f"{t.hidden_size} / {t.num_heads} = {t.hidden_size // t.num_heads}",
             key="model.tiny.num_heads",
         )
+
+
+def build_uniar(cfg: ModelConfig, seed: int, codec_dir: Path | None, tokenizer: Any = None):
+    """The registered builder: `model.tiny` sizes (`check_uniar_config`: `mixer_kernel`
+    must be 0, Qwen3-VL has no mixer), the codec of `model.codec` fitted or loaded as the
+    tiny model's is."""
+    from unirl.models.tiny.build import build_or_load_codec
+
+    check_uniar_config(cfg)  # already passed in check_model_config; repeated for direct callers
+    t = cfg.tiny
     codec = build_or_load_codec(cfg, seed, codec_dir)
     sizes = TinyUniARSizes(**t.model_dump(include=set(DecoderSizes.model_fields)))
     return build_tiny_uniar(codec, sizes, tokenizer=tokenizer, seed=seed)

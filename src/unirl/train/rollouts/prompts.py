@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from unirl.config import UnirlConfig
+from unirl.config import ConfigError, UnirlConfig
+from unirl.config.schema import RolloutConfig
 from unirl.core.sample import Sample
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
@@ -41,6 +42,20 @@ def prompt_pools(cfg: UnirlConfig, model: UnifiedModel) -> dict[str, list[Sample
         return {t: [s for s in rows.samples if s.task == t] for t in tasks}
     n = cfg.data.train_size or len(load_split("train"))
     return {t: make_task_samples(t, "train", n, seed=cfg.data.seed) for t in tasks}
+
+
+def check_exact_length(rollout: RolloutConfig, codec_grid: tuple[int, int]) -> None:
+    """ConfigError (`rollout.max_new_tokens`) when `length_semantics: exact` forces images
+    of the codec's grid but max_new_tokens is not its H*W (the rollout engine would refuse
+    the first such row). `unirl train` checks it in its preflight, before anything is
+    written; the batch sources repeat it."""
+    g = codec_grid
+    if rollout.length_semantics == "exact" and rollout.max_new_tokens != g[0] * g[1]:
+        raise ConfigError(
+            f"length_semantics 'exact' forces an image of the codec's {g[0]}x{g[1]} "
+            f"grid: max_new_tokens must be {g[0] * g[1]}, got {rollout.max_new_tokens}",
+            key="rollout.max_new_tokens",
+        )
 
 
 def apportion(n: int, weights: Sequence[float]) -> list[int]:

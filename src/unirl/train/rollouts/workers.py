@@ -94,6 +94,24 @@ class RayPlan:
         )
 
 
+def check_capacity(plan: RayPlan, have: dict[str, float]) -> None:
+    """ConfigError unless a local Ray instance with resources `have` ({"CPU": n, "GPU":
+    m}; a missing one is not checked) holds every actor at once (else it would wait
+    forever). `unirl train`'s preflight checks the CPUs of `ray.num_cpus` before anything
+    is written; the session checks what the started instance has."""
+    for what, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        if what not in have:
+            continue
+        need = plan.rollout_workers * plan.rollout_options[key]
+        need += plan.reward_workers * plan.reward_options[key]
+        if need > have[what] + 1e-9:
+            raise ConfigError(
+                f"the workers ask for {need:g} {what}s, the local Ray instance has "
+                f"{have[what]:g} (set ray.num_cpus or smaller shares)",
+                key="ray.rollout_cpus" if what == "CPU" else "ray.rollout_gpus",
+            )
+
+
 class RaySession:
     """Ray for this run: joined or started (module docstring), shut down if started."""
 
@@ -110,23 +128,10 @@ class RaySession:
                 key="ray.num_cpus" if "num_cpus" in plan.init else "ray.address",
             )
         if plan.init.get("address") == "local":
-            self._check_resources(plan)
+            import ray
 
-    @staticmethod
-    def _check_resources(plan: RayPlan) -> None:
-        """A local instance that cannot hold every actor at once would wait forever."""
-        import ray
-
-        have = ray.cluster_resources()
-        for what, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
-            need = plan.rollout_workers * plan.rollout_options[key]
-            need += plan.reward_workers * plan.reward_options[key]
-            if need > have.get(what, 0.0) + 1e-9:
-                raise ConfigError(
-                    f"the workers ask for {need:g} {what}s, the local Ray instance has "
-                    f"{have.get(what, 0.0):g} (set ray.num_cpus or smaller shares)",
-                    key="ray.rollout_cpus" if what == "CPU" else "ray.rollout_gpus",
-                )
+            have = ray.cluster_resources()
+            check_capacity(plan, {k: have.get(k, 0.0) for k in ("CPU", "GPU")})
 
     def close(self) -> None:
         import ray

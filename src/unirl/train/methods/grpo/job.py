@@ -6,7 +6,8 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from unirl.config import UnirlConfig
+from unirl.config import ConfigError, UnirlConfig
+from unirl.config.algorithms import GRPOConfig
 from unirl.models.base import UnifiedModel
 from unirl.rewards import build_reward_service
 from unirl.train.dist.comm import DistInfo
@@ -17,6 +18,17 @@ from unirl.train.rollouts.scoring import load_run_classifier
 from unirl.train.rollouts.workers import start_workers
 
 
+def check_prefix_sharing(algo: GRPOConfig, supported: bool, model: str) -> None:
+    """ConfigError (`algorithm.share_prompt_prefix`) when prefix sharing is asked of a
+    model (`model`: how to name it) that does not support it (`supported`: the model's
+    `supports_prefix_sharing`, or what its directory says, `ModelFacts`)."""
+    if algo.share_prompt_prefix and not supported:
+        raise ConfigError(
+            f"{model} does not support it (the tiny model with model.tiny.mixer_kernel 0 does)",
+            key="algorithm.share_prompt_prefix",
+        )
+
+
 def build_grpo_job(
     cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo
 ) -> tuple[GRPOSource, GRPOObjective]:
@@ -25,11 +37,8 @@ def build_grpo_job(
     Call before the trainer resumes: the reference is the model as given (the initial
     policy, e.g. the SFT checkpoint of `model.path`)."""
     algo = cfg.algorithm
-    if algo.share_prompt_prefix and not model.supports_prefix_sharing:
-        raise ValueError(
-            f"algorithm.share_prompt_prefix: {type(model).__name__} does not support it "
-            "(the tiny model with model.tiny.mixer_kernel 0 does)"
-        )
+    # done by the preflight of `unirl train` (from the model's config); free here
+    check_prefix_sharing(algo, model.supports_prefix_sharing, type(model).__name__)
     resources = load_run_classifier(cfg, run_dir, info)
     sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     anchor = None

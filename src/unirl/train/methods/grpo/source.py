@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from unirl.algorithms.grpo import group_advantages
-from unirl.config import ConfigError, UnirlConfig
+from unirl.config import UnirlConfig
 from unirl.core.atomic import atomic_write
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
@@ -62,7 +62,7 @@ from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.faults import inject_fault
 from unirl.train.engine.protocols import BatchSource
-from unirl.train.rollouts.prompts import PromptSampler, rollout_request
+from unirl.train.rollouts.prompts import PromptSampler, check_exact_length, rollout_request
 from unirl.train.rollouts.scoring import score_sharded
 from unirl.train.rollouts.stats import rollout_stats, task_accuracy
 from unirl.train.rollouts.workers import Workers
@@ -113,13 +113,7 @@ class GRPOSource(BatchSource):
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         r, algo = cfg.rollout, cfg.algorithm
         self.grid = tuple(model.codec.grid)
-        if r.length_semantics == "exact" and r.max_new_tokens != self.grid[0] * self.grid[1]:
-            g = self.grid
-            raise ConfigError(
-                f"length_semantics 'exact' forces an image of the codec's {g[0]}x{g[1]} "
-                f"grid: max_new_tokens must be {g[0] * g[1]}, got {r.max_new_tokens}",
-                key="rollout.max_new_tokens",
-            )
+        check_exact_length(r, self.grid)  # done by the preflight of `unirl train`; free here
         anchored = algo.updates_per_batch > 1 or algo.mismatch.percentile is not None
         if anchored and anchor is None:
             raise ValueError(

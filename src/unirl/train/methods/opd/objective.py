@@ -23,9 +23,10 @@ trajectory weighs one, whatever its number of events or positions.
 The teacher is loaded from `algorithm.teacher.path` (any registered kind), put in eval
 mode with `requires_grad` False, and never handed to the optimizer (the trainer only
 optimises the student's parameters). Student and teacher must share the action spaces
-(`check_action_spaces`), checked before anything runs. `teacher_identity` (path and a
-SHA-256 of the directory's files) is written into every checkpoint; a resume against a
-different teacher is refused.
+(`compare_action_spaces`), checked by `unirl train`'s preflight from the teacher's
+tokenizer and codec files before anything is written, and again on the loaded models.
+`teacher_identity` (path and a SHA-256 of the directory's files) is written into every
+checkpoint; a resume against a different teacher is refused.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.forward import forward_interleaved, scored_mask
 from unirl.models.base import UnifiedModel
-from unirl.models.registry import load_model
+from unirl.models.registry import ModelFacts, load_model
 from unirl.replay import DistributionChunk, ReplayPlan, replay_map
 from unirl.train.engine.protocols import Objective
 from unirl.train.methods.opd.source import DistillRecord, teacher_view
@@ -73,30 +74,22 @@ def teacher_identity(path: str | Path) -> dict[str, str]:
     return {"path": str(root), "sha256": h.hexdigest()}
 
 
-def _vocab(model: UnifiedModel) -> dict[str, int] | None:
-    get = getattr(model.tokenizer, "get_vocab", None)
-    return get() if callable(get) else None
-
-
-def _codec_state(model: UnifiedModel) -> dict | None:
-    tensors = getattr(model.codec, "tensors", None)
-    return tensors() if callable(tensors) else None
-
-
-def check_action_spaces(student: UnifiedModel, teacher: UnifiedModel) -> None:
+def compare_action_spaces(student: ModelFacts, teacher: ModelFacts) -> None:
     """ConfigError (naming `algorithm.teacher.path`) unless student and teacher share the
     text vocabulary (the same token -> id map), the visual head (VQ / BSQ), the number of
-    visual outputs (codes or bits), the codec grid and, where the codec exposes them, its
-    tensors (the same code means the same image)."""
+    visual outputs (codes or bits), the codec grid and, where both codecs expose them, its
+    tensors (the same code means the same image). The facts come from the models' small
+    files (`unirl train`'s preflight, `inspect_model`) or from built models
+    (`check_action_spaces`)."""
     checks = [
         ("visual head", student.visual_head, teacher.visual_head),
         ("visual outputs (codes or bits)", student.n_visual_outputs, teacher.n_visual_outputs),
-        ("codec grid", tuple(student.codec.grid), tuple(teacher.codec.grid)),
+        ("codec grid", tuple(student.grid), tuple(teacher.grid)),
     ]
     for what, s, t in checks:
         if s != t:
             raise ConfigError(f"the teacher's {what} is {t}, the student's {s}", key=KEY)
-    sv, tv = _vocab(student), _vocab(teacher)
+    sv, tv = student.vocab, teacher.vocab
     if sv != tv:
         n = "?" if tv is None else len(tv)
         raise ConfigError(
@@ -104,7 +97,7 @@ def check_action_spaces(student: UnifiedModel, teacher: UnifiedModel) -> None:
             f"({'?' if sv is None else len(sv)} ids): the text action spaces must match",
             key=KEY,
         )
-    sc, tc = _codec_state(student), _codec_state(teacher)
+    sc, tc = student.codec_tensors, teacher.codec_tensors
     if sc is not None and tc is not None:
         same = sc.keys() == tc.keys() and all(torch.equal(sc[k], tc[k]) for k in sc)
         if not same:
@@ -115,13 +108,18 @@ def check_action_spaces(student: UnifiedModel, teacher: UnifiedModel) -> None:
             )
 
 
+def check_action_spaces(student: UnifiedModel, teacher: UnifiedModel) -> None:
+    """`compare_action_spaces` of two built models."""
+    compare_action_spaces(ModelFacts.of(student), ModelFacts.of(teacher))
+
+
 def load_teacher(cfg: UnirlConfig, student: UnifiedModel) -> UnifiedModel:
     """The frozen teacher (module docstring), on the student's device."""
     path = cfg.algorithm.teacher.path
     if not Path(path).is_dir():
         raise ConfigError(f"{path} is not a directory", key=KEY)
     teacher = load_model(path)
-    check_action_spaces(student, teacher)
+    check_action_spaces(student, teacher)  # done from the files by the preflight; free here
     teacher = teacher.to(student.device).eval()
     if next(student.parameters()).dtype == torch.float64:  # trainer.precision fp64
         teacher = teacher.to(torch.float64)
