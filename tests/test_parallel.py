@@ -225,6 +225,17 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="trainer.parallel=none under torchrun"):
         init_distributed(torch.device("cpu"), "none", 60.0)
+    # an FSDP2 without set_reduce_scatter_unused_params (torch 2.11, seen on the GPU
+    # machine) is refused before anything runs; this torch has it
+    from torch.distributed.fsdp import FSDPModule
+
+    from unirl.train.dist.parallel import check_fsdp2_support
+
+    check_fsdp2_support()
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(ConfigError, match="set_reduce_scatter_unused_params") as err:
+        check_fsdp2_support()
+    assert err.value.key == "trainer.parallel"
 
 
 def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_path, codec_dir):

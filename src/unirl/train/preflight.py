@@ -61,6 +61,7 @@ from unirl.rewards.answers import check_dataset_answers
 from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
+from unirl.train.dist.parallel import check_fsdp2_support
 from unirl.train.methods.grpo.job import check_prefix_sharing
 from unirl.train.methods.opd.objective import KEY as TEACHER_KEY
 from unirl.train.methods.opd.objective import compare_action_spaces
@@ -101,6 +102,8 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
             expected=" | ".join(sorted(algorithms)),
         )
     check_model_config(cfg.model)
+    if cfg.trainer.parallel == "fsdp2":
+        check_fsdp2_support()
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")

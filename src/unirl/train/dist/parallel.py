@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from unirl.config import ConfigError
 from unirl.config.trainer import TrainerConfig
 from unirl.train.dist.comm import DistInfo, all_gather_objects
 
@@ -82,6 +83,21 @@ def _sum_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotation object 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def check_fsdp2_support() -> None:
+    """ConfigError on `trainer.parallel` when this torch's FSDP2 lacks what the fsdp2 mode
+    relies on: `FSDPModule.set_reduce_scatter_unused_params` (a parameter that some rank's
+    micro-batches never reach still joins the reduce-scatter, so the collectives line up).
+    torch 2.11's FSDP2 has no such method (found on a GPU machine); 2.13 has it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise ConfigError(
+            f"fsdp2 needs FSDPModule.set_reduce_scatter_unused_params, which torch "
+            f"{torch.__version__} does not have (torch 2.13 does); use ddp or a newer torch",
+            key="trainer.parallel",
+        )
 
 
 def _at_least_fp32(g: torch.Tensor) -> torch.Tensor:
