@@ -20,8 +20,8 @@ from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
     fit_small_codec,
+    grpo_config,
     run_cli,
-    tiny_config,
     write_config,
 )
 
@@ -65,30 +65,6 @@ def assets(tmp_path_factory):
         "bsq": fit_small_codec(root / "bsq", "bsq"),
         "clf": root / "clf",
     }
-
-
-def grpo_config(run_dir: Path, assets: dict, kind: str = "vq", task: str = "t2i", **sections):
-    """A tiny GRPO config: 2 prompts x G=4 per update, exact-count images for t2i."""
-    plugins = {
-        "t2i": [{"name": "digit_classifier", "path": str(assets["clf"])}],
-        "i2t_mc": [{"name": "mc_exact"}],
-    }[task]
-    base = tiny_config(
-        run_dir,
-        assets[kind],
-        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
-        data={"tasks": [task], "train_size": 16, "val_size": 0, "test_size": 0},
-        rollout={
-            "max_new_tokens": 16 if task == "t2i" else 3,
-            "length_semantics": "exact" if task == "t2i" else "cap",
-        },
-        reward={"plugins": plugins},
-        algorithm={"name": "grpo", "group_size": 4, "kl": {"type": "k3", "coef": 0.05}},
-        trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
-    )
-    for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values}
-    return base
 
 
 def make_trainer(cfg: dict | UnirlConfig) -> Trainer:

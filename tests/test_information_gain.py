@@ -437,11 +437,11 @@ def test_uniar_blind_view():
     """UniAR (Qwen3-VL + BSQ): the [B, T, T] blind mask reaches transformers' attention,
     so the answer's blind score ignores the drawn image (its shown image is read through
     the vision tower: text-modality placeholders, part of the first text block)."""
-    from test_uniar import SIZES, random_codec
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
     from unirl.models.uniar import build_tiny_uniar
 
-    model = build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0).eval()
+    model = build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0).eval()
     sample = make_task_samples("draw_then_answer", "val", 1, seed=2)[0]
     traj = model.prompt_trajectory(sample, add_generation_prompt=False)
     batch = TrajectoryBatch.collate([traj], model.special_ids.pad)

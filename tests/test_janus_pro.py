@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from model_fixtures import write_tiny_clip
 from PIL import Image
-from test_clip_score import write_tiny_clip
 from transformers import AutoImageProcessor, JanusForConditionalGeneration
 
 from unirl.codecs.base import single_thread

@@ -384,12 +384,12 @@ def test_uniar_student_and_teacher_run_one_update(tmp_path):
     """A tiny random UniAR student and a same-family teacher (another seed, the same
     tokenizer and BSQ codec: 16-bit visual positions) run one OPD update; rows need room
     for a 4x4 image and its header, hence 24 new tokens."""
-    from test_uniar import SIZES, random_codec
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
     from unirl.models.uniar import build_tiny_uniar
 
-    codec = random_codec(16, 2, 1)
-    build_tiny_uniar(codec, SIZES, seed=0).save_pretrained(tmp_path / "student")
-    build_tiny_uniar(codec, SIZES, seed=1).save_pretrained(tmp_path / "teacher")
+    codec = random_bsq_codec(16, 2, 1)
+    build_tiny_uniar(codec, UNIAR_SIZES, seed=0).save_pretrained(tmp_path / "student")
+    build_tiny_uniar(codec, UNIAR_SIZES, seed=1).save_pretrained(tmp_path / "teacher")
     model = {"kind": "uniar", "path": str(tmp_path / "student"), "visual_head": "bsq"}
     _one_update_of_a_family(tmp_path, model, tmp_path / "teacher", 24)

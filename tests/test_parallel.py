@@ -19,6 +19,7 @@ from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
     fit_small_codec,
+    grpo_config,
     run_cli,
     tiny_config,
     write_config,
@@ -125,8 +126,6 @@ def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
     1e-5: lora_A's gradient is proportional to lora_B, zero at the start, so its first
     updates are Adam steps on ~1e-7 gradients, where reduction-order rounding moves an
     element by ~1e-6 (the amplification TRAINER's eps tames for full fine-tuning)."""
-    from test_grpo_loop import grpo_config
-
     train = load_split("train")
     DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
     assets = {"vq": codec_dir, "clf": tmp_path / "c"}
@@ -324,8 +323,6 @@ def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(tmp_path, codec_dir, m
     """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
     updates, which parameters have gradients): the adapter switch around the reference
     pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
-    from test_grpo_loop import grpo_config
-
     from unirl.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from model_fixtures import write_tiny_clip
 from PIL import Image
-from test_clip_score import write_tiny_clip
-from test_uniar_train import LORA_REGEX, _one_update_changes_only_lora
+from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
 from unirl.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
@@ -227,7 +227,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
         source, objective = JOBS[cfg.algorithm.name](cfg, model.train(), run_dir, DistInfo())
         pad = model.special_ids.pad
         trainer = Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad)
-        metrics = _one_update_changes_only_lora(trainer)  # LoRA tensors only, finite loss
+        metrics = one_update_changes_only_lora(trainer)  # LoRA tensors only, finite loss
         assert metrics["grad_norm"] > 0 and math.isfinite(metrics["grad_norm"])
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
     assert metrics["reward/total_std"] > 0
