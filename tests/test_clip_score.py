@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_fixtures import write_tiny_clip
 from transformers import CLIPModel, CLIPProcessor
 
 from unirl.codecs.base import single_thread
@@ -32,8 +31,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory) -> Path:
-    return write_tiny_clip(tmp_path_factory.mktemp("clip"))
+def clip_dir(tiny_clip_dir) -> Path:
+    return tiny_clip_dir
 
 
 def _images(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
     grpo_config,
     run_cli,
     write_config,
@@ -29,12 +28,10 @@ from unirl.config import RolloutConfig, UnirlConfig, load_config, validate_confi
 from unirl.core.sample import validate_groups
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
 from unirl.forward import body_hidden
 from unirl.replay import replay_logprobs
 from unirl.rewards import PLUGINS, RewardError, RewardPlugin
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
@@ -56,15 +53,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo_assets")
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
-    return {
-        "vq": fit_small_codec(root / "vq", "vq"),
-        "bsq": fit_small_codec(root / "bsq", "bsq"),
-        "clf": root / "clf",
-    }
+def assets(small_vq_dir, small_bsq_dir, classifier_dir):
+    return {"vq": small_vq_dir, "bsq": small_bsq_dir, "clf": classifier_dir}
 
 
 def make_trainer(cfg: dict | UnirlConfig) -> Trainer:

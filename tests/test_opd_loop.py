@@ -13,7 +13,6 @@ import torch
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
     run_cli,
     tiny_config,
     write_config,
@@ -28,7 +27,6 @@ from unirl.core.types import Modality
 from unirl.data.digits_images import load_split
 from unirl.forward import forward_interleaved
 from unirl.replay import replay_distributions
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.build import build_model
 from unirl.train.engine.trainer import Trainer, TrainingError
@@ -46,13 +44,10 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, small_vq_dir, small_bsq_dir, classifier_dir):
     root = tmp_path_factory.mktemp("opd_assets")
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
-    out = {"clf": root / "clf"}
+    out = {"clf": classifier_dir, "vq": small_vq_dir, "bsq": small_bsq_dir}
     for kind in ("vq", "bsq"):
-        out[kind] = fit_small_codec(root / kind, kind)
         cfg = validate_config(opd_config(root / "x", out, kind, seed=9))
         build_model(cfg).save_pretrained(root / f"teacher_{kind}")
         out[f"teacher_{kind}"] = root / f"teacher_{kind}"

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_fixtures import write_tiny_clip
 from PIL import Image
 from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
@@ -175,7 +174,7 @@ def _converted_uniar(tmp_path: Path) -> Path:
     return tmp_path / "uniar"
 
 
-def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
+def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path, tiny_clip_dir):
     path = _converted_uniar(tmp_path)
     model = UniARModel.from_pretrained(path)
     assert isinstance(model.codec, BSQTokenizer)
@@ -203,7 +202,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
         [*common, f"run.output_dir={tmp_path / 'sft'}", f"data.path={sft_rows}"],
     )
     assert sft.trainer.lora.rslora and sft.trainer.lora.target_modules == LORA_REGEX
-    clip = write_tiny_clip(tmp_path / "clip")
+    clip = tiny_clip_dir
     grpo = load_config(
         RECIPES / "grpo_lora.yaml",
         [

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import random_bsq_codec, write_tiny_clip
 from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
@@ -43,10 +42,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("codec") / "bsq"
-    random_bsq_codec(16, 2, 1).save_pretrained(path)
-    return path
+def codec_dir(uniar_codec_dir) -> Path:
+    return uniar_codec_dir
 
 
 def _config(root: Path, codec_dir: Path, algorithm: dict, data: dict, **extra) -> dict:
@@ -100,8 +97,8 @@ def test_one_sft_update_with_bitflip_and_lora(codec_dir, tmp_path):
     assert bits and all(math.isfinite(metrics[k]) for k in bits), metrics
 
 
-def test_one_grpo_t2i_update_with_cfg_per_factor_clip_and_jsd(codec_dir, tmp_path):
-    clip = write_tiny_clip(tmp_path / "clip")
+def test_one_grpo_t2i_update_with_cfg_per_factor_clip_and_jsd(codec_dir, tiny_clip_dir, tmp_path):
+    clip = tiny_clip_dir
     algo = {
         "name": "grpo",
         "group_size": 4,
