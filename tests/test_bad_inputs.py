@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
-from trainer_helpers import ForkedCLI, fit_small_codec, run_cli
+from trainer_helpers import ForkedCLI, run_cli
 
 from unirl.codecs import build_codec
 from unirl.config import validate_config
@@ -676,9 +676,9 @@ CASES: list[Case] = [
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> SimpleNamespace:
+def world(tmp_path_factory, small_vq_dir) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("bad_inputs")
-    w = SimpleNamespace(root=root, codec=fit_small_codec(root / "codec"))
+    w = SimpleNamespace(root=root, codec=small_vq_dir)
     w.saved = root / "saved"
     build_model(validate_config(tiny(root / "unused", w))).save_pretrained(w.saved)
     w.run = root / "run"

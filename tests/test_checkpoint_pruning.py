@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import fit_small_codec, run_cli, tiny_config, write_config
+from trainer_helpers import run_cli, tiny_config, write_config
 
 from unirl.train.state import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory):
-    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+def codec_dir(small_vq_dir):
+    return small_vq_dir
 
 
 def _commit(run_dir: Path, update: int, keep_last: int) -> Path:

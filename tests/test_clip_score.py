@@ -11,14 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import (
-    CLIPConfig,
-    CLIPImageProcessorPil,
-    CLIPModel,
-    CLIPProcessor,
-    PreTrainedTokenizerFast,
-)
+from transformers import CLIPModel, CLIPProcessor
 
 from unirl.codecs.base import single_thread
 from unirl.config import ConfigError, RewardConfig, RewardPluginConfig
@@ -29,8 +22,6 @@ from unirl.rewards import PLUGINS, Response, build_plugin, build_reward_service
 from unirl.rewards.clip_score import ClipScore, prompt_text
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
-WORDS = ["<|startoftext|>", "<|endoftext|>", "<unk>", "a", "cat", "dog", "red", "photo", "of"]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -39,54 +30,9 @@ def _one_thread():
         yield
 
 
-def write_tiny_clip(path: Path) -> Path:
-    """A tiny random CLIPModel + CLIPProcessor (WordLevel tokenizer) saved to `path`."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    # like CLIP's tokenizer: <|startoftext|> ... <|endoftext|> (the text model pools at EOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{WORDS[0]} $A {WORDS[1]}", special_tokens=[(WORDS[0], 0), (WORDS[1], 1)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=WORDS[0],
-        eos_token=WORDS[1],
-        pad_token=WORDS[1],
-        unk_token="<unk>",
-        model_max_length=16,
-    )
-    text = {
-        "vocab_size": len(WORDS),
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "max_position_embeddings": 16,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 1,
-    }
-    vision = {
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "image_size": 16,
-        "patch_size": 8,
-    }
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
-    model.save_pretrained(str(path))
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
-    )
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory) -> Path:
-    return write_tiny_clip(tmp_path_factory.mktemp("clip"))
+def clip_dir(tiny_clip_dir) -> Path:
+    return tiny_clip_dir
 
 
 def _images(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -16,7 +16,6 @@ from unirl.codecs.bsq import bsq_entropy_terms, group_bits, quantize, sub_codebo
 from unirl.codecs.vq import DIST_ROWS, _sq_dists, kmeans
 from unirl.data.digits_images import load_split
 from unirl.rewards.codec_report import codec_report
-from unirl.rewards.digit_classifier import DigitClassifier
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +39,8 @@ def bsq(train):
 
 
 @pytest.fixture(scope="module")
-def classifier(train):
-    return DigitClassifier().fit(train.images, train.labels, seed=0)
+def classifier(digits_classifier):
+    return digits_classifier
 
 
 def test_vq_shapes_dtypes_and_range(vq, test_images):

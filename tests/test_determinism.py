@@ -12,26 +12,17 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
     run_cli,
     tiny_config,
     write_config,
 )
 
-from unirl.data.digits_images import load_split
-from unirl.rewards.digit_classifier import DigitClassifier
-
 TWO_THREADS = {"OMP_NUM_THREADS": "2"}
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("det")
-    train = load_split("train")
-    DigitClassifier(epochs=2).fit(train.images[:200], train.labels[:200]).save_pretrained(
-        root / "clf"
-    )
-    return {"vq": fit_small_codec(root / "vq"), "clf": root / "clf"}
+def assets(small_vq_dir, classifier_dir):
+    return {"vq": small_vq_dir, "clf": classifier_dir}
 
 
 def sft(run_dir: Path, assets: dict) -> dict:

@@ -23,8 +23,8 @@ def test_split():
 
 
 @pytest.fixture(scope="module")
-def classifier(train):
-    return DigitClassifier().fit(train.images, train.labels, seed=0)
+def classifier(digits_classifier):
+    return digits_classifier
 
 
 def test_test_accuracy_at_least_95_percent(classifier, test_split):

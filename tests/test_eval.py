@@ -9,62 +9,16 @@ import subprocess
 import sys
 import time
 from html.parser import HTMLParser
-from pathlib import Path
 
 import numpy as np
 import pytest
+from eval_fixtures import make_dataset, write_config
 from PIL import Image
 
 from unirl.config import load_config
 from unirl.core.types import TRUNCATED_REASONS
 from unirl.eval import evaluate
 from unirl.train.engine.build import build_model
-
-COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (20, 40, 230)}
-
-
-def make_dataset(root: Path, n: int) -> Path:
-    """n colour-square questions (words outside the digits vocabulary), split train/test."""
-    (root / "img").mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n):
-        name = list(COLOURS)[i % 3]
-        pixels = np.zeros((8, 8, 3), dtype=np.uint8)
-        pixels[1 + i % 3 : 7, 2:7] = COLOURS[name]
-        Image.fromarray(pixels).save(root / "img" / f"{i}.png")
-        rows.append(
-            {
-                "id": f"sq{i}",
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image", "path": f"img/{i}.png"},
-                            {"type": "text", "text": "Which colour is the square?"},
-                        ],
-                    },
-                    {"role": "assistant", "content": name},
-                ],
-                "answer": name,
-                "task": "colour_qa",
-                "split": "test" if i % 2 else "train",
-            }
-        )
-    path = root / "colours.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def write_config(tmp_path: Path, data: Path, extra: str = "") -> Path:
-    path = tmp_path / "eval.yaml"
-    path.write_text(
-        f"run: {{output_dir: {tmp_path / 'run'}, device: cpu}}\n"
-        f"model: {{tiny: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}}}\n"
-        f"data: {{path: {data}, tasks: [colour_qa], image_resize: error}}\n"
-        "rollout: {max_new_tokens: 12, batch_size: 4}\n"
-        "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n" + extra
-    )
-    return path
 
 
 class _Page(HTMLParser):

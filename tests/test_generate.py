@@ -4,11 +4,11 @@ import json
 
 import numpy as np
 from PIL import Image
-from trainer_helpers import fit_small_codec, run_cli, tiny_config, write_config
+from trainer_helpers import run_cli, tiny_config, write_config
 
 
-def test_generate_writes_a_png_a_person_can_open(tmp_path):
-    codec = fit_small_codec(tmp_path / "codec")
+def test_generate_writes_a_png_a_person_can_open(tmp_path, small_vq_dir):
+    codec = small_vq_dir
     cfg = write_config(tmp_path / "g.yaml", tiny_config(tmp_path / "run", codec))
     out = tmp_path / "out"
     proc = run_cli(
@@ -26,8 +26,8 @@ def test_generate_writes_a_png_a_person_can_open(tmp_path):
     assert not (tmp_path / "run").exists()  # generating does not create a run directory
 
 
-def test_generate_text_prompt_and_bad_n(tmp_path):
-    codec = fit_small_codec(tmp_path / "codec")
+def test_generate_text_prompt_and_bad_n(tmp_path, small_vq_dir):
+    codec = small_vq_dir
     cfg = write_config(tmp_path / "g.yaml", tiny_config(tmp_path / "run", codec))
     out = tmp_path / "out"
     proc = run_cli(

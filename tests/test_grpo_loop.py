@@ -19,9 +19,8 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
+    grpo_config,
     run_cli,
-    tiny_config,
     write_config,
 )
 
@@ -29,12 +28,10 @@ from unirl.config import RolloutConfig, UnirlConfig, load_config, validate_confi
 from unirl.core.sample import validate_groups
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
-from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
 from unirl.forward import body_hidden
 from unirl.replay import replay_logprobs
 from unirl.rewards import PLUGINS, RewardError, RewardPlugin
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
@@ -56,39 +53,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo_assets")
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
-    return {
-        "vq": fit_small_codec(root / "vq", "vq"),
-        "bsq": fit_small_codec(root / "bsq", "bsq"),
-        "clf": root / "clf",
-    }
-
-
-def grpo_config(run_dir: Path, assets: dict, kind: str = "vq", task: str = "t2i", **sections):
-    """A tiny GRPO config: 2 prompts x G=4 per update, exact-count images for t2i."""
-    plugins = {
-        "t2i": [{"name": "digit_classifier", "path": str(assets["clf"])}],
-        "i2t_mc": [{"name": "mc_exact"}],
-    }[task]
-    base = tiny_config(
-        run_dir,
-        assets[kind],
-        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
-        data={"tasks": [task], "train_size": 16, "val_size": 0, "test_size": 0},
-        rollout={
-            "max_new_tokens": 16 if task == "t2i" else 3,
-            "length_semantics": "exact" if task == "t2i" else "cap",
-        },
-        reward={"plugins": plugins},
-        algorithm={"name": "grpo", "group_size": 4, "kl": {"type": "k3", "coef": 0.05}},
-        trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
-    )
-    for section, values in sections.items():
-        base[section] = {**base.get(section, {}), **values}
-    return base
+def assets(small_vq_dir, small_bsq_dir, classifier_dir):
+    return {"vq": small_vq_dir, "bsq": small_bsq_dir, "clf": classifier_dir}
 
 
 def make_trainer(cfg: dict | UnirlConfig) -> Trainer:

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
-from trainer_helpers import fit_small_codec, tiny_config
+from trainer_helpers import tiny_config
 
 from unirl.algorithms.information_gain import (
     Block,
@@ -237,8 +237,8 @@ def test_blind_scores_carry_no_gradient():
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory):
-    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+def codec_dir(small_vq_dir):
+    return small_vq_dir
 
 
 def _trainer(cfg, run_dir, model):
@@ -412,9 +412,10 @@ def test_ig_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
         assert (g - grads[1][name]).abs().max() <= 1e-6, name
 
 
-def test_validation_logs_ig_metrics(tmp_path, codec_dir):
-    from unirl.data.digits_images import load_split
-    from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
+def test_validation_logs_ig_metrics(tmp_path, codec_dir, classifier_dir):
+    import shutil
+
+    from unirl.rewards.digit_classifier import CLASSIFIER_DIR
     from unirl.train.run import _val_evaluator
 
     sections = {
@@ -422,9 +423,7 @@ def test_validation_logs_ig_metrics(tmp_path, codec_dir):
         "algorithm": {"name": "sft", "information_gain": {"weight": 1.0}},
     }
     cfg = validate_config(tiny_config(tmp_path / "run", codec_dir, **sections))
-    train = load_split("train")
-    clf = DigitClassifier().fit(train.images[:200], train.labels[:200])
-    clf.save_pretrained(tmp_path / "run" / CLASSIFIER_DIR)
+    shutil.copytree(classifier_dir, tmp_path / "run" / CLASSIFIER_DIR)
     model = build_model(cfg)
     metrics = _val_evaluator(cfg, model, tmp_path / "run")(1)
     assert metrics["val/ig/visual_to_text/events"] == 2  # one per row (cycle pinned)
@@ -436,11 +435,11 @@ def test_uniar_blind_view():
     """UniAR (Qwen3-VL + BSQ): the [B, T, T] blind mask reaches transformers' attention,
     so the answer's blind score ignores the drawn image (its shown image is read through
     the vision tower: text-modality placeholders, part of the first text block)."""
-    from test_uniar import SIZES, random_codec
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
     from unirl.models.uniar import build_tiny_uniar
 
-    model = build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0).eval()
+    model = build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0).eval()
     sample = make_task_samples("draw_then_answer", "val", 1, seed=2)[0]
     traj = model.prompt_trajectory(sample, add_generation_prompt=False)
     batch = TrajectoryBatch.collate([traj], model.special_ids.pad)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_clip_score import write_tiny_clip
 from transformers import AutoImageProcessor, JanusForConditionalGeneration
 
 from unirl.codecs.base import single_thread
@@ -438,8 +437,8 @@ def test_one_grpo_update_i2t_mc_lora(tmp_path):
     assert metrics["reward/mc_exact/invalid_frac"] < 0.5
 
 
-def test_one_grpo_update_t2i_clip_lora_exact_count_is_never_shaped(tmp_path):
-    clip = write_tiny_clip(tmp_path / "clip")
+def test_one_grpo_update_t2i_clip_lora_exact_count_is_never_shaped(tmp_path, tiny_clip_dir):
+    clip = tiny_clip_dir
     trainer = _grpo_trainer(
         tmp_path,
         "t2i",

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from pydantic import BaseModel
-from trainer_helpers import fit_small_codec
 
 from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
 from unirl.config.introspect import is_model, strip_optional, union_branches
@@ -43,7 +42,7 @@ from unirl.data.rows import split_rows
 from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
 from unirl.models import check_model_config
 from unirl.models.tiny.build import new_codec
-from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.rollout.engine import context_length
@@ -112,16 +111,14 @@ def probe(*keys: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory) -> SimpleNamespace:
+def kit(tmp_path_factory, small_vq_dir, small_bsq_dir, classifier_dir) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("knobs")
-    vq_a = fit_small_codec(root / "vq_a", "vq")
+    vq_a = small_vq_dir
     vq_b = root / "vq_b"
     codec = new_codec(validate_config({"model": {"codec": {"codebook_size": 16}}}).model)
     codec.fit(load_split("train").images[:200], seed=1).save_pretrained(vq_b)
-    bsq = fit_small_codec(root / "bsq", "bsq")
-    train = load_split("train")
-    classifier = root / "clf"
-    DigitClassifier().fit(train.images[:300], train.labels[:300]).save_pretrained(classifier)
+    bsq = small_bsq_dir
+    classifier = classifier_dir
     base = {
         "run": {"name": "k", "seed": 0, "output_dir": str(root / "run"), "device": "cpu"},
         "model": {

@@ -408,3 +408,43 @@ def test_train_checks_catch_cross_method_upward_and_private_imports(tmp_path):
         "job.py:1: unirl.train.methods.grpo.job imports unirl.train.methods.opd.source._pool",
         "job.py:3: unirl.train.methods.opd.job uses unirl.train.engine.loop._hidden",
     ]
+
+
+# -- tests/ ------------------------------------------------------------------------------
+# A test module never imports another test module (an edit to one would break the other,
+# and running one alone would import the other); what several share lives in helper
+# modules without the test_ prefix (trainer_helpers, rollout_fixtures, model_fixtures,
+# eval_fixtures) or in the session fixtures of conftest.py.
+
+TESTS = Path(__file__).resolve().parent
+
+
+def cross_test_imports(tests: Path = TESTS) -> list[str]:
+    """`file:line: importer imports test_x` for every import, at module level or inside a
+    function, of a `test_*` module by a `tests/test_*.py` file."""
+    out = []
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module] if node.module else [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0].startswith("test_"):
+                    out.append(f"{path.name}:{node.lineno}: {path.stem} imports {name}")
+    return out
+
+
+def test_no_test_module_imports_another():
+    found = cross_test_imports()
+    assert not found, "test modules importing test modules (move the helper):\n" + "\n".join(found)
+
+
+def test_cross_test_import_check_catches_one(tmp_path):
+    """The meta-test: a function-level import of another test module is reported; an import
+    of a helper module is not."""
+    (tmp_path / "test_a.py").write_text("import os\n\n\ndef test_x():\n    from test_b import h\n")
+    (tmp_path / "test_b.py").write_text("from trainer_helpers import tiny_config\n\nh = 1\n")
+    assert cross_test_imports(tmp_path) == ["test_a.py:5: test_a imports test_b"]

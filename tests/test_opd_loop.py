@@ -13,7 +13,6 @@ import torch
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
     run_cli,
     tiny_config,
     write_config,
@@ -28,7 +27,6 @@ from unirl.core.types import Modality
 from unirl.data.digits_images import load_split
 from unirl.forward import forward_interleaved
 from unirl.replay import replay_distributions
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.build import build_model
 from unirl.train.engine.trainer import Trainer, TrainingError
@@ -46,13 +44,10 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, small_vq_dir, small_bsq_dir, classifier_dir):
     root = tmp_path_factory.mktemp("opd_assets")
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
-    out = {"clf": root / "clf"}
+    out = {"clf": classifier_dir, "vq": small_vq_dir, "bsq": small_bsq_dir}
     for kind in ("vq", "bsq"):
-        out[kind] = fit_small_codec(root / kind, kind)
         cfg = validate_config(opd_config(root / "x", out, kind, seed=9))
         build_model(cfg).save_pretrained(root / f"teacher_{kind}")
         out[f"teacher_{kind}"] = root / f"teacher_{kind}"
@@ -384,12 +379,12 @@ def test_uniar_student_and_teacher_run_one_update(tmp_path):
     """A tiny random UniAR student and a same-family teacher (another seed, the same
     tokenizer and BSQ codec: 16-bit visual positions) run one OPD update; rows need room
     for a 4x4 image and its header, hence 24 new tokens."""
-    from test_uniar import SIZES, random_codec
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
     from unirl.models.uniar import build_tiny_uniar
 
-    codec = random_codec(16, 2, 1)
-    build_tiny_uniar(codec, SIZES, seed=0).save_pretrained(tmp_path / "student")
-    build_tiny_uniar(codec, SIZES, seed=1).save_pretrained(tmp_path / "teacher")
+    codec = random_bsq_codec(16, 2, 1)
+    build_tiny_uniar(codec, UNIAR_SIZES, seed=0).save_pretrained(tmp_path / "student")
+    build_tiny_uniar(codec, UNIAR_SIZES, seed=1).save_pretrained(tmp_path / "teacher")
     model = {"kind": "uniar", "path": str(tmp_path / "student"), "visual_head": "bsq"}
     _one_update_of_a_family(tmp_path, model, tmp_path / "teacher", 24)

@@ -219,7 +219,7 @@ def test_image_generation_comes_from_the_row_not_the_task():
 def _rows_model(tmp_path: Path, extra: str = ""):
     """A tiny model on a colour-square dataset (train rows sq0, sq2, ...; test rows odd)
     plus a `t2i`-labelled text row and a `paint` row that asks for an image."""
-    from test_eval import make_dataset, write_config
+    from eval_fixtures import make_dataset, write_config
 
     from unirl.train.engine.build import build_model
 
@@ -320,8 +320,8 @@ def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
     import subprocess
     import sys
 
-    from test_eval import make_dataset
-    from test_eval import write_config as eval_config
+    from eval_fixtures import make_dataset
+    from eval_fixtures import write_config as eval_config
 
     data = make_dataset(tmp_path / "data", 4)
     lines = data.read_text().splitlines()

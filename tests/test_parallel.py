@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
+    grpo_config,
     run_cli,
     tiny_config,
     write_config,
@@ -27,9 +27,7 @@ from trainer_helpers import (
 
 from unirl.config import ConfigError, validate_config
 from unirl.data.digits import vocabulary_texts
-from unirl.data.digits_images import load_split
 from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.train.dist.comm import init_distributed
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -100,8 +98,8 @@ def dcp_state(ckpt: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory):
-    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+def codec_dir(small_vq_dir):
+    return small_vq_dir
 
 
 def sft_config(run_dir: Path, codec_dir: Path) -> dict:
@@ -132,16 +130,12 @@ def test_sft_ddp_and_fsdp2_equal_one_process(sft_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, lora):
+def test_grpo_ddp_and_fsdp2_equal_one_process(tmp_path, codec_dir, classifier_dir, lora):
     """GRPO with a k3 KL to the reference: a frozen copy (sharded under fsdp2), or with
     LoRA the adapters switched off; LoRA runs compare the adapters they checkpoint. Both
     to FP64_BOUND: lora_A's gradient is proportional to lora_B, zero at the start, so its
     first updates are Adam steps on tiny gradients, the worst case of the bound (g ~ 0)."""
-    from test_grpo_loop import grpo_config
-
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
-    assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+    assets = {"vq": codec_dir, "clf": classifier_dir}
     trainer = {**TRAINER, **({"lora": {"enabled": True, "r": 4}} if lora else {})}
 
     def make(run_dir: Path) -> dict:
@@ -377,18 +371,16 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
         assert (value - sharded[name]).abs().max() <= 1e-6, name
 
 
-def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(tmp_path, codec_dir, monkeypatch):
+def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(
+    tmp_path, codec_dir, classifier_dir, monkeypatch
+):
     """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
     updates, which parameters have gradients): the adapter switch around the reference
     pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
-    from test_grpo_loop import grpo_config
-
     from unirl.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(tmp_path / "c")
-    assets = {"vq": codec_dir, "clf": tmp_path / "c"}
+    assets = {"vq": codec_dir, "clf": classifier_dir}
 
     def run(mode: str, info):
         lora = {"enabled": True, "r": 4}

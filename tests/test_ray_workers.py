@@ -21,12 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import checkpoint_tensors, fit_small_codec, tiny_config
+from trainer_helpers import checkpoint_tensors, tiny_config
 
 from unirl.config import ConfigError, validate_config
-from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import SpecialIds
-from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.build import adapter_state, build_model
 from unirl.train.engine.trainer import Trainer
@@ -48,11 +46,8 @@ def ray_session():
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray_assets")
-    train = load_split("train")
-    DigitClassifier().fit(train.images[:400], train.labels[:400]).save_pretrained(root / "clf")
-    return {"vq": fit_small_codec(root / "vq", "vq"), "clf": root / "clf"}
+def assets(small_vq_dir, classifier_dir):
+    return {"vq": small_vq_dir, "clf": classifier_dir}
 
 
 def config(

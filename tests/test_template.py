@@ -292,12 +292,11 @@ def test_parse_rejects_malformed_streams(tok, sp):
         parse(wrong_grid, tok)
 
 
-def test_memoized_encodings_serialize_the_same_rows_encoding_each_image_once(tok):
-    from unirl.codecs import VQCodec
-    from unirl.data.digits_images import load_split
+def test_memoized_encodings_serialize_the_same_rows_encoding_each_image_once(tok, small_vq_dir):
+    from unirl.codecs import load_codec
     from unirl.data.memo import memoized_encodings
 
-    codec = VQCodec(codebook_size=16, n_init=1).fit(load_split("train").images[:200], seed=0)
+    codec = load_codec(small_vq_dir)
     images: list[bytes] = []
 
     def encode_image(pixels: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,8 @@ padding invariance, cached decoding with row compaction, and the off switch."""
 import pytest
 import torch
 
-from unirl.codecs import build_codec
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
 from unirl.data.template import serialize
 from unirl.data.tokenizer import SpecialIds, build_tokenizer
 from unirl.models.base import ModelInputs, image_positions
@@ -16,11 +14,9 @@ from unirl.models.tiny.mixer import CausalMixer, MixCache, MixContext
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(vq32_codec):
     tokenizer = build_tokenizer()
-    codec = build_codec("vq", codebook_size=32, n_init=1, max_iter=10).fit(
-        load_split("train").images[:300]
-    )
+    codec = vq32_codec
     samples = [
         s for t in ("i2t_mc", "t2i", "draw_then_answer") for s in make_task_samples(t, "val", 2)
     ]

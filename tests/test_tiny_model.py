@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from unirl.codecs import build_codec
+from unirl.codecs import load_codec
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
@@ -29,11 +29,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def codecs():
-    images = load_split("train").images[:300]
-    vq = build_codec("vq", codebook_size=32, n_init=1, max_iter=10).fit(images)
-    bsq = build_codec("bsq", latent_dim=8, hidden=32, epochs=2).fit(images)
-    return {"vq": vq, "bsq": bsq}
+def codecs(vq32_codec, small_bsq_dir):
+    return {"vq": vq32_codec, "bsq": load_codec(small_bsq_dir)}
 
 
 def _model(kind, tokenizer, codecs, init=0.02):

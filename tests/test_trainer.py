@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
-    fit_small_codec,
     run_cli,
     tiny_config,
     write_config,
@@ -36,8 +35,8 @@ from unirl.train.state.checkpoint import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory):
-    return fit_small_codec(tmp_path_factory.mktemp("codec") / "vq")
+def codec_dir(small_vq_dir):
+    return small_vq_dir
 
 
 def _updates(run_dir: Path) -> list[int]:

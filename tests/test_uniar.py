@@ -15,21 +15,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
 from unirl.codecs.base import single_thread
-from unirl.codecs.bsq import BSQCodec
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.forward import forward_interleaved as teacher_forced
 from unirl.models import load_model
 from unirl.models.base import image_positions, rope_positions
-from unirl.models.uniar import SMALL_SIZES, UniARModel, UniARSpec, build_tiny_uniar
+from unirl.models.uniar import UniARModel, UniARSpec, build_tiny_uniar
 from unirl.models.uniar.template import special_id_map
 from unirl.replay import replay_logprobs
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
-
-SIZES = SMALL_SIZES.model_copy(update={"initializer_range": 0.5})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,25 +36,16 @@ def _one_thread():
         yield
 
 
-def random_codec(latent_dim: int, patch: int, group: int, seed: int = 0) -> BSQCodec:
-    """An unfitted BSQ codec with seeded random weights (encode/decode work)."""
-    codec = BSQCodec(latent_dim=latent_dim, patch=patch, group=group)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        codec.net = codec._build().eval()
-    return codec
-
-
 @pytest.fixture(scope="module")
 def model() -> UniARModel:
-    return build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0)  # 4x4 grid, 16 bits
+    return build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0)  # 4x4 grid, 16 bits
 
 
 @pytest.fixture(scope="module")
 def model1024() -> UniARModel:
-    codec = random_codec(64, 1, 4)  # 2x2 composite positions of 4*4*64 = 1,024 bits
+    codec = random_bsq_codec(64, 1, 4)  # 2x2 composite positions of 4*4*64 = 1,024 bits
     assert codec.bits_per_position == 1024 and codec.grid == (2, 2)
-    return build_tiny_uniar(codec, SIZES, seed=1)
+    return build_tiny_uniar(codec, UNIAR_SIZES, seed=1)
 
 
 def _pixels(seed: int, size: int = 8) -> np.ndarray:
@@ -376,7 +365,7 @@ def test_bad_checkpoints_are_refused_naming_file_and_field(saved, tmp_path, brea
 
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_vision_tower_is_frozen_by_default_and_trains_when_asked(train_vision):
-    model = build_tiny_uniar(random_codec(16, 2, 1), spec=UniARSpec(train_vision=train_vision))
+    model = build_tiny_uniar(random_bsq_codec(16, 2, 1), spec=UniARSpec(train_vision=train_vision))
     model.train()
     assert model.model.visual.training == train_vision  # a frozen tower stays in eval
     traj = model.prompt_trajectory(_interleaved(6, "what ?"), add_generation_prompt=False)

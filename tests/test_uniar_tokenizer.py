@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_clip_score import write_tiny_clip
-from test_uniar_train import LORA_REGEX, _one_update_changes_only_lora
+from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
 from unirl.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
@@ -175,7 +174,7 @@ def _converted_uniar(tmp_path: Path) -> Path:
     return tmp_path / "uniar"
 
 
-def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
+def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path, tiny_clip_dir):
     path = _converted_uniar(tmp_path)
     model = UniARModel.from_pretrained(path)
     assert isinstance(model.codec, BSQTokenizer)
@@ -203,7 +202,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
         [*common, f"run.output_dir={tmp_path / 'sft'}", f"data.path={sft_rows}"],
     )
     assert sft.trainer.lora.rslora and sft.trainer.lora.target_modules == LORA_REGEX
-    clip = write_tiny_clip(tmp_path / "clip")
+    clip = tiny_clip_dir
     grpo = load_config(
         RECIPES / "grpo_lora.yaml",
         [
@@ -227,7 +226,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path):
         source, objective = JOBS[cfg.algorithm.name](cfg, model.train(), run_dir, DistInfo())
         pad = model.special_ids.pad
         trainer = Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad)
-        metrics = _one_update_changes_only_lora(trainer)  # LoRA tensors only, finite loss
+        metrics = one_update_changes_only_lora(trainer)  # LoRA tensors only, finite loss
         assert metrics["grad_norm"] > 0 and math.isfinite(metrics["grad_norm"])
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
     assert metrics["reward/total_std"] > 0

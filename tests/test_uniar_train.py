@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_clip_score import write_tiny_clip
-from test_uniar import random_codec
+from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
 from unirl.codecs.base import single_thread
@@ -33,9 +32,6 @@ from unirl.train.run import JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "uniar"
-LORA_REGEX = (
-    r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-)
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
 
 
@@ -46,10 +42,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def codec_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("codec") / "bsq"
-    random_codec(16, 2, 1).save_pretrained(path)
-    return path
+def codec_dir(uniar_codec_dir) -> Path:
+    return uniar_codec_dir
 
 
 def _config(root: Path, codec_dir: Path, algorithm: dict, data: dict, **extra) -> dict:
@@ -88,16 +82,6 @@ def _trainer(cfg, root: Path, job) -> Trainer:
     return Trainer(model, source, objective, cfg, root / "run", DistInfo(), model.special_ids.pad)
 
 
-def _one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    (metrics,) = [m for _, m in trainer.fit()]
-    after = trainer.model.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert changed and all(".lora_" in k and k.startswith("model.language_model.") for k in changed)
-    assert math.isfinite(metrics["loss"])
-    return metrics
-
-
 def test_config_refuses_a_mixer_for_uniar(codec_dir, tmp_path):
     data = _config(tmp_path, codec_dir, {"name": "sft"}, {"tasks": ["t2i"]})
     data["model"]["tiny"]["mixer_kernel"] = 4
@@ -108,13 +92,13 @@ def test_config_refuses_a_mixer_for_uniar(codec_dir, tmp_path):
 def test_one_sft_update_with_bitflip_and_lora(codec_dir, tmp_path):
     algo = {"name": "sft", "bitflip": {"probability": 0.1}}
     cfg = validate_config(_config(tmp_path, codec_dir, algo, {"tasks": ["draw_then_answer"]}))
-    metrics = _one_update_changes_only_lora(_trainer(cfg, tmp_path, build_sft_job))
+    metrics = one_update_changes_only_lora(_trainer(cfg, tmp_path, build_sft_job))
     bits = [k for k in metrics if "bit" in k or "visual" in k]
     assert bits and all(math.isfinite(metrics[k]) for k in bits), metrics
 
 
-def test_one_grpo_t2i_update_with_cfg_per_factor_clip_and_jsd(codec_dir, tmp_path):
-    clip = write_tiny_clip(tmp_path / "clip")
+def test_one_grpo_t2i_update_with_cfg_per_factor_clip_and_jsd(codec_dir, tiny_clip_dir, tmp_path):
+    clip = tiny_clip_dir
     algo = {
         "name": "grpo",
         "group_size": 4,
@@ -133,7 +117,7 @@ def test_one_grpo_t2i_update_with_cfg_per_factor_clip_and_jsd(codec_dir, tmp_pat
         "reward": {"plugins": [{"name": "clip_score", "path": str(clip)}]},
     }
     cfg = validate_config(_config(tmp_path, codec_dir, algo, {"tasks": ["t2i"]}, **extra))
-    metrics = _one_update_changes_only_lora(_trainer(cfg, tmp_path, build_grpo_job))
+    metrics = one_update_changes_only_lora(_trainer(cfg, tmp_path, build_grpo_job))
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
     assert metrics["reward/total_std"] > 0
 

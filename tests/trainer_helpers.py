@@ -1,13 +1,17 @@
-"""Shared set-up for the trainer tests: a tiny SFT config on a pre-fitted codec."""
+"""Shared set-up for the trainer tests (not collected: no test_ prefix): tiny SFT and GRPO
+configs on a pre-fitted codec, `unirl` subprocesses, checkpoint comparisons, and the
+LoRA-only update check of the UniAR training tests."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -15,6 +19,9 @@ from safetensors.torch import load_file
 
 from unirl.codecs import build_codec
 from unirl.data.digits_images import load_split
+
+if TYPE_CHECKING:
+    from unirl.train.engine.trainer import Trainer
 
 TASKS = ["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
 
@@ -155,3 +162,46 @@ def assert_same_state(a: object, b: object, where: str = "") -> None:
             assert_same_state(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
+
+
+def grpo_config(run_dir: Path, assets: dict, kind: str = "vq", task: str = "t2i", **sections):
+    """A tiny GRPO config: 2 prompts x G=4 per update, exact-count images for t2i.
+    `assets`: the codec directory under "vq"/"bsq" and the classifier directory "clf"."""
+    plugins = {
+        "t2i": [{"name": "digit_classifier", "path": str(assets["clf"])}],
+        "i2t_mc": [{"name": "mc_exact"}],
+    }[task]
+    base = tiny_config(
+        run_dir,
+        assets[kind],
+        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
+        data={"tasks": [task], "train_size": 16, "val_size": 0, "test_size": 0},
+        rollout={
+            "max_new_tokens": 16 if task == "t2i" else 3,
+            "length_semantics": "exact" if task == "t2i" else "cap",
+        },
+        reward={"plugins": plugins},
+        algorithm={"name": "grpo", "group_size": 4, "kl": {"type": "k3", "coef": 0.05}},
+        trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
+    )
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return base
+
+
+LORA_REGEX = (
+    r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+)
+"""The UniAR recipes' LoRA targets: the language model's attention and MLP projections."""
+
+
+def one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:
+    """Run `trainer`'s single update; assert it changed LoRA tensors of the language model
+    (`model.language_model.*`) and nothing else, with a finite loss. Its metrics."""
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    (metrics,) = [m for _, m in trainer.fit()]
+    after = trainer.model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all(".lora_" in k and k.startswith("model.language_model.") for k in changed)
+    assert math.isfinite(metrics["loss"])
+    return metrics
