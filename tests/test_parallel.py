@@ -289,7 +289,8 @@ def one_process_trainer(cfg: dict, mode: str, info):
 
     trainer = {**cfg["trainer"], "parallel": mode}
     if mode == "fsdp2":
-        trainer["fsdp"] = {"param_dtype": "fp32"}
+        dtype = "fp64" if trainer.get("precision") == "fp64" else "fp32"
+        trainer["fsdp"] = {"param_dtype": dtype, "reduce_dtype": dtype}
     cfg = validate_config({**cfg, "trainer": trainer})
     run_dir = Path(cfg.run.output_dir)
     model = _prepare_model(cfg, run_dir, torch.device("cpu"))

@@ -72,7 +72,7 @@ def config(
                 "workers": reward_workers,
             },
             algorithm={"name": "grpo", "group_size": 4, "kl": {"type": "k3", "coef": 0.05}},
-            trainer={**trainer, "lora": {"enabled": lora, "r": 4}},
+            trainer={**trainer, **({"lora": {"enabled": True, "r": 4}} if lora else {})},
         )
     )
 
