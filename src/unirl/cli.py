@@ -7,13 +7,15 @@ light: a `run` imports its implementation inside the function, and a `configure`
 only light modules (tests/test_cli.py checks that they load no model package and no torch).
 
 Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
-a bad file it names, a refused resume); 1 any other failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`
+a bad file it names, a refused resume); 1 any other failure; 130 interrupted (`train` names
+the last checkpoint it saved). Errors print one line `unirl: error: ...` on stderr; `--debug`
 adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -83,11 +85,33 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (before anything is created), then train / resume the run."""
     cfg = load_args_config(args)
-    from unirl.train.run import run_train as train
+    from pathlib import Path
 
-    run_dir = train(cfg, stop_after=args.stop_after_updates)
+    from unirl.train.run import run_train as train
+    from unirl.train.state.checkpoint import last_saved
+
+    try:
+        run_dir = train(cfg, stop_after=args.stop_after_updates)
+    except KeyboardInterrupt:
+        saved = last_saved(Path(cfg.run.output_dir))
+        raise KeyboardInterrupt(
+            "no checkpoint was saved"
+            if saved is None
+            else f"last checkpoint {saved}; run the same command to resume from it"
+        ) from None
+    results = run_dir / "eval.json"
+    if (run_dir / "DONE").is_file() and results.is_file():
+        print(f"final metrics ({results}):")
+        print(_metric_lines(json.loads(results.read_text())), end="", flush=True)
     print(f"{PROG} train: done; run directory {run_dir}", file=sys.stderr)
     return 0
+
+
+def _metric_lines(metrics: dict) -> str:
+    """`  key value` lines, sorted by key, numbers to 4 significant decimals."""
+    shown = {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+    width = max((len(k) for k in shown), default=0)
+    return "".join(f"  {k:<{width}}  {v}\n" for k, v in sorted(shown.items()))
 
 
 def _positive_int(text: str) -> int:
@@ -182,6 +206,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from unirl.eval import run_eval as evaluate
 
     out = evaluate(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    for task, stats in sorted(summary["tasks"].items()):
+        print(f"{task}:")
+        print(_metric_lines(stats), end="")
+    sys.stdout.flush()
     print(f"{PROG} eval: results in {out} (summary.json, index.html)", file=sys.stderr)
     return 0
 
@@ -277,8 +306,8 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     except ConfigError as exc:
         _locate(args, exc)
         return _fail(args, str(exc), 2)
-    except KeyboardInterrupt:
-        return _fail(args, "interrupted", 130)
+    except KeyboardInterrupt as exc:  # a command may say what it saved
+        return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback
         return _fail(args, f"{type(exc).__name__}: {exc}", 1)
 

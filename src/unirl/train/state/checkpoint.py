@@ -279,6 +279,13 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return scan.latest
 
 
+def last_saved(run_dir: Path) -> Path | None:
+    """The newest committed checkpoint directory of a run, by name, without verifying it
+    (what an interrupted run reports having saved); None when there is none."""
+    found = _candidates(run_dir)
+    return found[-1] if found else None
+
+
 def stale_temporaries(run_dir: Path) -> list[Path]:
     """What interrupted writes leave behind: checkpoint staging directories, half-pruned
     checkpoints, and the temporaries of atomic writes in the run directory."""
