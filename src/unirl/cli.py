@@ -74,6 +74,36 @@ def load_args_config(args: argparse.Namespace) -> UnirlConfig:
     return cfg
 
 
+def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
+    """`--random-init`: allow a model without `model.path` (freshly initialised weights)."""
+    parser.add_argument(
+        "--random-init",
+        action="store_true",
+        help="use freshly initialised weights when model.path is not set (without it, a "
+        "config without model.path is refused)",
+    )
+
+
+def load_weights_config(args: argparse.Namespace) -> UnirlConfig:
+    """`load_args_config`, refusing a config without `model.path` unless `--random-init`:
+    random weights must be asked for, never a silent default (exit 2)."""
+    cfg = load_args_config(args)
+    if cfg.model.path is None and not args.random_init:
+        raise ConfigError(
+            f"not set, so '{PROG} {args.command}' would use randomly initialised weights; "
+            "set it (e.g. model.path=runs/NAME/model, a run's exported model) or pass "
+            "--random-init",
+            key="model.path",
+            source=args.config,
+        )
+    return cfg
+
+
+def configure_eval(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_random_init_argument(parser)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
     cfg = load_args_config(args)
@@ -143,11 +173,13 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force text-to-image (default: on when the prompt starts with 'draw')",
     )
+    add_random_init_argument(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Validate the config, then sample and write generations.png / generations.json."""
-    cfg = load_args_config(args)
+    """Validate the config (a model.path or --random-init), then sample and write
+    generations.png / generations.json."""
+    cfg = load_weights_config(args)
     from pathlib import Path
 
     from unirl.generate import generate
@@ -201,8 +233,9 @@ def run_data(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """Validate the config, then evaluate `model.path` (see `unirl.eval.runner`)."""
-    cfg = load_args_config(args)
+    """Validate the config (a model.path or --random-init), then evaluate the model (see
+    `unirl.eval.runner`)."""
+    cfg = load_weights_config(args)
     from unirl.eval import run_eval as evaluate
 
     out = evaluate(cfg)
@@ -253,7 +286,7 @@ COMMANDS: list[Command] = [
     Command(
         "eval",
         "evaluate a model on a data split with the reward plugins (resumable)",
-        add_config_arguments,
+        configure_eval,
         run_eval,
     ),
     Command(
@@ -298,7 +331,7 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     and return the exit code."""
     parser = build_parser(COMMANDS if commands is None else commands)
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else 2
     try:
@@ -310,6 +343,17 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
         return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback
         return _fail(args, f"{type(exc).__name__}: {exc}", 1)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parse_args`, also taking KEY=VALUE overrides after an option (`CONFIG --random-init
+    a=1`: argparse would leave `a=1` unrecognised), in command-line order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def _locate(args: argparse.Namespace, exc: ConfigError) -> None:
