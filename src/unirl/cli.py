@@ -232,6 +232,30 @@ def run_data(args: argparse.Namespace) -> int:
     return export.run(args)
 
 
+def configure_config(parser: argparse.ArgumentParser) -> None:
+    """`unirl config describe [KEY] [--markdown]`: the config reference (from the schema)."""
+    sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    child = sub.add_parser(
+        "describe",
+        help="print each config field's dotted key, type, default and description",
+        description="Print each config field's dotted key, type, default and description, "
+        "from the schema: all fields, or KEY and the fields under it (algorithm variants: "
+        "algorithm[grpo].clip_low, or algorithm.clip_low for every variant that has it).",
+    )
+    child.add_argument("key", nargs="?", metavar="KEY", help="e.g. trainer.optimizer.lr")
+    child.add_argument(
+        "--markdown", action="store_true", help="print tables (what docs/config.md holds)"
+    )
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from unirl.config import reference
+
+    docs = reference.lookup(args.key)
+    sys.stdout.write(reference.markdown(docs) if args.markdown else reference.text(docs))
+    return 0
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Validate the config (a model.path or --random-init), then evaluate the model (see
     `unirl.eval.runner`)."""
@@ -294,6 +318,12 @@ COMMANDS: list[Command] = [
         "print Information Gain full / blind / gain scores on val rows (CPU, writes nothing)",
         configure_probe,
         run_probe,
+    ),
+    Command(
+        "config",
+        "the config reference: 'config describe [KEY]' (type, default, description)",
+        configure_config,
+        run_config,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
