@@ -52,6 +52,8 @@ def test_describe_an_unknown_key_exits_2_with_one_line(capsys):
     assert cli.main(["config", "describe", "trainer.optimizer.learning_rate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trainer.optimizer.learning_rate: no such config key" in err
+    assert cli.main(["config", "describe", "trainer.learning_rate"]) == 2
+    assert "did you mean 'trainer.optimizer.lr'?" in capsys.readouterr().err  # across sections
 
 
 def test_describe_stays_light():

@@ -262,7 +262,14 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg = load_weights_config(args)
     from unirl.eval import run_eval as evaluate
 
-    out = evaluate(cfg)
+    e = cfg.evaluation
+    try:
+        out = evaluate(cfg)
+    except KeyboardInterrupt:
+        out = e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}"
+        raise KeyboardInterrupt(
+            f"the records written so far are kept in {out}; run the same command to continue"
+        ) from None
     summary = json.loads((out / "summary.json").read_text())
     for task, stats in sorted(summary["tasks"].items()):
         print(f"{task}:")

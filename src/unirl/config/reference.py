@@ -121,9 +121,22 @@ def lookup(key: str | None) -> list[FieldDoc]:
             "no such config key (see 'unirl config describe' for all of them)",
             key=key,
             source="<command line>",
-            suggestion=suggest(key, keys),
+            suggestion=_near_miss(key, keys),
         )
     return found
+
+
+def _near_miss(key: str, keys: list[str]) -> str | None:
+    """The closest key: by its last part among the keys of the same section first
+    (`trainer.learning_rate` -> `trainer.optimizer.lr`), then by the whole key."""
+    top, _, rest = key.partition(".")
+    last = key.rsplit(".", 1)[-1]
+    same = [k for k in keys if k.startswith(top + ".") or k.startswith(top + "[")]
+    leaves = {k.rsplit(".", 1)[-1] for k in same}
+    leaf = suggest(last, leaves) if rest else None
+    if leaf is not None:
+        return min((k for k in same if k.rsplit(".", 1)[-1] == leaf), key=len)
+    return suggest(key, keys)
 
 
 def text(docs: list[FieldDoc]) -> str:
