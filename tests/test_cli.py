@@ -264,3 +264,25 @@ def test_a_new_subcommand_plugs_into_the_dispatch_table(capsys):
     assert cli.main(["--debug", "boom"], commands=commands) == 1
     assert "Traceback" in capsys.readouterr().err
     assert cli.main(["boom"]) == 2  # not in the default table
+
+
+@pytest.mark.parametrize(
+    "argv", [["eval"], ["generate", "--prompt", "draw the digit 7", "--out", "OUT"]]
+)
+def test_generate_and_eval_refuse_random_weights_without_random_init(tmp_path, argv, capsys):
+    """Without model.path, `eval` and `generate` would use freshly initialised weights:
+    refused (exit 2, one line naming model.path and --random-init) before anything is
+    built or written, unless --random-init asks for them."""
+    out = tmp_path / "out"
+    config = str(EXAMPLES / "sft_tiny.yaml")
+    command, *rest = [str(out) if a == "OUT" else a for a in argv]
+    assert cli.main([command, config, *rest, f"run.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"unirl: error: {config}: model.path: not set")
+    assert "--random-init" in err and not out.exists()
+
+
+def test_overrides_may_follow_an_option():
+    parser = cli.build_parser()
+    args = cli._parse(parser, ["eval", "c.yaml", "a=1", "--random-init", "b=2"])
+    assert args.random_init and args.overrides == ["a=1", "b=2"]

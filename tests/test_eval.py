@@ -92,7 +92,15 @@ def test_eval_resumes_after_sigkill(tmp_path):
         f"evaluation: {{rollouts_per_sample: 2, greedy: false, output_dir: {tmp_path / 'out'}}}\n"
     )
     config = write_config(tmp_path, data, extra)
-    cmd = [sys.executable, "-m", "unirl", "eval", str(config), "rollout.batch_size=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "unirl",
+        "eval",
+        str(config),
+        "rollout.batch_size=1",
+        "--random-init",
+    ]
     env = {**os.environ, "CI": "true"}
     results = tmp_path / "out" / "results.jsonl"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

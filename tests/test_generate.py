@@ -13,6 +13,7 @@ def test_generate_writes_a_png_a_person_can_open(tmp_path, small_vq_dir):
     out = tmp_path / "out"
     proc = run_cli(
         ["generate", str(cfg), "--prompt", "draw the digit 7", "--n", "3", "--out", str(out)]
+        + ["--random-init"]
     )
     assert proc.returncode == 0, proc.stderr
     with Image.open(out / "generations.png") as img:
@@ -32,6 +33,7 @@ def test_generate_text_prompt_and_bad_n(tmp_path, small_vq_dir):
     out = tmp_path / "out"
     proc = run_cli(
         ["generate", str(cfg), "--prompt", "What is 3 + 4?", "--n", "2", "--out", str(out)]
+        + ["--random-init"]
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "generations.json").read_text())

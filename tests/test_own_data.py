@@ -330,7 +330,7 @@ def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
     data.write_text("\n".join(lines[:3] + [json.dumps(row)]) + "\n")
     out = tmp_path / "out"
     config = eval_config(tmp_path, data, f"evaluation: {{output_dir: {out}}}\n")
-    cmd = [sys.executable, "-m", "unirl", "eval", str(config)]
+    cmd = [sys.executable, "-m", "unirl", "eval", str(config), "--random-init"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and not out.exists()
     last = done.stderr.strip().splitlines()[-1]

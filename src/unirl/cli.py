@@ -7,13 +7,15 @@ light: a `run` imports its implementation inside the function, and a `configure`
 only light modules (tests/test_cli.py checks that they load no model package and no torch).
 
 Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
-a bad file it names, a refused resume); 1 any other failure; 130 interrupted. Errors print one line `unirl: error: ...` on stderr; `--debug`
+a bad file it names, a refused resume); 1 any other failure; 130 interrupted (`train` names
+the last checkpoint it saved). Errors print one line `unirl: error: ...` on stderr; `--debug`
 adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -72,6 +74,36 @@ def load_args_config(args: argparse.Namespace) -> UnirlConfig:
     return cfg
 
 
+def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
+    """`--random-init`: allow a model without `model.path` (freshly initialised weights)."""
+    parser.add_argument(
+        "--random-init",
+        action="store_true",
+        help="use freshly initialised weights when model.path is not set (without it, a "
+        "config without model.path is refused)",
+    )
+
+
+def load_weights_config(args: argparse.Namespace) -> UnirlConfig:
+    """`load_args_config`, refusing a config without `model.path` unless `--random-init`:
+    random weights must be asked for, never a silent default (exit 2)."""
+    cfg = load_args_config(args)
+    if cfg.model.path is None and not args.random_init:
+        raise ConfigError(
+            f"not set, so '{PROG} {args.command}' would use randomly initialised weights; "
+            "set it (e.g. model.path=runs/NAME/model, a run's exported model) or pass "
+            "--random-init",
+            key="model.path",
+            source=args.config,
+        )
+    return cfg
+
+
+def configure_eval(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_random_init_argument(parser)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
     cfg = load_args_config(args)
@@ -83,11 +115,33 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (before anything is created), then train / resume the run."""
     cfg = load_args_config(args)
-    from unirl.train.run import run_train as train
+    from pathlib import Path
 
-    run_dir = train(cfg, stop_after=args.stop_after_updates)
+    from unirl.train.run import run_train as train
+    from unirl.train.state.checkpoint import last_saved
+
+    try:
+        run_dir = train(cfg, stop_after=args.stop_after_updates)
+    except KeyboardInterrupt:
+        saved = last_saved(Path(cfg.run.output_dir))
+        raise KeyboardInterrupt(
+            "no checkpoint was saved"
+            if saved is None
+            else f"last checkpoint {saved}; run the same command to resume from it"
+        ) from None
+    results = run_dir / "eval.json"
+    if (run_dir / "DONE").is_file() and results.is_file():
+        print(f"final metrics ({results}):")
+        print(_metric_lines(json.loads(results.read_text())), end="", flush=True)
     print(f"{PROG} train: done; run directory {run_dir}", file=sys.stderr)
     return 0
+
+
+def _metric_lines(metrics: dict) -> str:
+    """`  key value` lines, sorted by key, numbers to 4 significant decimals."""
+    shown = {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in metrics.items()}
+    width = max((len(k) for k in shown), default=0)
+    return "".join(f"  {k:<{width}}  {v}\n" for k, v in sorted(shown.items()))
 
 
 def _positive_int(text: str) -> int:
@@ -119,11 +173,13 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force text-to-image (default: on when the prompt starts with 'draw')",
     )
+    add_random_init_argument(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Validate the config, then sample and write generations.png / generations.json."""
-    cfg = load_args_config(args)
+    """Validate the config (a model.path or --random-init), then sample and write
+    generations.png / generations.json."""
+    cfg = load_weights_config(args)
     from pathlib import Path
 
     from unirl.generate import generate
@@ -176,12 +232,49 @@ def run_data(args: argparse.Namespace) -> int:
     return export.run(args)
 
 
+def configure_config(parser: argparse.ArgumentParser) -> None:
+    """`unirl config describe [KEY] [--markdown]`: the config reference (from the schema)."""
+    sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    child = sub.add_parser(
+        "describe",
+        help="print each config field's dotted key, type, default and description",
+        description="Print each config field's dotted key, type, default and description, "
+        "from the schema: all fields, or KEY and the fields under it (algorithm variants: "
+        "algorithm[grpo].clip_low, or algorithm.clip_low for every variant that has it).",
+    )
+    child.add_argument("key", nargs="?", metavar="KEY", help="e.g. trainer.optimizer.lr")
+    child.add_argument(
+        "--markdown", action="store_true", help="print tables (what docs/config.md holds)"
+    )
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from unirl.config import reference
+
+    docs = reference.lookup(args.key)
+    sys.stdout.write(reference.markdown(docs) if args.markdown else reference.text(docs))
+    return 0
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    """Validate the config, then evaluate `model.path` (see `unirl.eval.runner`)."""
-    cfg = load_args_config(args)
+    """Validate the config (a model.path or --random-init), then evaluate the model (see
+    `unirl.eval.runner`)."""
+    cfg = load_weights_config(args)
     from unirl.eval import run_eval as evaluate
 
-    out = evaluate(cfg)
+    e = cfg.evaluation
+    try:
+        out = evaluate(cfg)
+    except KeyboardInterrupt:
+        out = e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}"
+        raise KeyboardInterrupt(
+            f"the records written so far are kept in {out}; run the same command to continue"
+        ) from None
+    summary = json.loads((out / "summary.json").read_text())
+    for task, stats in sorted(summary["tasks"].items()):
+        print(f"{task}:")
+        print(_metric_lines(stats), end="")
+    sys.stdout.flush()
     print(f"{PROG} eval: results in {out} (summary.json, index.html)", file=sys.stderr)
     return 0
 
@@ -224,7 +317,7 @@ COMMANDS: list[Command] = [
     Command(
         "eval",
         "evaluate a model on a data split with the reward plugins (resumable)",
-        add_config_arguments,
+        configure_eval,
         run_eval,
     ),
     Command(
@@ -232,6 +325,12 @@ COMMANDS: list[Command] = [
         "print Information Gain full / blind / gain scores on val rows (CPU, writes nothing)",
         configure_probe,
         run_probe,
+    ),
+    Command(
+        "config",
+        "the config reference: 'config describe [KEY]' (type, default, description)",
+        configure_config,
+        run_config,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
@@ -269,7 +368,7 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     and return the exit code."""
     parser = build_parser(COMMANDS if commands is None else commands)
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else 2
     try:
@@ -277,10 +376,21 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
     except ConfigError as exc:
         _locate(args, exc)
         return _fail(args, str(exc), 2)
-    except KeyboardInterrupt:
-        return _fail(args, "interrupted", 130)
+    except KeyboardInterrupt as exc:  # a command may say what it saved
+        return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback
         return _fail(args, f"{type(exc).__name__}: {exc}", 1)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parse_args`, also taking KEY=VALUE overrides after an option (`CONFIG --random-init
+    a=1`: argparse would leave `a=1` unrecognised), in command-line order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def _locate(args: argparse.Namespace, exc: ConfigError) -> None:

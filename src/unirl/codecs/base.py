@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from unirl.core.atomic import apply_umask
+
 ArrayLike = np.ndarray | torch.Tensor
 CONFIG_NAME = "codec.json"
 WEIGHTS_NAME = "codec.safetensors"
@@ -209,6 +211,7 @@ class ImageCodec(ABC):
         save_file(tensors, str(root / WEIGHTS_NAME))
         config = {"kind": self.kind, **self.config()}
         (root / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        apply_umask(root)  # safetensors writes 0600
         return root
 
     @classmethod

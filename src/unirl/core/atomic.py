@@ -11,6 +11,12 @@ and directory under it is fsynced, an old `NAME` is renamed to ``.NAME.old.tmp``
 staging directory renamed into place, the parent fsynced, and the old one removed
 (`write_dir_atomic`).
 
+Permissions: what lands in place gets the permissions a plain `open` / `mkdir` would
+under the process umask (files 0666 & ~umask, 0777 & ~umask when executable; directories
+0777 & ~umask: 0644 / 0755 under umask 022), whatever the writer used (safetensors writes
+0600, `tempfile.mkdtemp` 0700), so a teammate on shared storage can read a run
+(`apply_umask`).
+
 A Python exception while writing removes the temporary; a kill leaves it, and every
 temporary name starts with a dot and holds ``.tmp`` (`is_temporary`), so whoever owns the
 directory can find and remove them (`unirl.train.state.checkpoint.tidy_run_dir`).
@@ -62,6 +68,33 @@ def fsync_tree(path: Path) -> None:
             fsync_file(sub)
     for sub in sorted([p for p in path.rglob("*") if p.is_dir()] + [path], reverse=True):
         fsync_dir(sub)
+
+
+def current_umask() -> int:
+    """The process umask (read from /proc where it can be, without changing it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give `path` and everything under it (links are left alone) the permissions the
+    process umask gives a new file or directory: directories 0777 & ~umask, files
+    0666 & ~umask (0777 & ~umask when the owner may execute them)."""
+    path = Path(path)
+    mask = current_umask()
+    for sub in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if sub.is_symlink():
+            continue
+        mode = sub.stat().st_mode
+        full = 0o777 if sub.is_dir() or mode & 0o100 else 0o666
+        os.chmod(sub, full & ~mask)
 
 
 def remove(path: Path) -> None:
@@ -132,6 +165,7 @@ def write_dir_atomic(
         staging.mkdir()
     try:
         write(staging)
+        apply_umask(staging)
         fsync_tree(staging)
         if final.exists():
             if unique:

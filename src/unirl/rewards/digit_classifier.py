@@ -18,6 +18,7 @@ from torch import nn
 
 from unirl.codecs.base import ArrayLike, as_pixels, as_tensor, train_minibatches
 from unirl.config.schema import RewardConfig
+from unirl.core.atomic import apply_umask
 from unirl.data.digits_images import load_split
 
 CONFIG_NAME = "classifier.json"
@@ -145,6 +146,7 @@ class DigitClassifier:
         save_file(state, str(root / WEIGHTS_NAME))
         config = {"kind": "digit_classifier", **self.config()}
         (root / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        apply_umask(root)  # safetensors writes 0600
         return root
 
     @classmethod

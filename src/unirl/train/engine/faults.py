@@ -26,7 +26,11 @@ def perturb_for_test(model: UnifiedModel, rank: int) -> None:
 def inject_fault(point: str, update: int) -> None:
     """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
     (points: rollout, update (after a micro-batch's backward), after_update,
-    checkpoint_write, model_write)."""
+    checkpoint_write, model_write); `UNIRL_FAULT=<point>:<update>:SIGINT` sends SIGINT
+    instead (a Ctrl-C: Python raises KeyboardInterrupt there)."""
     spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec == f"{point}:{update}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if not spec:
+        return
+    where, _, sig = spec.partition(":SIG")
+    if where == f"{point}:{update}":
+        os.kill(os.getpid(), signal.SIGINT if sig == "INT" else signal.SIGKILL)

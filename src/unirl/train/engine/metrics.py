@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,12 +198,49 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-class Progress:
-    """A rich progress bar with updates/s, loss and ETA; silent under CI=true or no TTY."""
+REWARD_KEYS = ("reward_mean", "reward/mean", "reward")
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+
+def interactive() -> bool:
+    """Whether progress is drawn for a person: stderr is a terminal and CI is not `true`.
+    Otherwise (a log file, `nohup`, SLURM, CI) training prints plain lines instead."""
+    return sys.stderr.isatty() and os.environ.get("CI", "").lower() != "true"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(max(seconds, 0.0)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def progress_line(
+    update: int, total: int, metrics: dict[str, Any], seconds_per_update: float
+) -> str:
+    """One plain log line: update/total, loss, the mean reward (when the update has one),
+    lr, s/update and the ETA at that pace."""
+    parts = [f"update {update}/{total}", f"loss {metrics['loss']:.4f}"]
+    reward = next((metrics[k] for k in REWARD_KEYS if k in metrics), None)
+    if isinstance(reward, (int, float)):
+        parts.append(f"reward {reward:.4f}")
+    if isinstance(metrics.get("lr"), (int, float)):
+        parts.append(f"lr {metrics['lr']:.3g}")
+    parts.append(f"{seconds_per_update:.2f} s/update")
+    parts.append(f"ETA {_duration(seconds_per_update * (total - update))}")
+    return "  ".join(parts)
+
+
+class Progress:
+    """Progress of a run for a person. On an interactive terminal (`interactive`) a rich
+    bar with updates/s, loss and ETA (when `enabled`, i.e. `logging.progress_bar`);
+    elsewhere (`plain`: a log file, `nohup`, SLURM, CI=true) one `progress_line` on stdout
+    per logged update (`logged`), whatever `enabled` says."""
+
+    def __init__(self, total: int, start: int, enabled: bool, plain: bool = False) -> None:
         self._progress = None
-        if enabled and sys.stderr.isatty() and os.environ.get("CI", "").lower() != "true":
+        self.total = total
+        self.plain = plain
+        self._start, self._t0 = start, time.monotonic()
+        if enabled and not plain:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -229,6 +267,15 @@ class Progress:
     def advance(self, loss: float, rate: float) -> None:
         if self._progress is not None:
             self._progress.update(self._task, advance=1, loss=loss, rate=rate)
+
+    def logged(self, update: int, metrics: dict[str, Any]) -> None:
+        """Update `update` was logged: in plain mode print its line (s/update: the mean
+        wall time per update since this process started training, evaluations and
+        checkpoints included)."""
+        if not self.plain:
+            return
+        pace = (time.monotonic() - self._t0) / max(update - self._start, 1)
+        print(progress_line(update, self.total, metrics, pace), flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -36,7 +36,7 @@ from unirl.train.dist.comm import DistInfo, all_reduce_sum, barrier
 from unirl.train.dist.parallel import Parallel
 from unirl.train.engine.batching import pack, rank_micro_batches
 from unirl.train.engine.faults import inject_fault, perturb_for_test
-from unirl.train.engine.metrics import MetricsLogger, Progress, truncate_metrics
+from unirl.train.engine.metrics import MetricsLogger, Progress, interactive, truncate_metrics
 from unirl.train.engine.optim import build_scheduler
 from unirl.train.engine.protocols import BatchSource, Objective
 from unirl.train.state import checkpoint as ckpt
@@ -125,6 +125,7 @@ class Trainer:
         )
         self.config_hash = config_hash(cfg)
         self.update = 0
+        self.resumed_from: Path | None = None
         self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
@@ -201,6 +202,7 @@ class Trainer:
         if rank_file.is_file():
             ckpt.restore_rng_states(found.rng_state(self.dist.rank))
         self.update = found.update
+        self.resumed_from = found.path
         if self.dist.is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
         return True
@@ -341,12 +343,24 @@ class Trainer:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
             self.save()
+        if self.dist.is_main:
+            if resumed:
+                print(
+                    f"resumed from update {self.update} ({self.resumed_from}); "
+                    f"{self.t.total_updates - self.update} updates to go",
+                    flush=True,
+                )
+            else:
+                print(f"training {self.t.total_updates} updates into {self.run_dir}", flush=True)
         log = self.cfg.logging
         logger = None
         if self.dist.is_main:
             logger = MetricsLogger(self.run_dir, log, self.cfg.model_dump(mode="json"))
         total, eval_every = self.t.total_updates, self.t.eval_every
-        progress = Progress(total, self.update, log.progress_bar and self.dist.is_main)
+        main = self.dist.is_main
+        progress = Progress(
+            total, self.update, log.progress_bar and main, plain=main and not interactive()
+        )
         start = self.update
         try:
             while self.update < total:
@@ -360,7 +374,8 @@ class Trainer:
                     last = self.update == total
                     evaluated = self.evaluator is not None and eval_every > 0
                     evaluated = evaluated and self.update % eval_every == 0
-                    logger.log(self.update, metrics, force=last or evaluated)
+                    if logger.log(self.update, metrics, force=last or evaluated):
+                        progress.logged(self.update, metrics)
                 self._log_samples(logger)
                 inject_fault("after_update", self.update)
                 stop = stop_after is not None and self.update - start >= stop_after

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from unirl.core.atomic import fsync_dir, fsync_tree, is_temporary, remove
+from unirl.core.atomic import apply_umask, fsync_dir, fsync_tree, is_temporary, remove
 from unirl.core.atomic import write_dir_atomic as write_dir_atomic  # re-exported
 from unirl.core.atomic import write_text_atomic as write_text_atomic  # re-exported
 
@@ -160,6 +160,7 @@ def seal_checkpoint(run_dir: Path, update: int, state: dict[str, Any], keep_last
     }
     full_state = {**state, "update": update, "manifest": manifest}
     (staging / STATE).write_text(json.dumps(full_state, indent=2, sort_keys=True))
+    apply_umask(staging)
     fsync_tree(staging)
     final = checkpoint_dir(run_dir) / f"{PREFIX}{update:06d}"
     if final.exists():
@@ -277,6 +278,13 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     for _path, reason in scan.corrupt:
         warnings.warn(f"skipping corrupt checkpoint: {reason}", stacklevel=2)
     return scan.latest
+
+
+def last_saved(run_dir: Path) -> Path | None:
+    """The newest committed checkpoint directory of a run, by name, without verifying it
+    (what an interrupted run reports having saved); None when there is none."""
+    found = _candidates(run_dir)
+    return found[-1] if found else None
 
 
 def stale_temporaries(run_dir: Path) -> list[Path]:

@@ -1,0 +1,79 @@
+"""Logs outside a terminal (issue 30 item 5): with stdout and stderr redirected to files
+(no TTY, CI unset) `unirl train` prints one plain line per logged update, says where it
+resumed from after a kill, prints the final metrics (eval.json's), and a Ctrl-C says which
+checkpoint was saved. The runs are `unirl` processes forked from one that imported torch
+once (`trainer_helpers.ForkedCLI`), whose fds 1 and 2 are files."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from trainer_helpers import ForkedCLI, fit_small_codec, tiny_config, write_config
+
+from unirl.train.engine.metrics import progress_line
+
+LINE = re.compile(
+    r"^update (\d+)/4  loss \d+\.\d{4}  lr \S+  \d+\.\d\d s/update  ETA \d+:\d\d:\d\d$", re.M
+)
+
+
+def test_progress_line_has_reward_when_the_update_has_one():
+    metrics = {"loss": 0.5, "reward_mean": 0.25, "lr": 1e-4}
+    line = progress_line(3, 10, metrics, 2.0)
+    assert line == "update 3/10  loss 0.5000  reward 0.2500  lr 0.0001  2.00 s/update  ETA 0:00:14"
+    assert "reward" not in progress_line(3, 10, {"loss": 0.5}, 2.0)
+
+
+@pytest.fixture(scope="module")
+def cli():
+    return ForkedCLI()
+
+
+def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_path, cli):
+    codec = fit_small_codec(tmp_path / "vq")
+    run = tmp_path / "run"
+    cfg = tiny_config(
+        run,
+        codec,
+        data={"tasks": ["i2t_mc"], "train_size": 4, "val_size": 0, "test_size": 2},
+        trainer={"total_updates": 4, "global_batch_size": 2, "micro_batch_size": 2},
+        rollout={"max_new_tokens": 4},
+        logging={"every": 1, "tensorboard": False, "progress_bar": True},
+    )
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+
+    # Ctrl-C after update 3: exit 130, naming the last checkpoint (update 2)
+    stopped = cli.run(["train", config], tmp_path, {**env, "UNIRL_FAULT": "after_update:3:SIGINT"})
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert [int(n) for n in LINE.findall(stopped.stdout)] == [1, 2, 3]
+    saved = run / "checkpoints" / "update-000002"
+    assert stopped.stderr.strip().endswith(
+        f"interrupted; last checkpoint {saved}; run the same command to resume from it"
+    )
+
+    # SIGKILL after update 3 of the resumed run (it resumes from update 2 again)
+    killed = cli.run(["train", config], tmp_path, {**env, "UNIRL_FAULT": "after_update:3"})
+    assert killed.returncode == -9
+    assert f"resumed from update 2 ({saved}); 2 updates to go" in killed.stdout
+
+    done = cli.run(["train", config], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from update 2 ({saved}); 2 updates to go" in done.stdout
+    assert [int(n) for n in LINE.findall(done.stdout)] == [3, 4]
+    results = json.loads((run / "eval.json").read_text())
+    tail = done.stdout.split(f"final metrics ({run / 'eval.json'}):\n", 1)[1]
+    shown = dict(line.split() for line in tail.splitlines())
+    assert shown.keys() == results.keys() and "i2t_mc/accuracy" in shown
+    assert all(float(shown[k]) == pytest.approx(v, abs=5e-5) for k, v in results.items())
+
+    # `unirl eval` on the exported model prints its summary, one block per task
+    out = tmp_path / "eval"
+    argv = ["eval", config, f"model.path={run / 'model'}", "evaluation.split=test"]
+    evaluated = cli.run([*argv, f"evaluation.output_dir={out}"], tmp_path, env)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())["tasks"]["i2t_mc"]
+    lines = evaluated.stdout.split("i2t_mc:\n", 1)[1].splitlines()
+    assert {line.split()[0] for line in lines} == summary.keys()
