@@ -40,7 +40,7 @@ def _init_device():
 
 def write_clip(path: Path, dry: bool = False) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_clip_score import write_tiny_clip
+    from model_fixtures import write_tiny_clip
 
     write_tiny_clip(path)
     print(f"asset clip: tiny random CLIPModel (width 16, 16 px) -> {path}")

@@ -7,6 +7,7 @@ import glob
 import io
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,23 @@ def tb_events(run_dir: Path):
     return acc
 
 
-def wandb_records(run_dir: Path) -> list:
+def wandb_records(run_dir: Path, wait_s: float = 60.0) -> list:
     """The protobuf records of the offline W&B run under `run_dir` (its .wandb log file:
-    a 7-byte file header, then records split into 7-byte-headed chunks per block)."""
+    a 7-byte file header, then records split into 7-byte-headed chunks per block).
+
+    wandb's writer is a separate process: on a loaded machine the file was once still
+    empty when `finish()` had returned (seen 3 times on 2 busy cores, never alone), so the
+    file is re-read until it holds the run's `exit` record, for up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _read_wandb_records(run_dir)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def _read_wandb_records(run_dir: Path) -> list:
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
