@@ -60,7 +60,7 @@ def write_janus(path: Path, dry: bool = False) -> None:
         num_heads=dims["heads"],
         codebook_size=dims["codes"],
         vocab_size=dims["vocab"],
-        max_positions=16_384,
+        max_position_embeddings=16_384,
         initializer_range=0.02,
     )
     base = tiny.tiny_config
@@ -99,7 +99,7 @@ def write_uniar(path: Path, dry: bool = False) -> None:
         num_heads=dims["heads"],
         num_kv_heads=dims["kv_heads"],
         intermediate_size=dims["mlp"],
-        max_positions=4096,
+        max_position_embeddings=4096,
     )
     torch.manual_seed(0)
     codec = BSQTokenizer(

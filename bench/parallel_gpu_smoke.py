@@ -49,7 +49,10 @@ def config(root: Path, mode: str, model: str, device: str, updates: int, fit: bo
                 "micro_batch_size": 4,
                 "parallel": mode,
                 "precision": "bf16" if cuda else "fp32",
-                "fsdp": {"param_dtype": "bf16" if cuda else "fp32"},
+                # fsdp settings are refused under another parallel mode (they would not act)
+                **(
+                    {"fsdp": {"param_dtype": "bf16" if cuda else "fp32"}} if mode == "fsdp2" else {}
+                ),
             },
             "checkpoint": {"every_updates": 0},
             "logging": {"tensorboard": False, "progress_bar": False},
