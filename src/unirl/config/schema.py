@@ -324,8 +324,11 @@ class RolloutConfig(StrictModel):
         "guided", description="Score visual log-probs under the guided or the conditional logits."
     )
     bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
-    max_new_tokens: int = Field(
-        64, gt=0, description="Sampled positions per row (exact: must equal the image's H*W)."
+    max_new_tokens: int | None = Field(
+        64,
+        gt=0,
+        description="Sampled positions per row (exact: must equal the image's H*W); null: "
+        "the model's context length bounds the row, with the cycle detector on.",
     )
     length_semantics: Literal["cap", "exact"] = Field(
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
@@ -348,6 +351,20 @@ class RolloutConfig(StrictModel):
 
     @model_validator(mode="after")
     def _grid(self) -> RolloutConfig:
+        if self.max_new_tokens is None:
+            if self.cycle_max_period == 0:
+                raise incompatible(
+                    "max_new_tokens",
+                    "null (the context length as the horizon) needs the cycle detector on "
+                    "(rollout.cycle_max_period > 0): a looping row would otherwise run to "
+                    "the end of the context",
+                )
+            if self.length_semantics == "exact":
+                raise incompatible(
+                    "max_new_tokens",
+                    "null cannot go with length_semantics 'exact' (an exact image needs "
+                    "max_new_tokens = H*W)",
+                )
         if self.min_grid_side > self.max_grid_side:
             raise incompatible(
                 "min_grid_side", f"{self.min_grid_side} exceeds max_grid_side={self.max_grid_side}"

@@ -184,6 +184,11 @@ class RolloutEngine:
                     f"{where}: length_semantics 'exact' needs max_new_tokens == H*W = "
                     f"{grid[0] * grid[1]}, got {p.max_new_tokens}"
                 )
+        if p.max_new_tokens is None and self.max_positions is None:
+            raise ValueError(
+                f"{where}: max_new_tokens None bounds the row by the model's context length, "
+                "but the model declares none (pass max_positions)"
+            )
         need = len(prompt) + (grid[0] * grid[1] + 1 if p.length_semantics == "exact" else 1)
         if self.max_positions is not None and need > self.max_positions:
             raise ValueError(

@@ -1,0 +1,64 @@
+"""Rollout horizons (issue 33 item 5): `rollout.max_new_tokens: null` is the model's
+context length with the cycle detector on (refused with the detector off or under exact
+length), and a digits GRPO run with it runs to completion."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainer_helpers import fit_small_codec, tiny_config
+
+from unirl.config import ConfigError, RolloutConfig, validate_config
+from unirl.rollout import SamplingParams
+from unirl.rollout.config import sampling_params
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_null_horizon_needs_the_cycle_detector_and_cap():
+    cfg = RolloutConfig(max_new_tokens=None)
+    assert cfg.cycle_max_period > 0 and sampling_params(cfg).max_new_tokens is None
+    with pytest.raises(ConfigError, match="cycle detector on") as info:
+        validate_config({"rollout": {"max_new_tokens": None, "cycle_max_period": 0}})
+    assert info.value.key == "rollout.max_new_tokens"
+    with pytest.raises(ConfigError, match="exact") as info:
+        validate_config({"rollout": {"max_new_tokens": None, "length_semantics": "exact"}})
+    assert info.value.key == "rollout.max_new_tokens"
+    with pytest.raises(ValueError, match="cycle detector on"):
+        SamplingParams(max_new_tokens=None, cycle_max_period=0)
+    params = SamplingParams(max_new_tokens=None)
+    assert not params.at_cap(10**9) and SamplingParams(max_new_tokens=3).at_cap(3)
+
+
+def test_a_digits_grpo_run_with_a_null_horizon_runs_to_completion(tmp_path):
+    from test_grpo_loop import fit, make_trainer
+
+    codec = fit_small_codec(tmp_path / "vq", "vq")
+    cfg = tiny_config(
+        tmp_path / "run",
+        codec,
+        model={"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                        "intermediate_size": 64, "max_position_embeddings": 96}},
+        data={"tasks": ["i2t_mc"], "train_size": 8, "val_size": 0, "test_size": 0},
+        rollout={"max_new_tokens": None, "length_semantics": "cap", "temperature": 1.5},
+        reward={"plugins": [{"name": "mc_exact"}]},
+        algorithm={"name": "grpo", "group_size": 4},
+        trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
+    )  # fmt: skip
+    config = validate_config(cfg)
+    assert config.rollout.max_new_tokens is None
+    trainer = make_trainer(config)
+    trajs = trainer.source.global_batch(0)
+    reasons = {t.finish_reason for t in trajs}
+    assert "context" in reasons and reasons <= {"eos", "cycle", "context", "invalid"}
+    assert max(len(t.token_ids) for t in trajs) <= 96
+    history = fit(trainer)
+    assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history)
