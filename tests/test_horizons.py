@@ -62,3 +62,58 @@ def test_a_digits_grpo_run_with_a_null_horizon_runs_to_completion(tmp_path):
     assert max(len(t.token_ids) for t in trajs) <= 96
     history = fit(trainer)
     assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history)
+
+
+def _sft_config(tmp_path, codec, **data):
+    return validate_config(
+        tiny_config(
+            tmp_path / "sft",
+            codec,
+            data={"tasks": ["t2i", "i2t_mc"], "train_size": 4, "val_size": 0, "test_size": 0,
+                  **data},
+        )
+    )  # fmt: skip
+
+
+def test_sft_rows_over_the_sequence_limit_are_refused_or_dropped(tmp_path, caplog):
+    """Digits rows serialise to 36 (t2i) and 52 (i2t_mc) positions on the tiny model."""
+    from unirl.train.engine.build import build_model
+    from unirl.train.methods.sft.source import sft_trajectories
+
+    codec = fit_small_codec(tmp_path / "vq", "vq")
+    cfg = _sft_config(tmp_path, codec)
+    model = build_model(cfg)
+    lengths = sorted(len(t) for t in sft_trajectories(cfg, model, "train", 4))
+    assert lengths == [36] * 4 + [52] * 4
+    fits = _sft_config(tmp_path, codec, max_sequence_tokens=52)
+    assert len(sft_trajectories(fits, model, "train", 4)) == 8
+    refuse = _sft_config(tmp_path, codec, max_sequence_tokens=40)
+    with pytest.raises(ConfigError, match="task 'i2t_mc' row .* 52 positions, more than 40") as e:
+        sft_trajectories(refuse, model, "train", 4)
+    assert e.value.key == "data.max_sequence_tokens"
+    drop = _sft_config(tmp_path, codec, max_sequence_tokens=40, over_length="drop")
+    with caplog.at_level("WARNING"):
+        kept = sft_trajectories(drop, model, "train", 4)
+    assert [len(t) for t in kept] == [36] * 4
+    assert "dropped 4 of 8 train rows" in caplog.text
+    with pytest.raises(ConfigError, match="every train row is longer than 8"):
+        sft_trajectories(_sft_config(tmp_path, codec, max_sequence_tokens=8,
+                                     over_length="drop"), model, "train", 4)  # fmt: skip
+
+
+def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
+    import json
+
+    from unirl.train.engine.build import build_model
+    from unirl.train.methods.sft.source import sft_trajectories
+
+    rows = tmp_path / "rows.jsonl"
+    words = ["one", "two " * 30]
+    rows.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "say"}, {"role": "assistant", "content": w}]}) + "\n"
+        for w in words))  # fmt: skip
+    codec = fit_small_codec(tmp_path / "vq", "vq")
+    cfg = _sft_config(tmp_path, codec, tasks=["colour"], path=str(rows), default_task="colour",
+                      max_sequence_tokens=24, train_size=0)  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"{rows}:2: the train row serialises to"):
+        sft_trajectories(cfg, build_model(cfg), "train", 0)

@@ -386,6 +386,18 @@ def _data(kit):
     differs(kit, steps, "data.shuffle", True, False, **one)
 
 
+@probe("data.max_sequence_tokens", "data.over_length")
+def _sequence_limit(kit):
+    """Which serialised SFT rows a run keeps (t2i rows are shorter than i2t_mc rows)."""
+    from unirl.train.methods.sft.source import sft_trajectories
+
+    observe = lambda c: len(sft_trajectories(c, build_model(c), "train", 4))  # noqa: E731
+    differs(kit, observe, "data.max_sequence_tokens", 64, 40, data__over_length="drop")
+    with pytest.raises(ConfigError, match="more than 40"):
+        observe(config(kit, {"data.max_sequence_tokens": 40}))
+    assert observe(config(kit, {"data.max_sequence_tokens": 40, "data.over_length": "drop"})) == 4
+
+
 @probe("data.val_size", "trainer.eval_every")
 def _validation(kit):
     def val_keys(c):
@@ -1267,6 +1279,15 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "sft logs no samples", GRPO_RUN),
     ("shuffle_under_grpo", {**GRPO_RUN, "data": {"shuffle": False}}, "data.shuffle",
      "acts only with sft: grpo draws its prompts", {"algorithm": {"name": "sft"}}),
+    ("over_length_without_a_limit", {"data": {"over_length": "drop"}}, "data.over_length",
+     "acts only with data.max_sequence_tokens set", {"data": {"max_sequence_tokens": 64}}),
+    ("max_sequence_tokens_under_grpo", {**GRPO_RUN, "data": {"max_sequence_tokens": 64}},
+     "data.max_sequence_tokens", "acts only with sft: grpo rows are bounded by the rollout",
+     {"algorithm": {"name": "sft"}}),
+    ("null_horizon_with_the_cycle_stop_off", {"rollout": {"max_new_tokens": None,
+                                                          "cycle_max_period": 0}},
+     "rollout.max_new_tokens", "needs the cycle detector on",
+     {"rollout": {"cycle_max_period": 4}}),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

@@ -266,6 +266,17 @@ class DataConfig(StrictModel):
     )
     seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
     shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
+    max_sequence_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Hard context limit of a serialised SFT row (positions, prompt "
+        "included); null = none.",
+    )
+    over_length: Literal["refuse", "drop"] = Field(
+        "refuse",
+        description="An SFT row longer than data.max_sequence_tokens: stop naming it "
+        "(refuse) or leave it out with a logged count (drop).",
+    )
 
     @property
     def uses_bpe(self) -> bool:
@@ -618,7 +629,17 @@ class UnirlConfig(StrictModel):
                 f"{self.trainer.eval_every} evaluates nothing: data.val_size is 0 (set it > 0, "
                 "or eval_every 0)",
             )
+        if self.data.max_sequence_tokens is None and changed(self.data, "over_length"):
+            raise incompatible(
+                "data.over_length", "acts only with data.max_sequence_tokens set (no limit)"
+            )
         if not isinstance(algo, SFTConfig):
+            if self.data.max_sequence_tokens is not None:
+                raise incompatible(
+                    "data.max_sequence_tokens",
+                    f"acts only with sft: {algo.name} rows are bounded by the rollout "
+                    "(rollout.max_new_tokens and the model's context length)",
+                )
             if changed(self.data, "shuffle"):
                 raise incompatible(
                     "data.shuffle",
