@@ -117,3 +117,62 @@ def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
                       max_sequence_tokens=24, train_size=0)  # fmt: skip
     with pytest.raises(ConfigError, match=rf"{rows}:2: the train row serialises to"):
         sft_trajectories(cfg, build_model(cfg), "train", 0)
+
+
+# ---- UniAR: image grids within the model's own 1..30 ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uniar():
+    from test_uniar import SIZES, random_codec
+
+    from unirl.codecs.base import single_thread
+    from unirl.models.uniar import build_tiny_uniar
+
+    with single_thread():
+        yield build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0)
+
+
+def _scripted(model, script: list[int]):
+    """`model.text_logits` forced toward `script`, one token per call (one row)."""
+    raw, step = model.text_logits, iter(range(len(script)))
+
+    def forced(hidden):
+        logits = raw(hidden)
+        k = next(step, None)
+        if k is not None:
+            logits = torch.full_like(logits, -1e4)
+            logits[:, script[k]] = 1e4
+        return logits
+
+    return forced
+
+
+@pytest.mark.parametrize(("height", "width", "started"), [(31, 4, False), (4, 31, False),
+                                                          (30, 1, True)])  # fmt: skip
+def test_a_uniar_rollout_never_starts_an_image_outside_1_to_30(
+    uniar, monkeypatch, height, width, started
+):
+    """Logits forced to write `<image_gen> generate image H W<|vision_start|>`: with
+    rollout.max_grid_side 32 (the default) a side of 31 is still no valid header for
+    UniAR (its serialisation allows 1..30): the row ends "invalid" and holds no image;
+    30 starts one."""
+    from unirl.core.sample import Sample, TextPart
+    from unirl.data.template import image_generation_prefix
+    from unirl.rollout import RolloutEngine, RolloutRequest
+
+    assert uniar.max_grid_side == 30
+    script = image_generation_prefix(height, width, uniar.tokenizer)
+    monkeypatch.setattr(uniar, "text_logits", _scripted(uniar, script), raising=False)
+    params = SamplingParams(max_new_tokens=len(script) + 3, cycle_max_period=0)
+    assert params.max_grid_side == 32 and params.grid_allowed(height, width)
+    prompt = Sample("p", [TextPart("draw", role="user")])
+    (out,) = RolloutEngine(uniar).generate([RolloutRequest(prompt, 0, params)])
+    n = out.sampling.prompt_length
+    assert out.token_ids[n : n + len(script)].tolist() == script
+    if started:
+        assert out.image_grids == [(height, width)] and out.finish_reason == "cap"
+    else:
+        assert out.image_grids == [] and out.finish_reason == "invalid"
+    with pytest.raises(ValueError, match="outside the model's own limit 1..30"):
+        RolloutEngine(uniar)._check_request(RolloutRequest(prompt, 0, params), out, (31, 2))

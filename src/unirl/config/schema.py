@@ -353,7 +353,12 @@ class RolloutConfig(StrictModel):
     )
     cycle_repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
     min_grid_side: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
-    max_grid_side: int = Field(32, gt=0, description="Largest H or W accepted in an image header.")
+    max_grid_side: int = Field(
+        32,
+        gt=0,
+        description="Largest H or W accepted in an image header (a model's own limit, "
+        "UniAR's 30, bounds it too).",
+    )
     on_invalid_header: Literal["invalid", "text"] = Field(
         "invalid",
         description="Bad 'generate image H W' header: end the row 'invalid', or keep "

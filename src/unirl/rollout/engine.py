@@ -94,6 +94,12 @@ class RolloutEngine:
         else:
             self.special = SpecialIds.from_tokenizer(self.tokenizer)
             self.parse_header = partial(parse_image_header, tokenizer=self.tokenizer)
+        # The model's own grid limit (UniAR: 1..30) bounds every image header: a sampled
+        # header outside it is no valid header (the row ends "invalid", or the
+        # vision-start stays text), so no image of such a grid is ever started.
+        self.grid_limit = getattr(model, "max_grid_side", None)
+        if self.grid_limit is not None:
+            self.parse_header = partial(_bounded_header, self.parse_header, self.grid_limit)
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
@@ -175,6 +181,11 @@ class RolloutEngine:
             raise ValueError(
                 f"{where}: forced image grid {grid} outside [{p.min_grid_side}, "
                 f"{p.max_grid_side}] per side"
+            )
+        if grid is not None and self.grid_limit is not None and max(grid) > self.grid_limit:
+            raise ValueError(
+                f"{where}: forced image grid {grid} outside the model's own limit "
+                f"1..{self.grid_limit} per side"
             )
         if p.length_semantics == "exact":
             if grid is None:
@@ -328,6 +339,12 @@ class RolloutEngine:
                 codes.append(c)
                 where.append(s.last_image_position())
         return ids, modality, codes, where
+
+
+def _bounded_header(parse, limit: int, token_ids: Sequence[int]) -> tuple[int, int] | None:
+    """`parse(token_ids)`, or None when a side of the announced grid exceeds `limit`."""
+    grid = parse(token_ids)
+    return None if grid is None or max(grid) > limit else grid
 
 
 def _compact_now(n_finished: int, n_rows: int) -> bool:
