@@ -11,8 +11,9 @@ images; then
 - token K3 (`k3_mismatch`: mean of exp(Δ) − Δ − 1, the per-token KL estimate);
 - sequence K3 (`sequence_k3`: exp(δ) − δ − 1 of δ = Σ_t Δ_t per row; mean and max).
 
-Modes (rollout / replay): fp32/fp32; bf16/fp32 and bf16/bf16 with CPU autocast to
-bfloat16 (`torch.autocast("cpu", torch.bfloat16)`: matmuls in bf16, weights kept fp32);
+Modes (rollout / replay): fp32/fp32; bf16/fp32 and bf16/bf16: the engine's
+`precision="bf16"` (`rollout.precision: bf16`, CPU autocast to bfloat16: matmuls in
+bf16, weights kept fp32), the replay in fp32 or under the same autocast;
 bf16w/fp32: the rollout runs a bfloat16 copy of the weights (bf16 weights and compute).
 Sampled tokens come from the rollout, so every mode scores its own rows.
 
@@ -82,8 +83,8 @@ def measure(model, reqs, rollout: str, replay: str) -> dict[str, float]:
     sampler = model
     if rollout == "bf16w":
         sampler = copy.deepcopy(model).to(torch.bfloat16)
-    with autocast(rollout == "bf16"):
-        trajs = RolloutEngine(sampler).generate(reqs)
+    precision = "bf16" if rollout == "bf16" else "fp32"  # rollout.precision
+    trajs = RolloutEngine(sampler, precision=precision).generate(reqs)
     batch = TrajectoryBatch.collate(trajs, model.special_ids.pad)
     with torch.no_grad(), autocast(replay == "bf16"):
         replayed = replay_logprobs(model, batch, batch.sampling).logp

@@ -176,3 +176,48 @@ def test_a_uniar_rollout_never_starts_an_image_outside_1_to_30(
         assert out.image_grids == [] and out.finish_reason == "invalid"
     with pytest.raises(ValueError, match="outside the model's own limit 1..30"):
         RolloutEngine(uniar)._check_request(RolloutRequest(prompt, 0, params), out, (31, 2))
+
+
+# ---- rollout.precision: bf16 rollouts (issue 33 item 1) ---------------------------------
+
+
+def test_bf16_rollouts_compute_the_visual_logits_in_bf16(monkeypatch):
+    """`precision="bf16"`: the engine decodes under bf16 autocast (the visual logits come
+    out bf16, weights untouched, the recorded log-probs stay float32 and differ from fp32's); the
+    config knob reaches the GRPO rollout service and is refused where nothing reads it."""
+    from rollout_fixtures import tiny_model
+
+    from unirl.rollout import RolloutEngine, RolloutRequest
+
+    model = tiny_model("vq")
+    seen = []
+    raw = model.visual_logits
+
+    def logits(hidden):
+        out = raw(hidden)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(model, "visual_logits", logits, raising=False)
+    params = SamplingParams(guidance=5.0, max_new_tokens=16, length_semantics="exact")
+    from unirl.data.digits import make_task_samples
+
+    reqs = [RolloutRequest(s, k, params, image_grid=(4, 4))
+            for k, s in enumerate(make_task_samples("t2i", "val", 4, seed=1))]  # fmt: skip
+    fp32 = RolloutEngine(model).generate(reqs)
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    bf16 = RolloutEngine(model, precision="bf16").generate(reqs)
+    assert set(seen) == {torch.bfloat16}
+    assert all(t.rollout_logp.dtype == torch.float32 for t in bf16)
+    assert any(not torch.equal(a.rollout_logp, b.rollout_logp) for a, b in zip(fp32, bf16))
+    assert next(model.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be"):
+        RolloutEngine(model, precision="fp16")
+    grpo = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_exact"}]}}
+    assert validate_config({**grpo, "rollout": {"precision": "bf16"}}).rollout.precision == "bf16"
+    with pytest.raises(ConfigError, match="acts only with rollouts in training") as info:
+        validate_config({"rollout": {"precision": "bf16"}})
+    assert info.value.key == "rollout.precision"
+    with pytest.raises(ConfigError, match="acts only in-process"):
+        validate_config({**grpo, "rollout": {"precision": "bf16", "workers": 1}})

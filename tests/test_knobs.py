@@ -676,6 +676,19 @@ def _grpo_mismatch(kit):
     assert len(runs) == 4
 
 
+@probe("rollout.precision")
+def _rollout_precision(kit):
+    """The rollout log-probs a GRPO run records: fp32 or bf16-autocast sampling
+    (dtype path and refusals: tests/test_horizons.py)."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+
+    def logps(c):
+        return [t.rollout_logp.tolist() for t in make_trainer(c).source.global_batch(0)]
+
+    differs(kit, logps, "rollout.precision", "fp32", "bf16", grpo)
+
+
 @probe(
     "rollout.workers",
     "reward.workers",
@@ -1288,6 +1301,8 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
                                                           "cycle_max_period": 0}},
      "rollout.max_new_tokens", "needs the cycle detector on",
      {"rollout": {"cycle_max_period": 4}}),
+    ("rollout_precision_under_sft", {"rollout": {"precision": "bf16"}}, "rollout.precision",
+     "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

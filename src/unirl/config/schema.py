@@ -345,6 +345,11 @@ class RolloutConfig(StrictModel):
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
     )
     batch_size: int = Field(64, gt=0, description="Rows decoded together.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Compute of the training rollouts: fp32, or bf16 autocast (weights "
+        "stay fp32; replay keeps trainer.precision: a measured sampler/trainer mismatch).",
+    )
     workers: int = Field(
         0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
     )
@@ -623,6 +628,17 @@ class UnirlConfig(StrictModel):
                 "acts only with model.visual_head bsq (VQ codes are sampled at "
                 "rollout.temperature)",
             )
+        if changed(rollout, "precision"):
+            if isinstance(algo, SFTConfig):
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with rollouts in training (grpo, opd); evaluation samples in fp32",
+                )
+            if rollout.workers > 0:
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
+                )
         if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
             raise incompatible(
                 "rollout.cycle_repeats",

@@ -50,6 +50,7 @@ from unirl.rollout.request import RolloutRequest, RolloutTrajectory
 from unirl.rollout.state import RowState
 
 Finished = Literal["compact", "mask"]
+Precision = Literal["fp32", "bf16"]
 
 
 def context_length(model: UnifiedModel) -> int | None:
@@ -71,7 +72,10 @@ class RolloutEngine:
     `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
     every row. `lean` runs the decode steps of a plain Llama body through
     `unirl.rollout.lean_step` (bit-identical); False runs the model's forward. Both False
-    options are the A/B baselines of `bench/rollout.py`.
+    options are the A/B baselines of `bench/rollout.py`. `precision` "bf16" runs prefill
+    and decode under `torch.autocast(<device>, bfloat16)` (weights unchanged; the
+    recorded log-probs are float32 of bf16 logits): the `rollout.precision` setting,
+    whose mismatch with an fp32 replay `bench/mismatch.py` measures.
     """
 
     def __init__(
@@ -82,9 +86,13 @@ class RolloutEngine:
         finished: Finished = "compact",
         share_prefill: bool = True,
         lean: bool = True,
+        precision: Precision = "fp32",
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        self.precision = precision
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.own_format = self.tokenizer is model.tokenizer
@@ -216,6 +224,9 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            if self.precision == "bf16":
+                with torch.autocast(self.model.device.type, dtype=torch.bfloat16):
+                    return self._generate(list(requests))
             return self._generate(list(requests))
         finally:
             self.model.train(was_training)
