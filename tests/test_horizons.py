@@ -221,3 +221,30 @@ def test_bf16_rollouts_compute_the_visual_logits_in_bf16(monkeypatch):
     assert info.value.key == "rollout.precision"
     with pytest.raises(ConfigError, match="acts only in-process"):
         validate_config({**grpo, "rollout": {"precision": "bf16", "workers": 1}})
+
+
+def test_bf16_rollouts_open_a_gap_the_guards_see_in_a_grpo_run(tmp_path):
+    """Two GRPO updates on digits t2i (4x4 images, CFG w = 3) with fp32 and with bf16
+    rollouts, the percentile guard on: bf16 sampling opens a mismatch orders of magnitude
+    above fp32's, and the guard masks about (100 - p)% of the actions."""
+    from test_grpo_loop import fit, make_trainer
+
+    codec = fit_small_codec(tmp_path / "vq", "vq")
+
+    def run(precision: str) -> dict:
+        cfg = tiny_config(
+            tmp_path / precision,
+            codec,
+            data={"tasks": ["t2i"], "train_size": 8, "val_size": 0, "test_size": 0},
+            rollout={"max_new_tokens": 16, "length_semantics": "exact", "guidance": 3.0,
+                     "precision": precision},
+            reward={"plugins": [{"name": "digit_classifier"}]},
+            algorithm={"name": "grpo", "group_size": 4, "mismatch": {"percentile": 90.0}},
+            trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
+        )  # fmt: skip
+        return fit(make_trainer(validate_config(cfg)))[-1]
+
+    fp32, bf16 = run("fp32"), run("bf16")
+    assert fp32["mismatch/k3"] < 1e-9 and bf16["mismatch/k3"] > 1e3 * fp32["mismatch/k3"]
+    assert bf16["mismatch/abs_dlogp_p90"] > 5e-4 > 1e3 * fp32["mismatch/abs_dlogp_p90"]
+    assert 0.0 < bf16["mismatch/percentile_masked_share"] <= 0.1 + 1e-9
