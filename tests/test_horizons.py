@@ -219,6 +219,9 @@ def test_bf16_rollouts_compute_the_visual_logits_in_bf16(monkeypatch):
     with pytest.raises(ConfigError, match="acts only with rollouts in training") as info:
         validate_config({"rollout": {"precision": "bf16"}})
     assert info.value.key == "rollout.precision"
+    with pytest.raises(ConfigError, match="acts only with float32 weights"):
+        validate_config({**grpo, "rollout": {"precision": "bf16"},
+                         "trainer": {"precision": "fp64"}})  # fmt: skip
     with pytest.raises(ConfigError, match="acts only in-process"):
         validate_config({**grpo, "rollout": {"precision": "bf16", "workers": 1}})
 

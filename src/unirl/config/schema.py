@@ -634,6 +634,12 @@ class UnirlConfig(StrictModel):
                     "rollout.precision",
                     "acts only with rollouts in training (grpo, opd); evaluation samples in fp32",
                 )
+            if self.trainer.precision == "fp64":
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with float32 weights: autocast leaves trainer.precision fp64 "
+                    "tensors in float64",
+                )
             if rollout.workers > 0:
                 raise incompatible(
                     "rollout.precision",
