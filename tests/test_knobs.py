@@ -383,6 +383,18 @@ def _data(kit):
     differs(kit, steps, "data.shuffle", True, False, **one)
 
 
+@probe("data.max_sequence_tokens", "data.over_length")
+def _sequence_limit(kit):
+    """Which serialised SFT rows a run keeps (t2i rows are shorter than i2t_mc rows)."""
+    from unirl.train.methods.sft.source import sft_trajectories
+
+    observe = lambda c: len(sft_trajectories(c, build_model(c), "train", 4))  # noqa: E731
+    differs(kit, observe, "data.max_sequence_tokens", 64, 40, data__over_length="drop")
+    with pytest.raises(ConfigError, match="more than 40"):
+        observe(config(kit, {"data.max_sequence_tokens": 40}))
+    assert observe(config(kit, {"data.max_sequence_tokens": 40, "data.over_length": "drop"})) == 4
+
+
 @probe("data.val_size", "trainer.eval_every")
 def _validation(kit):
     def val_keys(c):
@@ -659,6 +671,19 @@ def _grpo_mismatch(kit):
     differs(kit, once, "algorithm.mismatch.replay_bound", None, 1.0001, grpo, **one)
     differs(kit, once, "algorithm.mismatch.percentile", None, 50.0, grpo, **one)
     assert len(runs) == 4
+
+
+@probe("rollout.precision")
+def _rollout_precision(kit):
+    """The rollout log-probs a GRPO run records: fp32 or bf16-autocast sampling
+    (dtype path and refusals: tests/test_horizons.py)."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+
+    def logps(c):
+        return [t.rollout_logp.tolist() for t in make_trainer(c).source.global_batch(0)]
+
+    differs(kit, logps, "rollout.precision", "fp32", "bf16", grpo)
 
 
 @probe(
@@ -1264,6 +1289,17 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "sft logs no samples", GRPO_RUN),
     ("shuffle_under_grpo", {**GRPO_RUN, "data": {"shuffle": False}}, "data.shuffle",
      "acts only with sft: grpo draws its prompts", {"algorithm": {"name": "sft"}}),
+    ("over_length_without_a_limit", {"data": {"over_length": "drop"}}, "data.over_length",
+     "acts only with data.max_sequence_tokens set", {"data": {"max_sequence_tokens": 64}}),
+    ("max_sequence_tokens_under_grpo", {**GRPO_RUN, "data": {"max_sequence_tokens": 64}},
+     "data.max_sequence_tokens", "acts only with sft: grpo rows are bounded by the rollout",
+     {"algorithm": {"name": "sft"}}),
+    ("null_horizon_with_the_cycle_stop_off", {"rollout": {"max_new_tokens": None,
+                                                          "cycle_max_period": 0}},
+     "rollout.max_new_tokens", "needs the cycle detector on",
+     {"rollout": {"cycle_max_period": 4}}),
+    ("rollout_precision_under_sft", {"rollout": {"precision": "bf16"}}, "rollout.precision",
+     "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

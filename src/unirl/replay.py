@@ -128,7 +128,9 @@ class _Plan:
         if not guided:
             self.hidden = self._body(batch, lengths)
             return
-        trajs = [replace(t, rollout_logp=None, rollout_logp_factors=None) for t in batch.unbatch()]
+        # the twins carry no training data: neither may the rows they are collated with
+        rows = batch.without_training_data().unbatch()
+        trajs = [replace(t, rollout_logp=None, rollout_logp_factors=None) for t in rows]
         twins = []
         for j, i in enumerate(guided):
             n = prompt_length_of(trajs[i], records[i])

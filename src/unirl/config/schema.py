@@ -266,6 +266,17 @@ class DataConfig(StrictModel):
     )
     seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
     shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
+    max_sequence_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Hard context limit of a serialised SFT row (positions, prompt "
+        "included); null = none.",
+    )
+    over_length: Literal["refuse", "drop"] = Field(
+        "refuse",
+        description="An SFT row longer than data.max_sequence_tokens: stop naming it "
+        "(refuse) or leave it out with a logged count (drop).",
+    )
 
     @property
     def uses_bpe(self) -> bool:
@@ -324,13 +335,21 @@ class RolloutConfig(StrictModel):
         "guided", description="Score visual log-probs under the guided or the conditional logits."
     )
     bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
-    max_new_tokens: int = Field(
-        64, gt=0, description="Sampled positions per row (exact: must equal the image's H*W)."
+    max_new_tokens: int | None = Field(
+        64,
+        gt=0,
+        description="Sampled positions per row (exact: must equal the image's H*W); null: "
+        "the model's context length bounds the row, with the cycle detector on.",
     )
     length_semantics: Literal["cap", "exact"] = Field(
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
     )
     batch_size: int = Field(64, gt=0, description="Rows decoded together.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Compute of the training rollouts: fp32, or bf16 autocast (weights "
+        "stay fp32; replay keeps trainer.precision: a measured sampler/trainer mismatch).",
+    )
     workers: int = Field(
         0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
     )
@@ -339,7 +358,12 @@ class RolloutConfig(StrictModel):
     )
     cycle_repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
     min_grid_side: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
-    max_grid_side: int = Field(32, gt=0, description="Largest H or W accepted in an image header.")
+    max_grid_side: int = Field(
+        32,
+        gt=0,
+        description="Largest H or W accepted in an image header (a model's own limit, "
+        "UniAR's 30, bounds it too).",
+    )
     on_invalid_header: Literal["invalid", "text"] = Field(
         "invalid",
         description="Bad 'generate image H W' header: end the row 'invalid', or keep "
@@ -348,6 +372,20 @@ class RolloutConfig(StrictModel):
 
     @model_validator(mode="after")
     def _grid(self) -> RolloutConfig:
+        if self.max_new_tokens is None:
+            if self.cycle_max_period == 0:
+                raise incompatible(
+                    "max_new_tokens",
+                    "null (the context length as the horizon) needs the cycle detector on "
+                    "(rollout.cycle_max_period > 0): a looping row would otherwise run to "
+                    "the end of the context",
+                )
+            if self.length_semantics == "exact":
+                raise incompatible(
+                    "max_new_tokens",
+                    "null cannot go with length_semantics 'exact' (an exact image needs "
+                    "max_new_tokens = H*W)",
+                )
         if self.min_grid_side > self.max_grid_side:
             raise incompatible(
                 "min_grid_side", f"{self.min_grid_side} exceeds max_grid_side={self.max_grid_side}"
@@ -590,6 +628,23 @@ class UnirlConfig(StrictModel):
                 "acts only with model.visual_head bsq (VQ codes are sampled at "
                 "rollout.temperature)",
             )
+        if changed(rollout, "precision"):
+            if isinstance(algo, SFTConfig):
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with rollouts in training (grpo, opd); evaluation samples in fp32",
+                )
+            if self.trainer.precision == "fp64":
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with float32 weights: autocast leaves trainer.precision fp64 "
+                    "tensors in float64",
+                )
+            if rollout.workers > 0:
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
+                )
         if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
             raise incompatible(
                 "rollout.cycle_repeats",
@@ -601,7 +656,17 @@ class UnirlConfig(StrictModel):
                 f"{self.trainer.eval_every} evaluates nothing: data.val_size is 0 (set it > 0, "
                 "or eval_every 0)",
             )
+        if self.data.max_sequence_tokens is None and changed(self.data, "over_length"):
+            raise incompatible(
+                "data.over_length", "acts only with data.max_sequence_tokens set (no limit)"
+            )
         if not isinstance(algo, SFTConfig):
+            if self.data.max_sequence_tokens is not None:
+                raise incompatible(
+                    "data.max_sequence_tokens",
+                    f"acts only with sft: {algo.name} rows are bounded by the rollout "
+                    "(rollout.max_new_tokens and the model's context length)",
+                )
             if changed(self.data, "shuffle"):
                 raise incompatible(
                     "data.shuffle",

@@ -234,6 +234,10 @@ class UnifiedModel(nn.Module, ABC):
     # cache (`unirl.forward.shared_prefix_hidden`): RoPE positions [B, T], and a body
     # whose cached continuation equals the full forward with gradient.
     supports_prefix_sharing: bool = False
+    # The largest H or W of a generated image the model's own serialisation allows (UniAR:
+    # 30); None: no limit of its own. The rollout engine bounds sampled and forced image
+    # grids by it as well as by `rollout.min_grid_side`..`max_grid_side`.
+    max_grid_side: int | None = None
 
     @abstractmethod
     def embed(self, inputs: ModelInputs) -> torch.Tensor:

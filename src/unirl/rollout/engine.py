@@ -50,6 +50,7 @@ from unirl.rollout.request import RolloutRequest, RolloutTrajectory
 from unirl.rollout.state import RowState
 
 Finished = Literal["compact", "mask"]
+Precision = Literal["fp32", "bf16"]
 
 
 def context_length(model: UnifiedModel) -> int | None:
@@ -71,7 +72,10 @@ class RolloutEngine:
     `share_prefill` prefills each distinct prompt once (`DecodeBatch.prefill`); False prefills
     every row. `lean` runs the decode steps of a plain Llama body through
     `unirl.rollout.lean_step` (bit-identical); False runs the model's forward. Both False
-    options are the A/B baselines of `bench/rollout.py`.
+    options are the A/B baselines of `bench/rollout.py`. `precision` "bf16" runs prefill
+    and decode under `torch.autocast(<device>, bfloat16)` (weights unchanged; the
+    recorded log-probs are float32 of bf16 logits): the `rollout.precision` setting,
+    whose mismatch with an fp32 replay `bench/mismatch.py` measures.
     """
 
     def __init__(
@@ -82,9 +86,13 @@ class RolloutEngine:
         finished: Finished = "compact",
         share_prefill: bool = True,
         lean: bool = True,
+        precision: Precision = "fp32",
     ) -> None:
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        self.precision = precision
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.own_format = self.tokenizer is model.tokenizer
@@ -94,6 +102,12 @@ class RolloutEngine:
         else:
             self.special = SpecialIds.from_tokenizer(self.tokenizer)
             self.parse_header = partial(parse_image_header, tokenizer=self.tokenizer)
+        # The model's own grid limit (UniAR: 1..30) bounds every image header: a sampled
+        # header outside it is no valid header (the row ends "invalid", or the
+        # vision-start stays text), so no image of such a grid is ever started.
+        self.grid_limit = getattr(model, "max_grid_side", None)
+        if self.grid_limit is not None:
+            self.parse_header = partial(_bounded_header, self.parse_header, self.grid_limit)
         self.max_positions = max_positions if max_positions is not None else context_length(model)
         self.finished = finished
         self.share_prefill = share_prefill
@@ -176,6 +190,11 @@ class RolloutEngine:
                 f"{where}: forced image grid {grid} outside [{p.min_grid_side}, "
                 f"{p.max_grid_side}] per side"
             )
+        if grid is not None and self.grid_limit is not None and max(grid) > self.grid_limit:
+            raise ValueError(
+                f"{where}: forced image grid {grid} outside the model's own limit "
+                f"1..{self.grid_limit} per side"
+            )
         if p.length_semantics == "exact":
             if grid is None:
                 raise ValueError(f"{where}: length_semantics 'exact' needs a forced image grid")
@@ -184,6 +203,11 @@ class RolloutEngine:
                     f"{where}: length_semantics 'exact' needs max_new_tokens == H*W = "
                     f"{grid[0] * grid[1]}, got {p.max_new_tokens}"
                 )
+        if p.max_new_tokens is None and self.max_positions is None:
+            raise ValueError(
+                f"{where}: max_new_tokens None bounds the row by the model's context length, "
+                "but the model declares none (pass max_positions)"
+            )
         need = len(prompt) + (grid[0] * grid[1] + 1 if p.length_semantics == "exact" else 1)
         if self.max_positions is not None and need > self.max_positions:
             raise ValueError(
@@ -200,6 +224,9 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            if self.precision == "bf16":
+                with torch.autocast(self.model.device.type, dtype=torch.bfloat16):
+                    return self._generate(list(requests))
             return self._generate(list(requests))
         finally:
             self.model.train(was_training)
@@ -323,6 +350,12 @@ class RolloutEngine:
                 codes.append(c)
                 where.append(s.last_image_position())
         return ids, modality, codes, where
+
+
+def _bounded_header(parse, limit: int, token_ids: Sequence[int]) -> tuple[int, int] | None:
+    """`parse(token_ids)`, or None when a side of the announced grid exceeds `limit`."""
+    grid = parse(token_ids)
+    return None if grid is None or max(grid) > limit else grid
 
 
 def _compact_now(n_finished: int, n_rows: int) -> bool:

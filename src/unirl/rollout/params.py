@@ -65,7 +65,8 @@ class SamplingParams:
     - `greedy`: take the mode instead of sampling (log-probs are still those of the
       processed distribution above).
     - `max_new_tokens`: bound on sampled (POLICY) positions; controller insertions are
-      free. `length_semantics` "cap": reaching it truncates (finish_reason "cap");
+      free. None: no bound of its own, the model's context length ends the row
+      ("context"); it needs the cycle detector on (`cycle_max_period` > 0) and "cap". `length_semantics` "cap": reaching it truncates (finish_reason "cap");
       "exact": the request is a forced image of exactly `max_new_tokens` = H*W visual
       positions, which ends "length_exact".
     - `stop_token_ids`: extra text ids that end a row like EOS (`<|im_end|>`).
@@ -83,7 +84,7 @@ class SamplingParams:
     guidance_logprob: GuidanceLogprob = _default("guidance_logprob")
     bit_temperature: float = _default("bit_temperature")
     greedy: bool = False
-    max_new_tokens: int = _default("max_new_tokens")
+    max_new_tokens: int | None = _default("max_new_tokens")
     length_semantics: LengthSemantics = _default("length_semantics")
     stop_token_ids: tuple[int, ...] = ()
     cycle_max_period: int = _default("cycle_max_period")
@@ -109,7 +110,8 @@ class SamplingParams:
             )
         if not isinstance(self.greedy, bool):
             raise ValueError(f"SamplingParams.greedy must be a bool, got {self.greedy!r}")
-        _positive_int("max_new_tokens", self.max_new_tokens)
+        if self.max_new_tokens is not None:
+            _positive_int("max_new_tokens", self.max_new_tokens)
         if self.length_semantics not in ("cap", "exact"):
             raise ValueError(
                 f"SamplingParams.length_semantics must be 'cap' or 'exact', "
@@ -131,6 +133,17 @@ class SamplingParams:
                 f"SamplingParams.on_invalid_header must be 'invalid' or 'text', "
                 f"got {self.on_invalid_header!r}"
             )
+        if self.max_new_tokens is None and self.cycle_max_period == 0:
+            raise ValueError(
+                "SamplingParams.max_new_tokens None (the context length as the horizon) "
+                "needs the cycle detector on (cycle_max_period > 0)"
+            )
+        if self.max_new_tokens is None and self.length_semantics == "exact":
+            raise ValueError("SamplingParams.max_new_tokens None cannot be 'exact' (H*W)")
+
+    def at_cap(self, n_policy: int) -> bool:
+        """Whether `n_policy` sampled positions reach `max_new_tokens` (never when None)."""
+        return self.max_new_tokens is not None and n_policy >= self.max_new_tokens
 
     @property
     def guided(self) -> bool:

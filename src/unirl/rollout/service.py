@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from unirl.models.base import UnifiedModel
-from unirl.rollout.engine import RolloutEngine
+from unirl.rollout.engine import Precision, RolloutEngine
 from unirl.rollout.request import RolloutRequest, RolloutTrajectory
 
 T = TypeVar("T")
@@ -52,14 +52,16 @@ class RolloutService:
         rank: int = 0,
         world_size: int = 1,
         group: Any = None,
+        precision: Precision = "fp32",
     ) -> None:
         """`group`: the process group `gather` uses (a CPU/gloo group when the default
-        one is NCCL; None: the default group)."""
+        one is NCCL; None: the default group); `precision`: the engine's
+        (`rollout.precision`)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.engine = RolloutEngine(model, model.tokenizer)
+        self.engine = RolloutEngine(model, model.tokenizer, precision=precision)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size

@@ -127,7 +127,7 @@ class RowState:
         self.remaining -= 1
         if self.remaining > 0:
             return self._check_limits()
-        if self.n_policy >= self.params.max_new_tokens:
+        if self.params.at_cap(self.n_policy):
             if len(self.ids) < self.limit:
                 self._close_image()
             exact = self.params.length_semantics == "exact"
@@ -169,7 +169,7 @@ class RowState:
         self.mode, self.text_run = "text", []
 
     def _check_limits(self) -> None:
-        if self.n_policy >= self.params.max_new_tokens:
+        if self.params.at_cap(self.n_policy):
             self._finish("cap")
         elif len(self.ids) >= self.limit:
             self._finish("context")

@@ -40,6 +40,7 @@ from unirl.models.uniar.interleaved import InterleavedOutput, forward_interleave
 from unirl.models.uniar.loading import CODEC_DIR, WEIGHTS, load_parts
 from unirl.models.uniar.positions import MRopeDecodePositions, batch_positions
 from unirl.models.uniar.template import (
+    MAX_GRID_SIDE,
     check_grid,
     serialize_uniar,
     special_id_map,
@@ -69,6 +70,7 @@ def _skip_final_norm(module, args, output):
 class UniARModel(UnifiedModel):
     kind = "uniar"
     visual_head = "bsq"
+    max_grid_side = MAX_GRID_SIDE  # the template's 1..30 per side (`template.check_grid`)
 
     def __init__(
         self,

@@ -121,7 +121,7 @@ class GRPOSource(BatchSource):
             )
         self.model = model
         self.service = RolloutService(
-            model, r.batch_size, info.rank, info.world_size, info.cpu_group
+            model, r.batch_size, info.rank, info.world_size, info.cpu_group, r.precision
         )
         self.prompt_sampler = prompts
         self.rewards = rewards

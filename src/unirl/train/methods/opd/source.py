@@ -119,7 +119,13 @@ class OPDSource(BatchSource):
         self.model, self.teacher = model, teacher
         self.algo = cfg.algorithm
         self.grid = tuple(model.codec.grid)
-        self.service = RolloutService(model, cfg.rollout.batch_size, info.rank, info.world_size)
+        self.service = RolloutService(
+            model,
+            cfg.rollout.batch_size,
+            info.rank,
+            info.world_size,
+            precision=cfg.rollout.precision,
+        )
         self.prompt_sampler = prompts
         self.rewards = rewards
         greedy = self.algo.student_sampling == "greedy"

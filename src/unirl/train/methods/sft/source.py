@@ -3,12 +3,13 @@ dataset cursor (`DatasetSource`) that walks them update by update."""
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import replace
 
 import numpy as np
 
-from unirl.config import UnirlConfig
+from unirl.config import ConfigError, UnirlConfig
 from unirl.core.seeding import seed_for
 from unirl.core.trajectory import Trajectory
 from unirl.data.digits import make_task_samples
@@ -16,6 +17,8 @@ from unirl.data.memo import memoized_encodings
 from unirl.models.base import UnifiedModel
 from unirl.models.build import dataset_rows
 from unirl.train.engine.protocols import BatchSource
+
+logger = logging.getLogger(__name__)
 
 
 def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
@@ -33,9 +36,15 @@ def task_sizes(cfg: UnirlConfig, n_per_task: int) -> dict[str, int]:
 def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_task: int):
     """Serialised SFT rows of `split`: the `data.path` rows of that split and of the
     `data.tasks` (`dataset_rows`: images through the model's processor), or
-    `n_per_task` rows of each built-in digits task."""
+    `n_per_task` rows of each built-in digits task.
+
+    `data.max_sequence_tokens`: a row of more positions is a ConfigError naming its
+    `file:line` (digits: its task and id) and the key, or (`data.over_length: drop`) left
+    out, the count logged."""
+    where: dict[str, str] = {}
     if cfg.data.path:
-        samples = dataset_rows(cfg, model, split).samples
+        rows = dataset_rows(cfg, model, split)
+        samples, where = rows.samples, rows.where
     else:
         samples = [
             s
@@ -43,7 +52,41 @@ def sft_trajectories(cfg: UnirlConfig, model: UnifiedModel, split: str, n_per_ta
             for s in make_task_samples(task, split, n, seed=cfg.data.seed)
         ]
     with memoized_encodings():  # repeated texts and images are encoded once
-        return [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
+        trajs = [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
+    return within_limit(cfg, trajs, samples, where, split)
+
+
+def within_limit(cfg: UnirlConfig, trajs: list, samples: list, where: dict, split: str) -> list:
+    """`trajs` (serialised `samples`) under `data.max_sequence_tokens` (`sft_trajectories`)."""
+    limit = cfg.data.max_sequence_tokens
+    if limit is None:
+        return trajs
+    kept = []
+    for traj, sample in zip(trajs, samples):
+        if len(traj) <= limit:
+            kept.append(traj)
+        elif cfg.data.over_length == "refuse":
+            row = where.get(sample.id) or f"task {sample.task!r} row {sample.id!r}"
+            raise ConfigError(
+                f"{row}: the {split} row serialises to {len(traj)} positions, more than "
+                f"{limit} (set data.over_length: drop to leave such rows out)",
+                key="data.max_sequence_tokens",
+            )
+    dropped = len(trajs) - len(kept)
+    if dropped:
+        logger.warning(
+            "data.max_sequence_tokens=%d: dropped %d of %d %s rows (data.over_length: drop)",
+            limit,
+            dropped,
+            len(trajs),
+            split,
+        )
+    if trajs and not kept:
+        raise ConfigError(
+            f"every {split} row is longer than {limit} positions",
+            key="data.max_sequence_tokens",
+        )
+    return kept
 
 
 def _row_seed_index(sample_id: str) -> int:

@@ -1,0 +1,136 @@
+"""Rollout-vs-replay log-prob mismatch by precision (issue 33 item 1's measurement).
+
+For each model (the tiny digits model, VQ head; a Janus-shaped tiny checkpoint,
+`TinyJanusSpec` / `write_tiny_checkpoint`) the rollout engine samples text-to-image rows
+with classifier-free guidance w (default 5, and 1 = off; `rollout.guidance`), exact H*W
+images; then
+`replay_logprobs` re-scores the same tokens teacher-forced under the same policy. With
+Δ_t = ℓ_replay − ℓ_rollout at every sampled position (`mismatch_delta`), the table gives:
+
+- token |Δ| quantiles (p50, p90, p99, max) over all sampled positions of the batch;
+- token K3 (`k3_mismatch`: mean of exp(Δ) − Δ − 1, the per-token KL estimate);
+- sequence K3 (`sequence_k3`: exp(δ) − δ − 1 of δ = Σ_t Δ_t per row; mean and max).
+
+Modes (rollout / replay): fp32/fp32; bf16/fp32 and bf16/bf16: the engine's
+`precision="bf16"` (`rollout.precision: bf16`, CPU autocast to bfloat16: matmuls in
+bf16, weights kept fp32), the replay in fp32 or under the same autocast;
+bf16w/fp32: the rollout runs a bfloat16 copy of the weights (bf16 weights and compute).
+Sampled tokens come from the rollout, so every mode scores its own rows.
+
+    .venv/bin/python bench/mismatch.py [--rows 32] [--guidance 5 1] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+
+from unirl.algorithms.grpo import k3_mismatch, mismatch_delta, sequence_k3
+from unirl.codecs import build_codec
+from unirl.core.sample import GenerationRequest, Sample, TextPart
+from unirl.core.trajectory import TrajectoryBatch
+from unirl.data.digits import make_task_samples
+from unirl.data.digits_images import load_split
+from unirl.data.tokenizer import build_tokenizer
+from unirl.models.janus_pro.model import JanusProModel
+from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
+from unirl.replay import replay_logprobs
+from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+
+JANUS_TEXTS = [f"draw the digit {d} in red on a dark square" for d in range(10)]
+
+
+def tiny_model() -> tuple[TinyUnifiedModel, list[RolloutRequest], tuple[int, int]]:
+    codec = build_codec("vq", codebook_size=32, n_init=1, max_iter=10)
+    codec.fit(load_split("train").images[:300], seed=0)
+    torch.manual_seed(0)
+    config = TinyArchitecture(visual_head="vq", hidden_size=64, num_layers=2, num_heads=4,
+                              intermediate_size=128, initializer_range=0.1)  # fmt: skip
+    model = TinyUnifiedModel(config, build_tokenizer(), codec).eval()
+    return model, make_task_samples("t2i", "val", 64, seed=1), codec.grid
+
+
+def janus_model(root: str) -> tuple[JanusProModel, list[Sample], tuple[int, int]]:
+    spec = TinyJanusSpec(initializer_range=0.2)
+    path = write_tiny_checkpoint(root, spec, JANUS_TEXTS)
+    model = JanusProModel.from_pretrained(path).eval()
+    g = (spec.grid, spec.grid)
+    samples = [
+        Sample(f"j{k}", [TextPart(JANUS_TEXTS[k % 10]), GenerationRequest(*g)], task="t2i")
+        for k in range(64)
+    ]
+    return model, samples, g
+
+
+def requests(samples, grid, rows: int, guidance: float) -> list[RolloutRequest]:
+    params = SamplingParams(guidance=guidance, max_new_tokens=grid[0] * grid[1],
+                            length_semantics="exact")  # fmt: skip
+    return [RolloutRequest(samples[k % len(samples)], 1000 + k, params, image_grid=grid)
+            for k in range(rows)]  # fmt: skip
+
+
+def autocast(on: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if on else nullcontext()
+
+
+def measure(model, reqs, rollout: str, replay: str) -> dict[str, float]:
+    sampler = model
+    if rollout == "bf16w":
+        sampler = copy.deepcopy(model).to(torch.bfloat16)
+    precision = "bf16" if rollout == "bf16" else "fp32"  # rollout.precision
+    trajs = RolloutEngine(sampler, precision=precision).generate(reqs)
+    batch = TrajectoryBatch.collate(trajs, model.special_ids.pad)
+    with torch.no_grad(), autocast(replay == "bf16"):
+        replayed = replay_logprobs(model, batch, batch.sampling).logp
+    mask = batch.policy_mask
+    delta = mismatch_delta(replayed, batch.rollout_logp.double(), mask)
+    absd = delta.abs()[mask.bool()]
+    q = torch.quantile(absd, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    seq = sequence_k3(delta, mask)
+    return {
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": float(absd.max()),
+        "tok_k3": float(k3_mismatch(batch.rollout_logp.double(), replayed.double(), mask)),
+        "seq_k3": float(seq.mean()),
+        "seq_k3_max": float(seq.max()),
+        "n": int(mask.sum()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--guidance", type=float, nargs="+", default=[5.0, 1.0])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    modes = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16w", "fp32")]
+    head = (f"{'model':<12}{'w':>4}  {'rollout/replay':<16}{'|Δ| p50':>10}{'p90':>10}{'p99':>10}"
+            f"{'max':>10}{'tok K3':>10}{'seq K3':>10}{'seq K3 max':>11}{'tokens':>8}")  # fmt: skip
+    print(f"T2I rows: {args.rows} per line, exact-length images; w: CFG weight (1 = off)")
+    print(head)
+    print("-" * len(head))
+    with tempfile.TemporaryDirectory() as root:
+        for name, build in (("tiny-vq", lambda: tiny_model()),
+                            ("janus-tiny", lambda: janus_model(root))):  # fmt: skip
+            model, samples, grid = build()
+            for w, (rollout, replay) in [(w, m) for w in args.guidance for m in modes]:
+                reqs = requests(samples, grid, args.rows, w)
+                t0 = time.perf_counter()
+                m = measure(model, reqs, rollout, replay)
+                print(f"{name:<12}{w:>4g}  {rollout + '/' + replay:<16}{m['p50']:>10.2e}{m['p90']:>10.2e}"
+                      f"{m['p99']:>10.2e}{m['max']:>10.2e}{m['tok_k3']:>10.2e}"
+                      f"{m['seq_k3']:>10.2e}{m['seq_k3_max']:>11.2e}{m['n']:>8}"
+                      f"   ({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
