@@ -19,12 +19,14 @@ from safetensors.torch import load_file
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
+    fit_metrics,
     grpo_config,
+    make_grpo_trainer,
     run_cli,
     write_config,
 )
 
-from unirl.config import RolloutConfig, UnirlConfig, load_config, validate_config
+from unirl.config import RolloutConfig, load_config, validate_config
 from unirl.core.sample import validate_groups
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
@@ -35,7 +37,7 @@ from unirl.rewards import PLUGINS, RewardError, RewardPlugin
 from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import adapter_state, apply_lora, build_model
+from unirl.train.engine.build import build_model
 from unirl.train.engine.metrics import read_metrics
 from unirl.train.engine.trainer import Trainer
 from unirl.train.methods.grpo.job import build_grpo_job
@@ -55,25 +57,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def assets(small_vq_dir, small_bsq_dir, classifier_dir):
     return {"vq": small_vq_dir, "bsq": small_bsq_dir, "clf": classifier_dir}
-
-
-def make_trainer(cfg: dict | UnirlConfig) -> Trainer:
-    """What `unirl train` builds for a GRPO config (without its run-directory files)."""
-    cfg = cfg if isinstance(cfg, UnirlConfig) else validate_config(cfg)
-    run_dir = Path(cfg.run.output_dir)
-    model = build_model(cfg)
-    lora = cfg.trainer.lora.enabled
-    if lora:
-        apply_lora(model, cfg)
-    model.train()
-    source, objective = build_grpo_job(cfg, model, run_dir, DistInfo())
-    pad = SpecialIds.from_tokenizer(model.tokenizer).pad
-    state = (lambda: adapter_state(model)) if lora else None
-    return Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad, state)
-
-
-def fit(trainer: Trainer) -> list[dict]:
-    return [metrics for _, metrics in trainer.fit()]
 
 
 def test_rollout_config_maps_one_to_one_onto_sampling_params():
@@ -104,13 +87,13 @@ def test_rollout_config_maps_one_to_one_onto_sampling_params():
 
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
 def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, kind):
-    trainer = make_trainer(grpo_config(tmp_path / kind, assets, kind))
+    trainer = make_grpo_trainer(grpo_config(tmp_path / kind, assets, kind))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trajs = trainer.source.global_batch(0)
     ids = [t.sample_id for t in trajs]
     assert validate_groups(ids) == (2, 4) and ids[:2] == ["prompt-0/0", "prompt-0/1"]
     assert {t.finish_reason for t in trajs} == {"length_exact"}
-    metrics = fit(trainer)[0]
+    metrics = fit_metrics(trainer)[0]
     assert metrics["reward/overwritten_frac"] == 0.0
     assert metrics["reward/total_mean"] > 0 and metrics["reward/total_std"] > 0
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
@@ -130,7 +113,7 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
 
 def test_replay_anchoring_is_reinforce_with_a_group_baseline(tmp_path, assets):
     cfg = grpo_config(tmp_path / "r", assets, algorithm={"kl": {"type": "none", "coef": 0.0}})
-    trainer = make_trainer(cfg)
+    trainer = make_grpo_trainer(cfg)
     trainer.update = 0
     trainer.accumulate()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -151,7 +134,7 @@ def test_rollout_anchor_logs_a_small_k3_gap(tmp_path, assets):
     cfg = grpo_config(
         tmp_path / "k", assets, task="i2t_mc", algorithm={"old_logp_source": "rollout"}
     )
-    metrics = fit(make_trainer(cfg))
+    metrics = fit_metrics(make_grpo_trainer(cfg))
     for m in metrics:
         assert m["policy/ratio_is_one_by_construction"] == 0.0
         assert 0.0 <= m["policy/k3_rollout_vs_replay"] < 1e-8
@@ -167,7 +150,7 @@ def test_bits_objective_matches_an_independent_per_factor_formula(tmp_path, asse
         algorithm={"old_logp_source": "rollout", "kl": {"type": "none", "coef": 0.0}},
         trainer={"micro_batch_size": 8},
     )
-    trainer = make_trainer(cfg)
+    trainer = make_grpo_trainer(cfg)
     rollout = trainer.source.rollout(0)
     gen = torch.Generator().manual_seed(0)
     for t in rollout.trajectories:  # move the old policy so that ratios leave [0.8, 1.2]
@@ -209,10 +192,10 @@ def test_reference_is_the_initial_policy(tmp_path, assets, kl, lora):
         algorithm={"kl": {"type": kl, "coef": 0.5}},
         trainer={"total_updates": 3, "optimizer": {"lr": 1e-2}, "lora": lora_cfg},
     )
-    trainer = make_trainer(cfg)
+    trainer = make_grpo_trainer(cfg)
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     frozen = trainer.objective.reference.frozen
-    metrics = fit(trainer)
+    metrics = fit_metrics(trainer)
     assert metrics[0]["policy/kl_ref_mean"] == pytest.approx(0.0, abs=1e-7)
     assert metrics[2]["policy/kl_ref_mean"] > 1e-6
     assert metrics[2]["policy/kl_loss"] > 0
@@ -240,11 +223,11 @@ def test_several_updates_per_batch_reuse_the_round_and_resume_mid_round(tmp_path
             checkpoint={"every_updates": 1, "keep_last": 0},
         )
 
-    trainer = make_trainer(config(tmp_path / "a"))
+    trainer = make_grpo_trainer(config(tmp_path / "a"))
     first = trainer.source.global_batch(0)
     assert trainer.source.global_batch(1) is first
     assert all(t.old_logp is not None and t.advantage is not None for t in first)
-    metrics = fit(trainer)
+    metrics = fit_metrics(trainer)
     assert [m["rollout/reused"] for m in metrics] == [0.0, 1.0, 0.0, 1.0]
     assert [m["policy/ratio_is_one_by_construction"] for m in metrics] == [0.0] * 4
     assert abs(metrics[0]["policy/ratio_mean"] - 1) < 1e-6
@@ -257,9 +240,9 @@ def test_several_updates_per_batch_reuse_the_round_and_resume_mid_round(tmp_path
     saved = tmp_path / "round.pt"
     shutil.move(tmp_path / "b" / "rollouts" / rounds[1], saved)
     with pytest.raises(RuntimeError, match="update 4 trains on the rollout batch of update 3"):
-        fit(make_trainer(config(tmp_path / "b")))
+        fit_metrics(make_grpo_trainer(config(tmp_path / "b")))
     shutil.move(saved, tmp_path / "b" / "rollouts" / rounds[1])
-    assert len(fit(make_trainer(config(tmp_path / "b")))) == 1
+    assert len(fit_metrics(make_grpo_trainer(config(tmp_path / "b")))) == 1
     reference = checkpoint_tensors(tmp_path / "a" / "checkpoints" / "update-000004")
     resumed = checkpoint_tensors(tmp_path / "b" / "checkpoints" / "update-000004")
     assert_same_state(reference[0], resumed[0], "model")
@@ -303,11 +286,11 @@ def test_a_failing_reward_plugin_fails_the_update_or_scores_zero(
     monkeypatch.setitem(PLUGINS, plugin.name, plugin)
     cfg = grpo_config(tmp_path / "raise", assets, reward={"plugins": [{"name": plugin.name}]})
     with pytest.raises(RewardError, match=match + r".*dataset row 't2i-train-"):
-        fit(make_trainer(cfg))
+        fit_metrics(make_grpo_trainer(cfg))
     zero = grpo_config(
         tmp_path / "zero", assets, reward={"plugins": [{"name": plugin.name}], "on_error": "zero"}
     )
-    metrics = fit(make_trainer(zero))
+    metrics = fit_metrics(make_grpo_trainer(zero))
     expected_errors = 8.0 if plugin is _Short else 1.0
     assert metrics[0][f"reward/{plugin.name}/n_errors"] == expected_errors
     assert len(metrics) == 2
@@ -339,7 +322,7 @@ def test_sigkill_during_rollout_and_checkpoint_write_resumes_bitwise(tmp_path, a
         )
         return write_config(tmp_path / f"{name}.yaml", cfg)
 
-    fit(make_trainer(load_config(config("ref"))))  # one thread, as the subprocesses
+    fit_metrics(make_grpo_trainer(load_config(config("ref"))))  # one thread, as the subprocesses
     path = config("killed")
     for fault in ("rollout:3", "checkpoint_write:4"):
         killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
@@ -401,7 +384,7 @@ def test_two_rank_run_shards_rollouts_and_matches_one_process(tmp_path, assets):
     gathered give the 1-process run (rows decoded one at a time, so batching cannot
     change a sampled token; the classifier scores 4 rows per call instead of 8, so its
     GEMMs may round differently: rewards agree to float32 precision, not bitwise)."""
-    fit(make_trainer(_ddp_config(tmp_path / "p1", assets)))
+    fit_metrics(make_grpo_trainer(_ddp_config(tmp_path / "p1", assets)))
     cfg = _ddp_config(tmp_path / "p2", assets)
     mp.spawn(_ddp_worker, args=(cfg, str(tmp_path / "init")), nprocs=2, join=True)
     runs = [tmp_path / "p1", tmp_path / "p2"]
@@ -427,7 +410,7 @@ def test_jsd_to_the_reference_matches_full_distributions(tmp_path, assets, task)
         algorithm={"kl": {"type": "jsd", "coef": 0.7}, "chunk_size": 5},
         trainer={"micro_batch_size": 8},
     )
-    trainer = make_trainer(cfg)
+    trainer = make_grpo_trainer(cfg)
     model = trainer.model
     trajs = trainer.source.global_batch(0)
     for t in trajs:
@@ -491,7 +474,7 @@ def test_sigkill_during_a_round_of_two_updates_resumes_bitwise(tmp_path, assets)
             checkpoint={"every_updates": 1, "keep_last": 0},
         )
 
-    fit(make_trainer(config("ref")))  # one thread, as the subprocesses
+    fit_metrics(make_grpo_trainer(config("ref")))  # one thread, as the subprocesses
     path = write_config(tmp_path / "killed.yaml", config("killed"))
     for fault in ("after_update:2", "after_update:4"):
         killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})

@@ -39,7 +39,7 @@ def test_null_horizon_needs_the_cycle_detector_and_cap():
 
 
 def test_a_digits_grpo_run_with_a_null_horizon_runs_to_completion(tmp_path):
-    from test_grpo_loop import fit, make_trainer
+    from trainer_helpers import fit_metrics, make_grpo_trainer
 
     codec = fit_small_codec(tmp_path / "vq", "vq")
     cfg = tiny_config(
@@ -55,12 +55,12 @@ def test_a_digits_grpo_run_with_a_null_horizon_runs_to_completion(tmp_path):
     )  # fmt: skip
     config = validate_config(cfg)
     assert config.rollout.max_new_tokens is None
-    trainer = make_trainer(config)
+    trainer = make_grpo_trainer(config)
     trajs = trainer.source.global_batch(0)
     reasons = {t.finish_reason for t in trajs}
     assert "context" in reasons and reasons <= {"eos", "cycle", "context", "invalid"}
     assert max(len(t.token_ids) for t in trajs) <= 96
-    history = fit(trainer)
+    history = fit_metrics(trainer)
     assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history)
 
 
@@ -124,13 +124,13 @@ def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def uniar():
-    from test_uniar import SIZES, random_codec
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
     from unirl.codecs.base import single_thread
     from unirl.models.uniar import build_tiny_uniar
 
     with single_thread():
-        yield build_tiny_uniar(random_codec(16, 2, 1), SIZES, seed=0)
+        yield build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0)
 
 
 def _scripted(model, script: list[int]):
@@ -230,7 +230,7 @@ def test_bf16_rollouts_open_a_gap_the_guards_see_in_a_grpo_run(tmp_path):
     """Two GRPO updates on digits t2i (4x4 images, CFG w = 3) with fp32 and with bf16
     rollouts, the percentile guard on: bf16 sampling opens a mismatch orders of magnitude
     above fp32's, and the guard masks about (100 - p)% of the actions."""
-    from test_grpo_loop import fit, make_trainer
+    from trainer_helpers import fit_metrics, make_grpo_trainer
 
     codec = fit_small_codec(tmp_path / "vq", "vq")
 
@@ -245,7 +245,7 @@ def test_bf16_rollouts_open_a_gap_the_guards_see_in_a_grpo_run(tmp_path):
             algorithm={"name": "grpo", "group_size": 4, "mismatch": {"percentile": 90.0}},
             trainer={"total_updates": 2, "global_batch_size": 8, "micro_batch_size": 4},
         )  # fmt: skip
-        return fit(make_trainer(validate_config(cfg)))[-1]
+        return fit_metrics(make_grpo_trainer(validate_config(cfg)))[-1]
 
     fp32, bf16 = run("fp32"), run("bf16")
     assert fp32["mismatch/k3"] < 1e-9 and bf16["mismatch/k3"] > 1e3 * fp32["mismatch/k3"]

@@ -21,6 +21,7 @@ from unirl.codecs import build_codec
 from unirl.data.digits_images import load_split
 
 if TYPE_CHECKING:
+    from unirl.config import UnirlConfig
     from unirl.train.engine.trainer import Trainer
 
 TASKS = ["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
@@ -205,3 +206,30 @@ def one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:
     assert changed and all(".lora_" in k and k.startswith("model.language_model.") for k in changed)
     assert math.isfinite(metrics["loss"])
     return metrics
+
+
+def make_grpo_trainer(cfg: dict | UnirlConfig) -> Trainer:
+    """What `unirl train` builds for a GRPO config (without its run-directory files)."""
+    from unirl.config import UnirlConfig, validate_config
+    from unirl.data.tokenizer import SpecialIds
+    from unirl.train.dist.comm import DistInfo
+    from unirl.train.engine.build import adapter_state, apply_lora, build_model
+    from unirl.train.engine.trainer import Trainer
+    from unirl.train.methods.grpo.job import build_grpo_job
+
+    cfg = cfg if isinstance(cfg, UnirlConfig) else validate_config(cfg)
+    run_dir = Path(cfg.run.output_dir)
+    model = build_model(cfg)
+    lora = cfg.trainer.lora.enabled
+    if lora:
+        apply_lora(model, cfg)
+    model.train()
+    source, objective = build_grpo_job(cfg, model, run_dir, DistInfo())
+    pad = SpecialIds.from_tokenizer(model.tokenizer).pad
+    state = (lambda: adapter_state(model)) if lora else None
+    return Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad, state)
+
+
+def fit_metrics(trainer: Trainer) -> list[dict]:
+    """The metrics of every update of `trainer.fit()`."""
+    return [metrics for _, metrics in trainer.fit()]
