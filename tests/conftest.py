@@ -82,3 +82,16 @@ def uniar_codec_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("uniar_codec") / "bsq"
     random_bsq_codec(16, 2, 1).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures(...)`):
+    its numbers do not depend on the machine's core count, and it leaves the other core to
+    the next test process."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -14,13 +14,7 @@ from unirl.config import ConfigError, RolloutConfig, validate_config
 from unirl.rollout import SamplingParams
 from unirl.rollout.config import sampling_params
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
 
 def test_null_horizon_needs_the_cycle_detector_and_cap():

@@ -47,13 +47,7 @@ from unirl.train.dist.comm import DistInfo
 from unirl.train.methods.grpo.mismatch import global_threshold
 from unirl.train.methods.grpo.objective import GRPOObjective
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
 
 # ---------------------------------------------------------------- aligned surrogate

@@ -34,13 +34,7 @@ from unirl.train.methods.opd.job import build_opd_job
 from unirl.train.methods.opd.objective import OPDObjective, check_action_spaces
 from unirl.train.methods.opd.source import DistillRecord, teacher_view
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
 
 @pytest.fixture(scope="module")

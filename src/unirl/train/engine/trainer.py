@@ -1,19 +1,15 @@
 """The one training loop shared by SFT, GRPO and OPD.
 
-What varies between methods is behind two small interfaces:
+What varies between methods is behind the two interfaces of `engine.protocols`: a
+`BatchSource` (where an update's global batch comes from, deterministically from the
+update number) and an `Objective` (a micro-batch's loss normalised by a *global* count,
+plus metric sums it `finalize`s). The two never see each other: the trainer only passes
+batches and sums.
 
-- a `BatchSource` says where an update's global batch comes from (a dataset cursor for
-  SFT, rollouts for GRPO/OPD) — deterministically from the update number, so a resumed
-  or retried update sees exactly the same batch — and attaches to each row what the
-  objective needs (advantages, anchor log-probs, seeds, sampling records);
-- an `Objective` turns a micro-batch into a loss normalised by a *global* count plus
-  metric sums, and `finalize`s the sums once they are added over micro-batches and
-  ranks. The two never see each other: the trainer only passes batches and sums.
-
-Everything else — micro-batching and accumulation, data parallelism (DDP / FSDP2,
-`unirl.train.dist.parallel`), clipping,
-AdamW + schedule, atomic checkpoints with exact resume, JSONL/TensorBoard metrics, the
-progress bar — lives here once.
+Everything else — micro-batching and accumulation (`engine.batching`), data parallelism
+(DDP / FSDP2, `unirl.train.dist.parallel`), clipping, AdamW + schedule, atomic
+checkpoints with exact resume, JSONL/TensorBoard metrics, the progress bar or plain log
+lines — lives here once.
 """
 
 from __future__ import annotations
