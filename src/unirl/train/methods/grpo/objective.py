@@ -126,6 +126,14 @@ class _Terms:
     base: torch.Tensor | None
 
 
+def _replay(model: UnifiedModel, batch: TrajectoryBatch, records, algo: GRPOConfig):
+    """A replay of `batch` as GRPO replays it (the algorithm's chunk size
+    and prompt-prefix sharing): the reference's log-probs and the anchor's."""
+    return replay_logprobs(
+        model, batch, records, chunk_size=algo.chunk_size, share_prefix=algo.share_prompt_prefix
+    )
+
+
 def _records(micro: TrajectoryBatch) -> list[SamplingRecord]:
     """The rows' sampling records (carried by the batch); ValueError naming a row without."""
     sampling = micro.sampling or [None] * len(micro)
@@ -225,13 +233,7 @@ class GRPOObjective(Objective):
         if kind == "jsd":
             return jsd
         with self.reference.active() as ref_model:
-            ref = replay_logprobs(
-                ref_model,
-                micro,
-                records,
-                chunk_size=self.algo.chunk_size,
-                share_prefix=self.algo.share_prompt_prefix,
-            )
+            ref = _replay(ref_model, micro, records, self.algo)
         kl = kl_penalty(logp, ref.logp, kind)
         if factors is not None:
             kl = torch.where(visual, kl_penalty_factors(factors, ref.logp_factors, kind), kl)
@@ -498,13 +500,7 @@ def anchor_old_logprobs(
         batch = TrajectoryBatch.collate(group, model.special_ids.pad).to(model.device)
         records = _records(batch)
         with autocast(cfg.trainer, model.device):
-            out = replay_logprobs(
-                model,
-                batch,
-                records,
-                chunk_size=cfg.algorithm.chunk_size,
-                share_prefix=cfg.algorithm.share_prompt_prefix,
-            )
+            out = _replay(model, batch, records, cfg.algorithm)
         for b, traj in enumerate(group):
             n, device = len(traj), traj.token_ids.device
             traj.old_logp = out.logp[b, :n].to(device)
