@@ -382,3 +382,75 @@ def test_uniar_student_and_teacher_run_one_update(tmp_path):
     build_tiny_uniar(codec, UNIAR_SIZES, seed=1).save_pretrained(tmp_path / "teacher")
     model = {"kind": "uniar", "path": str(tmp_path / "student"), "visual_head": "bsq"}
     _one_update_of_a_family(tmp_path, model, tmp_path / "teacher", 24)
+
+
+# -- gradient diagnostics and text contribution clipping (issue 33) -----------------
+def count_backwards(monkeypatch) -> list[str]:
+    """Every `Tensor.backward` and `torch.autograd.grad` call from now on, by name (each
+    is still run: the counter wraps them)."""
+    calls: list[str] = []
+    backward, grad = torch.Tensor.backward, torch.autograd.grad
+
+    def counted_backward(self, *args, **kwargs):
+        calls.append("backward")
+        return backward(self, *args, **kwargs)
+
+    def counted_grad(*args, **kwargs):
+        calls.append("grad")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
+    monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+    return calls
+
+
+def test_gradient_diagnostics_equal_two_separate_backwards_from_one(tmp_path, assets, monkeypatch):
+    """6 distilled + 2 GT rows in micro-batches of 2. With the diagnostics on, the update
+    runs one backward per micro-batch (4, as with them off) and logs the pre-clip norms,
+    ratio and cosine of the distillation and GT-replay gradients; an independent
+    computation — each part's rows as one micro-batch, its own backward from zero
+    gradients — gives the same figures to 1e-5. Bound: both sides hold fp32 gradients of
+    the same loss terms summed in another order (3 micro-batches vs 1, other padding
+    widths), each element off by a few fp32 roundings of its terms, |err| <~ 1e-6 of the
+    gradient's scale; norms, dot product and cosine are then formed in float64, so they
+    carry that relative error (the cosine at most twice it) — 1e-5 leaves a factor 10.
+    The total gradient equals the diagnostics-off update's to 1e-6 (§15: another float32
+    order of the same objective)."""
+    algo = {"gt_replay": {"mode": "uniform", "budget": 2}}
+    cfg = opd_config(tmp_path / "on", assets, **algo)
+    cfg["trainer"]["micro_batch_size"] = 2
+    cfg["logging"] = {**cfg.get("logging", {}), "gradient_diagnostics_every_updates": 1}
+    on = make_trainer(cfg)
+    calls = count_backwards(monkeypatch)
+    metrics = on.accumulate()
+    assert calls == ["backward"] * 4
+    total = [p.grad.detach().clone() for p in on.params]
+
+    trajs = on.source.global_batch(0)
+    objective = on.objective
+    parts = [[t for t in trajs if objective.in_second_part(t) == second] for second in (0, 1)]
+    assert [len(p) for p in parts] == [6, 2]
+    micros = [TrajectoryBatch.collate(p, on.pad_id) for p in parts]
+    n_global = sum(objective.count(m) for m in micros)
+    grads = []
+    for micro in micros:
+        on.optimizer.zero_grad(set_to_none=True)
+        objective.loss(on.model, micro, n_global)[0].backward()
+        grads.append(torch.cat([p.grad.double().flatten() for p in on.params]))
+    na, nb = grads[0].norm().item(), grads[1].norm().item()
+    assert metrics["grad/opd_norm"] == pytest.approx(na, rel=1e-5)
+    assert metrics["grad/gt_replay_norm"] == pytest.approx(nb, rel=1e-5)
+    assert metrics["grad/opd_to_gt_replay_norm_ratio"] == pytest.approx(na / nb, rel=1e-5)
+    cosine = float(grads[0] @ grads[1]) / (na * nb)
+    assert metrics["grad/opd_gt_replay_cosine"] == pytest.approx(cosine, rel=1e-5, abs=1e-6)
+    summed = torch.cat([g.double().flatten() for g in total])
+    assert torch.allclose(summed, grads[0] + grads[1], rtol=1e-5, atol=1e-6 * summed.abs().max())
+
+    cfg["logging"]["gradient_diagnostics_every_updates"] = 0
+    cfg["run"]["output_dir"] = str(tmp_path / "off")
+    off = make_trainer(cfg)
+    calls.clear()
+    plain = off.accumulate()
+    assert calls == ["backward"] * 4 and not any(k.startswith("grad/") for k in plain)
+    for a, b in zip(total, off.params):
+        assert torch.allclose(a, b.grad, rtol=1e-6, atol=1e-6 * float(b.grad.abs().max()))

@@ -470,6 +470,13 @@ class LoggingConfig(StrictModel):
         description="Log a few rollout samples (prompt, response, reward, image) to "
         "TensorBoard / W&B every N updates (0 = off).",
     )
+    gradient_diagnostics_every_updates: int = Field(
+        0,
+        ge=0,
+        description="OPD with GT replay: every N updates log the pre-clip norms of the "
+        "distillation and GT-replay gradients, their ratio and cosine, from the update's one "
+        "backward per micro-batch (the two row kinds are micro-batched apart; 0 = off).",
+    )
 
     @model_validator(mode="after")
     def _wandb_installed(self) -> LoggingConfig:
@@ -608,6 +615,7 @@ class UnirlConfig(StrictModel):
         if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
         self._inert(algo)
+        self._gradient_diagnostics(algo)
         return self
 
     def _inert(self, algo: AlgorithmConfig) -> None:
@@ -677,6 +685,29 @@ class UnirlConfig(StrictModel):
             raise incompatible(
                 "logging.samples_every",
                 "acts only with rollouts in training (grpo, opd); sft logs no samples",
+            )
+
+    def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
+        """The OPD gradient diagnostics split the gradient into the distillation and the
+        GT-replay part (`unirl.train.engine.trainer`): only OPD with GT rows has both, and
+        the split is built for one process."""
+        key = "logging.gradient_diagnostics_every_updates"
+        if self.logging.gradient_diagnostics_every_updates == 0:
+            return
+        if not isinstance(algo, OPDConfig):
+            raise incompatible(
+                key, f"acts only with opd (distillation vs GT-replay gradients), not {algo.name}"
+            )
+        if algo.gt_replay.mode == "none":
+            raise incompatible(
+                key,
+                "acts only with GT replay (algorithm.gt_replay.mode uniform or failure): "
+                "without GT rows there is no second gradient to compare",
+            )
+        if self.trainer.parallel != "none":
+            raise incompatible(
+                key,
+                f"is built for one process (trainer.parallel none), not {self.trainer.parallel}",
             )
 
     def _packing(self, algo: AlgorithmConfig) -> None:

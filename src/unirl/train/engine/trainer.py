@@ -69,6 +69,34 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
         )
 
 
+def gradient_diagnostics(
+    first: list[torch.Tensor | None], second: list[torch.Tensor | None], names: tuple[str, str]
+) -> dict[str, float]:
+    """Pre-clip L2 norms of two gradients (per-parameter lists, None = zero), the ratio
+    of the first's to the second's and their cosine, in float64 (docs/numerics.md §9).
+    Ratio and cosine are left out when either norm is 0 (an update without rows of a
+    part)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    sq_a, sq_b, dot = zero, zero, zero
+    for a, b in zip(first, second):
+        a64 = None if a is None else a.detach().double()
+        b64 = None if b is None else b.detach().double()
+        if a64 is not None:
+            sq_a = sq_a + a64.pow(2).sum().cpu()
+        if b64 is not None:
+            sq_b = sq_b + b64.pow(2).sum().cpu()
+        if a64 is not None and b64 is not None:
+            dot = dot + (a64 * b64).sum().cpu()
+    sq_a, sq_b, dot = torch.stack([sq_a, sq_b, dot]).tolist()
+    na, nb = math.sqrt(sq_a), math.sqrt(sq_b)
+    x, y = names
+    out = {f"grad/{x}_norm": na, f"grad/{y}_norm": nb}
+    if na > 0 and nb > 0:
+        out[f"grad/{x}_to_{y}_norm_ratio"] = na / nb
+        out[f"grad/{x}_{y}_cosine"] = dot / (na * nb)
+    return out
+
+
 class Trainer:
     def __init__(
         self,
@@ -234,7 +262,7 @@ class Trainer:
         t0 = time.perf_counter()
         trajs = self.parallel.gathered(lambda: self.source.global_batch(self.update))
         self._batch_seconds = time.perf_counter() - t0
-        groups = rank_micro_batches(trajs, self.dist, self.t)
+        groups, boundary = self._micro_groups(trajs)
         collate = pack if self.t.packing else TrajectoryBatch.collate
         micros = [collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
@@ -244,7 +272,10 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, float] = {}
         n_tokens = 0
+        first: list[torch.Tensor | None] | None = None
         for i, micro in enumerate(micros):
+            if i == boundary:
+                first = self._take_grads()
             with self.parallel.accumulation(last=i == len(micros) - 1):
                 with autocast(self.t, self.model.device):
                     loss, stats = self.parallel.run(self.objective.loss, micro, n_global)
@@ -261,6 +292,13 @@ class Trainer:
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        diagnostics: dict[str, float] = {}
+        if boundary is not None:
+            first = self._take_grads() if first is None else first
+            second = self._take_grads()
+            diagnostics = gradient_diagnostics(first, second, self.objective.gradient_parts)
+            for p, a, b in zip(self.params, first, second):
+                p.grad = a if b is None else b if a is None else a + b
         self.parallel.drop_unreached(self.params)
         if not self._grads_checked:
             grads = {n: p.grad for n, p in self.named_params if p.grad is not None}
@@ -273,7 +311,31 @@ class Trainer:
         metrics["loss"] = flat[-2]
         metrics["n_scored"] = float(n_global)
         metrics["tokens"] = flat[-1]
+        metrics.update(diagnostics)
         return metrics
+
+    def _micro_groups(self, trajs: list) -> tuple[list[list], int | None]:
+        """This rank's micro-batches and, on an update that logs gradient diagnostics,
+        the index of the first micro-batch of the objective's second gradient part.
+        With `logging.gradient_diagnostics_every_updates` > 0 every update micro-batches
+        the two parts apart (first part's rows, then the second's; the loss is additive
+        over any split), so a micro-batch's one backward adds to one part only."""
+        every = self.cfg.logging.gradient_diagnostics_every_updates
+        parts = self.objective.gradient_parts
+        if every == 0 or parts is None:
+            return rank_micro_batches(trajs, self.dist, self.t), None
+        second = [self.objective.in_second_part(t) for t in trajs]
+        head = rank_micro_batches([t for t, s in zip(trajs, second) if not s], self.dist, self.t)
+        tail = rank_micro_batches([t for t, s in zip(trajs, second) if s], self.dist, self.t)
+        return head + tail, len(head) if (self.update + 1) % every == 0 else None
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """The trainable parameters' `.grad` (the gradient accumulated so far), which are
+        then cleared so that the next backward starts a new accumulation."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
 
     def step(self) -> dict[str, float]:
         """Run update `self.update`: accumulate, clip, step the optimizer and schedule."""
