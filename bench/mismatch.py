@@ -170,7 +170,8 @@ def grpo_run(args: argparse.Namespace) -> None:
     )
     head = (
         f"{'run':<11}{'reward first-10':>16}{'last-10':>9}{'drift':>8}{'noise':>8}"
-        f"{'d/n':>7}{'test score':>17}{'|Δ| p90':>10}{'K3':>10}{'masked':>8}{'wall':>7}"
+        f"{'d/n':>7}{'test score':>17}{'|Δ| p90':>10}{'K3':>10}{'masked':>8}{'rows':>7}"
+        f"{'wall':>7}"
     )
     print(head)
     print("-" * len(head))
