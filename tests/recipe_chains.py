@@ -7,9 +7,12 @@ recipe the check copies recipes/ and examples/ (the tracked and new files, as a 
 clone has them) into a temporary directory and, from there, runs its chain in process
 with `unirl.cli.main`: each needed command (its own needs first), then
 `unirl train RECIPE`, every one with the tiny overrides of `tiny_overrides` (2 updates,
-batches of at most one GRPO group, 2 val/test rows per task). A command shared by two
-chains runs once (the same directory). A recipe whose input is external is checked with
-`unirl inspect` (its config resolves and validates; nothing runs).
+batches of at most two GRPO groups, 16 digits train rows and 2 val/test rows per task). A
+command shared by two chains runs once (the same directory), and a codec an earlier
+step fitted with the same settings and seed is loaded (`model.codec.path`) instead of
+fitted again: the fit is seeded, so it is the same codec. A recipe whose input is
+external is checked with `unirl inspect` (its config resolves and validates; nothing
+runs).
 
     python tests/recipe_chains.py [RECIPE ...]     # exit 0 when every chain passed
 """
@@ -99,12 +102,25 @@ def chain(recipe: str) -> list[Step]:
     return [*steps, Step(recipe)]
 
 
-def tiny_overrides(step: Step) -> list[str]:
-    """KEY=VALUE overrides that make `step` a 2-update trial of itself."""
+def codec_key(cfg) -> tuple | None:
+    """What a codec fitted from scratch depends on (kind, head, codec settings, run.seed;
+    always on the whole digits train split), or None when the run loads one."""
+    m = cfg.model
+    if m.kind not in ("tiny", "uniar") or m.path is not None or m.codec.path is not None:
+        return None
+    return (m.kind, m.visual_head, m.codec.model_dump_json(), cfg.run.seed)
+
+
+def tiny_overrides(step: Step, codecs: dict[tuple, str] | None = None) -> list[str]:
+    """KEY=VALUE overrides that make `step` a 2-update trial of itself. `codecs` maps a
+    `codec_key` to a codec an earlier step fitted with the same settings and seed: the
+    same codec, loaded through model.codec.path instead of fitted again."""
     from unirl.config import load_config
 
     cfg = load_config(step.recipe, list(step.overrides))
-    out = ["trainer.total_updates=2", "checkpoint.every_updates=1", "logging.every=1"]
+    key = codec_key(cfg)
+    out = [f"model.codec.path={codecs[key]}"] if codecs and key in codecs else []
+    out += ["trainer.total_updates=2", "checkpoint.every_updates=1", "logging.every=1"]
     if cfg.trainer.scheduler.warmup_steps:
         out.append("trainer.scheduler.warmup_steps=1")
     group = getattr(cfg.algorithm, "group_size", 1)
@@ -149,10 +165,11 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 def check(recipes: list[str], work: Path, log=print) -> list[str]:
     """Run every chain of `recipes` in `work`; the failures (one line each)."""
-    from unirl.config import ConfigError
+    from unirl.config import ConfigError, load_config
 
     copy_shipped(work)
     done: set[Step] = set()
+    codecs: dict[tuple, str] = {}
     failures: list[str] = []
     cwd = Path.cwd()
     os.chdir(work)
@@ -170,7 +187,8 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
                     continue
                 start = time.perf_counter()
                 try:
-                    argv = ["train", step.recipe, *step.overrides, *tiny_overrides(step)]
+                    extra = tiny_overrides(step, codecs)
+                    argv = ["train", step.recipe, *step.overrides, *extra]
                 except ConfigError as exc:
                     code, text = 2, f"the step's own config: {exc}"
                 else:
@@ -181,6 +199,10 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
                     failures.append(f"{step}: exit {code}: {text.strip()[-300:]}")
                     break
                 done.add(step)
+                cfg = load_config(step.recipe, list(step.overrides))
+                fitted = work / cfg.run.output_dir / "codec"
+                if codec_key(cfg) is not None and fitted.is_dir():
+                    codecs.setdefault(codec_key(cfg), str(fitted))
     finally:
         os.chdir(cwd)
     return failures

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +17,12 @@ from eval_fixtures import make_dataset, write_config
 from PIL import Image
 
 from unirl.config import load_config
+
 from unirl.core.types import TRUNCATED_REASONS
 from unirl.eval import evaluate
 from unirl.train.engine.build import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Page(HTMLParser):
@@ -343,3 +347,19 @@ def test_max_samples_is_stratified_by_task(tmp_path):
     assert four == kept(["evaluation.max_samples=4"])
     others = {frozenset(kept(["evaluation.max_samples=4", f"data.seed={s}"])) for s in (1, 2, 3)}
     assert len(others | {frozenset(four)}) > 1  # the draw depends on data.seed
+
+
+def test_unirl_eval_of_a_task_nothing_can_score_exits_2(tmp_path, capsys):
+    """The command line: `unirl eval` with the quickstart recipe and no reward plugin exits
+    2 with one line naming the key, before a model is built or anything written."""
+    from unirl.cli import main
+
+    out = tmp_path / "eval"
+    recipe = str(ROOT / "recipes" / "examples" / "own_data_tiny.yaml")
+    data = [f"data.path={ROOT}/examples/colour_squares/train.jsonl"]
+    data.append(f"data.test_path={ROOT}/examples/colour_squares/test.jsonl")
+    argv = ["eval", recipe, "--random-init", "reward.plugins=[]", *data]
+    assert main([*argv, f"evaluation.output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward.plugins" in err[0] and "colour_qa" in err[0]
+    assert not out.exists()
