@@ -17,7 +17,6 @@ from eval_fixtures import make_dataset, write_config
 from PIL import Image
 
 from unirl.config import load_config
-
 from unirl.core.types import TRUNCATED_REASONS
 from unirl.eval import evaluate
 from unirl.train.engine.build import build_model
