@@ -200,9 +200,12 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
                     break
                 done.add(step)
                 cfg = load_config(step.recipe, list(step.overrides))
-                fitted = work / cfg.run.output_dir / "codec"
-                if codec_key(cfg) is not None and fitted.is_dir():
-                    codecs.setdefault(codec_key(cfg), str(fitted))
+                key, own = codec_key(cfg), work / cfg.run.output_dir / "codec"
+                if key in codecs and not own.exists():
+                    # a run that fits its codec saves it there (a later step may read it)
+                    shutil.copytree(codecs[key], own)
+                if key is not None and own.is_dir():
+                    codecs.setdefault(key, str(own))
     finally:
         os.chdir(cwd)
     return failures
