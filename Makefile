@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LINT_PATHS := src tests $(wildcard bench)
+LINT_PATHS := src tests $(wildcard bench) $(wildcard examples)
 
 .PHONY: venv test test-fast test-full lint format demo recipes-check clean
 
