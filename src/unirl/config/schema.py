@@ -507,7 +507,13 @@ class EvaluationConfig(StrictModel):
     split: Literal["train", "val", "test"] = Field(
         "test", description="Rows to evaluate: data.<split>_path, or data.path rows of it."
     )
-    max_samples: int = Field(0, ge=0, description="Evaluate the first N rows (0 = all).")
+    max_samples: int = Field(
+        0,
+        ge=0,
+        description="Evaluate at most N rows (0 = all), stratified by task: the N are dealt "
+        "round-robin over the tasks, each task's rows drawn with a seed from data.seed and "
+        "the task's name.",
+    )
     rollouts_per_sample: int = Field(
         1, ge=1, description="Rollouts n per row: mean@n and pass@n are reported."
     )
