@@ -143,7 +143,7 @@ def _print_fingerprints(where: str) -> int:
     whether the file now on disk still matches. Reads only (no torch)."""
     from pathlib import Path
 
-    from unirl.core.fingerprint import changed_files, fingerprint
+    from unirl.config.fingerprint import changed_files, fingerprint
 
     root = Path(where)
     states = [root / "state.json"] if (root / "state.json").is_file() else []

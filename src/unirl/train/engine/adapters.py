@@ -5,7 +5,7 @@ A LoRA run writes ``adapter/`` beside its merged ``model/``, in peft's own forma
 adapter tensors under peft's names, ``base_model.model.<module>.lora_A.weight``), so
 ``PeftModel.from_pretrained(base, "adapter")`` loads it on the base model — plus
 ``unirl_adapter.json``: the base it was trained on (`model.path` and the digest of its
-fingerprint, `unirl.core.fingerprint`; null for a base built from the config), the rank,
+fingerprint, `unirl.config.fingerprint`; null for a base built from the config), the rank,
 alpha, rslora flag, the `trainer.lora.target_modules` regex and the modules it matched.
 
 `model.initial_adapter: DIR` starts a run (SFT, OPD, GRPO) from such an adapter on
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unirl.config import ConfigError, UnirlConfig
-from unirl.core.fingerprint import digest, fingerprint
+from unirl.config.fingerprint import digest, fingerprint
 from unirl.models import UnifiedModel
 
 ADAPTER_DIR = "adapter"

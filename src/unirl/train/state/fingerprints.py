@@ -6,7 +6,7 @@ GRPO reference, the initial policy), `model.initial_adapter`, `model.codec.path`
 model built from the config), the dataset files (`data.path`, `data.val_path`,
 `data.test_path`), OPD's teacher (`algorithm.teacher.path`) and the reward plugins'
 model directories (`reward.plugins.N.path`). `input_fingerprints` fingerprints each
-(`unirl.core.fingerprint`: sizes, safetensors headers, content hashes cached by
+(`unirl.config.fingerprint`: sizes, safetensors headers, content hashes cached by
 size/mtime/inode); `check_fingerprints` refuses (a `ConfigError`, exit 2) a resume when
 any recorded file changed, naming the file and the key.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.config import ConfigError, UnirlConfig
-from unirl.core.fingerprint import changed_files, fingerprint
+from unirl.config.fingerprint import changed_files, fingerprint
 
 FINGERPRINTS = "fingerprints"
 """The key of a checkpoint's state.json that holds them."""
