@@ -412,6 +412,31 @@ def test_a_change_the_mode_does_not_allow_exits_2_naming_the_key(
     assert _files(parent) == before
 
 
+def test_a_parent_inside_a_grpo_round_or_without_checkpoints_exits_2(
+    tmp_path, codec_dir, classifier_dir, capsys
+):
+    cfg = tiny_config(
+        tmp_path / "parent",
+        codec_dir,
+        data={"tasks": ["t2i"], "train_size": 8, "val_size": 0, "test_size": 0},
+        rollout={"max_new_tokens": 16, "length_semantics": "exact"},
+        reward={"plugins": [{"name": "digit_classifier", "path": str(classifier_dir)}]},
+        algorithm={"name": "grpo", "group_size": 4, "updates_per_batch": 2},
+        trainer={"total_updates": 4},
+        checkpoint={"every_updates": 1, "keep_last": 0},
+    )
+    code, _, err = _train(tmp_path, cfg, "--stop-after-updates", "1", capsys=capsys)
+    assert code == 0, err
+    for parent, says in (
+        (tmp_path / "parent", "update 1 is inside a GRPO round"),
+        (tmp_path / "nowhere", "neither a run directory nor a checkpoint"),
+    ):
+        child = _child(cfg, tmp_path / "child", parent, "strict")
+        code, _, err = _train(tmp_path, child, capsys=capsys)
+        assert code == 2 and "run.parent" in err and says in err, err
+        assert not (tmp_path / "child").exists()
+
+
 def test_the_allowed_key_sets_live_in_one_place():
     """Each mode allows exactly ALWAYS_RESUMABLE + its RESUME_MODES entry: a DDP reducer
     flag only under execution_change, a rollout cap only under rollout_limit_change."""

@@ -88,7 +88,7 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     if scan.latest is not None:
         check_resume(scan.latest, cfg)
     elif cfg.run.parent is not None and not scan.n_candidates:
-        check_resume(parent_checkpoint(cfg.run.parent), cfg)
+        check_resume(parent_checkpoint(cfg), cfg)
     elif scan.n_candidates:
         raise ConfigError(
             f"no intact checkpoint among {scan.n_candidates} in {ckpt.checkpoint_dir(run_dir)} "

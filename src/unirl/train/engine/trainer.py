@@ -79,20 +79,31 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
         raise ConfigError(f"refusing to resume {found.path}: {bad[1]}", key=bad[0])
 
 
-def parent_checkpoint(path: str | Path) -> ckpt.Checkpoint:
+def parent_checkpoint(cfg: UnirlConfig) -> ckpt.Checkpoint:
     """The checkpoint `run.parent` names: a checkpoint directory (verified), or a run
-    directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise."""
-    root = Path(path)
+    directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
+    for a checkpoint inside a GRPO round (`algorithm.updates_per_batch` K > 1, update not
+    a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    root = Path(cfg.run.parent)
     try:
         if (root / ckpt.STATE).is_file():
-            return ckpt.verify_checkpoint(root)
+            found: ckpt.Checkpoint | None = ckpt.verify_checkpoint(root)
+        elif not ckpt.checkpoint_dir(root).is_dir():
+            raise ConfigError(f"{root}: neither a run directory nor a checkpoint", key="run.parent")
+        else:
+            found = ckpt.scan_checkpoints(root).latest
     except ckpt.CheckpointError as exc:
         raise ConfigError(f"{exc}", key="run.parent") from None
-    if not ckpt.checkpoint_dir(root).is_dir():
-        raise ConfigError(f"{root}: neither a run directory nor a checkpoint", key="run.parent")
-    found = ckpt.scan_checkpoints(root).latest
     if found is None:
         raise ConfigError(f"{root}: no intact checkpoint", key="run.parent")
+    k = getattr(cfg.algorithm, "updates_per_batch", 1)
+    if found.update % k:
+        raise ConfigError(
+            f"{found.path}: update {found.update} is inside a GRPO round "
+            f"(algorithm.updates_per_batch={k}); a child starts only at a round boundary "
+            "(a multiple of it)",
+            key="run.parent",
+        )
     return found
 
 
@@ -217,7 +228,7 @@ class Trainer:
         found = scan.latest
         parent = self.cfg.run.parent
         if found is None and parent is not None:
-            found = parent_checkpoint(parent)
+            found = parent_checkpoint(self.cfg)
             self.from_parent = True
         if found is not None:
             self._check_config(found)
