@@ -158,8 +158,11 @@ def _print_fingerprints(where: str) -> int:
     if "parent" in state:
         parent = state["parent"]
         print(f"parent {parent['checkpoint']} (manifest sha256 {parent['manifest_sha256']})")
-    if not recorded:
+    if recorded is None:
         print("no fingerprints recorded (a checkpoint written before they were)")
+        return 0
+    if not recorded:
+        print("no input files (a model built from the config, the built-in digits data)")
         return 0
     for key, record in sorted(recorded.items()):
         path = Path(record["path"])
@@ -173,6 +176,8 @@ def _print_fingerprints(where: str) -> int:
                 f"{key}  {path / name if path.is_dir() else path}  {fp['size']}  "
                 f"{fp['sha256']}  {status}"
             )
+        for name in sorted(n for n, what in changes.items() if what == "added"):
+            print(f"{key}  {path / name}  -  -  added")
     return 0
 
 
