@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from trainer_helpers import (
+    ForkedCLI,
     assert_same_state,
     checkpoint_tensors,
-    run_cli,
     tiny_config,
     write_config,
 )
@@ -463,18 +463,23 @@ def test_the_allowed_key_sets_live_in_one_place():
 @pytest.mark.slow
 def test_a_killed_child_resumes_from_its_own_checkpoint(tmp_path, sft_parent):
     """SIGKILL after the child's update 4 (saved: 2 from the parent, 3): the retry takes
-    the child's own update-3, says so, and ends bit for bit where an unkilled child does."""
+    the child's own update-3, says so, and ends bit for bit where an unkilled child does.
+    Real processes (`ForkedCLI`: forked from one that imported torch once)."""
+    import os
+
     parent, cfg = sft_parent
+    forked = ForkedCLI()
+    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
     ends = {}
     for name, fault in (("whole", None), ("killed", "after_update:4")):
-        child = _child(
-            cfg, tmp_path / name, parent, "epoch_extension", **{"trainer.total_updates": 5}
-        )
+        changes = {"trainer.total_updates": 5}
+        child = _child(cfg, tmp_path / name, parent, "epoch_extension", **changes)
         path = write_config(tmp_path / f"{name}.yaml", child)
         if fault is not None:
-            killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+            killed = forked.run(["train", str(path)], tmp_path, {**env, "UNIRL_FAULT": fault})
             assert killed.returncode == -9, killed.stderr
-        done = run_cli(["train", str(path)])
+            assert "starting from the parent checkpoint" in killed.stdout
+        done = forked.run(["train", str(path)], tmp_path, env)
         assert done.returncode == 0, done.stderr
         if fault is not None:
             own = tmp_path / name / "checkpoints" / "update-000003"
