@@ -155,31 +155,53 @@ def test_a_lora_run_exports_a_peft_adapter_equal_to_its_final_model(tmp_path, lo
     assert (base_lp - reference).abs().max() > 1e-3  # the adapter changed the model
 
 
-def test_initial_adapter_starts_sft_and_grpo_from_base_plus_adapter(
-    tmp_path, lora_run, codec_dir, base_dir, capsys
+@pytest.mark.parametrize("method", ["sft", "opd"])
+def test_initial_adapter_starts_a_run_from_base_plus_adapter(
+    tmp_path, lora_run, codec_dir, base_dir, method, capsys
 ):
-    """An SFT run from the adapter checkpoints the adapter's tensors at update 0 (then
-    trains them: unmerged); a GRPO job's frozen reference is base + adapter, a copy."""
+    """An SFT or OPD run from the adapter checkpoints the adapter's tensors at update 0
+    (the OPD student is base + adapter) and then trains them: unmerged."""
     run_dir, _ = lora_run
     adapter = run_dir / "adapter"
     peft_tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    sft = _path_config(
-        tmp_path / "sft",
+    sections = {}
+    if method == "opd":  # the base itself as the teacher: the same action spaces
+        sections = {
+            "data": {"tasks": ["t2i"], "train_size": 8, "val_size": 0, "test_size": 0},
+            "rollout": {"max_new_tokens": 16, "length_semantics": "exact"},
+            "algorithm": {"name": "opd", "teacher": {"path": str(base_dir)}},
+        }
+    cfg = _path_config(
+        tmp_path / method,
         codec_dir,
         base_dir,
         model={"initial_adapter": str(adapter)},
         trainer={"total_updates": 1, "lora": LORA},
+        **sections,
     )
-    code, _, err = _train(tmp_path, sft, capsys=capsys)
+    code, _, err = _train(tmp_path, cfg, capsys=capsys)
     assert code == 0, err
-    start = load_file(str(tmp_path / "sft" / "checkpoints" / "update-000000" / "model.safetensors"))
+    ckpts = tmp_path / method / "checkpoints"
+    start = load_file(str(ckpts / "update-000000" / "model.safetensors"))
     assert len(start) == len(peft_tensors)
     for name, value in peft_tensors.items():
         stem, _, leaf = name.removeprefix("base_model.model.").rpartition(".")
         assert torch.equal(start[f"{stem}.default.{leaf}"], value), name
-    after = load_file(str(tmp_path / "sft" / "checkpoints" / "update-000001" / "model.safetensors"))
+    after = load_file(str(ckpts / "update-000001" / "model.safetensors"))
     assert any(not torch.equal(after[k], start[k]) for k in start)
+    record = json.loads((tmp_path / method / "adapter" / "unirl_adapter.json").read_text())
+    assert (
+        record["base_digest"]
+        == json.loads((adapter / "unirl_adapter.json").read_text())["base_digest"]
+    )  # the next link of a chain starts on the same base
 
+
+def test_a_grpo_reference_from_an_initial_adapter_is_base_plus_adapter(
+    tmp_path, lora_run, codec_dir, base_dir
+):
+    """The frozen reference is a copy of the initial policy, base + adapter (a LoRA run
+    from scratch uses the base with adapters off instead)."""
+    adapter = lora_run[0] / "adapter"
     grpo = _path_config(
         tmp_path / "grpo",
         codec_dir,
