@@ -28,7 +28,12 @@ from trainer_helpers import (
 from unirl import cli
 from unirl.config import validate_config
 from unirl.config.fingerprint import cache_path, fingerprint
-from unirl.config.hashing import ALWAYS_RESUMABLE, RESUME_MODES, resume_conflicts
+from unirl.config.hashing import (
+    ALWAYS_RESUMABLE,
+    RESUME_MODES,
+    check_extension,
+    resume_conflicts,
+)
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.data.export import export_task
 from unirl.data.tokenizer import SpecialIds
@@ -480,6 +485,17 @@ def test_the_allowed_key_sets_live_in_one_place():
             allowed = other == mode or (other == "allow_schedule_changes" and "total" in key)
             assert refused == ([] if allowed else [key]), (key, other)
     assert "run.parent" in ALWAYS_RESUMABLE
+    # epoch_extension: only a constant learning rate extends exactly
+    sched = {"scheduler": {"name": "warmup_cosine", "warmup_steps": 2}, "total_updates": 10}
+    longer = {**sched, "total_updates": 20}
+    mode = {"resume_mode": "epoch_extension"}
+    saved = validate_config({"trainer": sched})
+    cosine = validate_config({"trainer": longer, "checkpoint": mode})
+    assert check_extension(saved, cosine)[0] == "trainer.scheduler.name"
+    flat = {"scheduler": {"name": "warmup_constant", "warmup_steps": 2}}
+    saved = validate_config({"trainer": {**flat, "total_updates": 10}})
+    assert check_extension(saved, validate_config({"trainer": {**flat, "total_updates": 20},
+                                                   "checkpoint": mode})) is None  # fmt: skip
 
 
 @pytest.mark.slow
