@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -554,6 +556,13 @@ def test_a_replaced_model_file_refuses_the_resume_naming_it(tmp_path, codec_dir,
     line = next(x for x in lines if f"  {weights}  " in x)
     assert line.startswith("model.path") and line.endswith("content changed")
     assert any(x.startswith("model.path") and x.endswith("  ok") for x in lines)
+    light = (  # reads JSON and hashes files: no torch, no model package
+        "import sys; from unirl import cli; "
+        f"assert cli.main(['inspect', '--fingerprints', {str(tmp_path / 'run')!r}]) == 0; "
+        "assert 'torch' not in sys.modules and 'unirl.models' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", light], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_replaced_dataset_file_refuses_the_resume_naming_it(tmp_path, codec_dir, capsys):
