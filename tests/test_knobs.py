@@ -1001,6 +1001,58 @@ def _resume_mode(kit):
     saved = config(kit, {"trainer.total_updates": 2})
     observe = lambda c: resume_conflicts(saved, c)  # noqa: E731
     differs(kit, observe, "checkpoint.resume_mode", "strict", "allow_schedule_changes")
+    differs(kit, observe, "checkpoint.resume_mode", "strict", "epoch_extension")
+    capped = lambda c: resume_conflicts(saved, c)  # noqa: E731
+    differs(
+        kit, capped, "checkpoint.resume_mode", "strict", "rollout_limit_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+    differs(
+        kit, capped, "checkpoint.resume_mode", "rollout_limit_change", "execution_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+
+
+@probe("run.parent")
+def _run_parent(kit):
+    """A run directory with no checkpoint starts from its parent's newest checkpoint."""
+    parent = Path(fresh_dir(kit))
+    fit_run(kit, config(kit, {"run.output_dir": str(parent), "trainer.total_updates": 1}))
+    child = fresh_dir(kit)
+
+    def start(c):
+        trainer = make_trainer(c, Path(child))
+        return trainer.resume(), trainer.update
+
+    differs(
+        kit, start, "run.parent", None, str(parent),
+        run__output_dir=child, trainer__total_updates=1,
+    )  # fmt: skip
+
+
+@probe("model.initial_adapter")
+def _initial_adapter(kit):
+    """A LoRA run's adapter (written by `save_adapter`) is what the run's LoRA starts from."""
+    from unirl.train.engine.adapters import lora_targets, save_adapter
+
+    lora = {"enabled": True, "r": 2, "target_modules": r".*\.(q_proj|v_proj)$"}
+    base = {"model": {"path": str(kit.saved), "tiny": {}, "codec": {}}, "trainer": {"lora": lora}}
+    trained = config(kit, {}, base)
+    model = _prepare_model(trained, kit.root, torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    adapter = kit.root / "adapter"
+    save_adapter(model, trained, adapter, lora_targets(model))
+
+    def lora_b(c):
+        started = _prepare_model(c, kit.root, torch.device("cpu"))
+        return sum(
+            float(p.detach().abs().sum()) for n, p in started.named_parameters() if "lora_B" in n
+        )
+
+    differs(kit, lora_b, "model.initial_adapter", None, str(adapter), base)
 
 
 @probe("logging.samples_every", "logging.wandb")

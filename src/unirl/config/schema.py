@@ -49,6 +49,13 @@ class RunConfig(StrictModel):
     output_dir: str | None = Field(
         None, description="Run directory (created by train, never by loading); null = runs/<name>."
     )
+    parent: str | None = Field(
+        None,
+        description="Start this (new) run directory from a parent run's newest intact "
+        "checkpoint, or from the checkpoint directory named (docs/campaigns.md); the "
+        "changes allowed against it are checkpoint.resume_mode's. A retry of this run "
+        "resumes from its own newest checkpoint first.",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
     )
@@ -175,6 +182,12 @@ class ModelConfig(StrictModel):
     )
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
+    )
+    initial_adapter: str | None = Field(
+        None,
+        description="A LoRA run's adapter/ directory (peft format + unirl_adapter.json) to "
+        "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
+        "rslora and target_modules, and the base it was trained on).",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
     codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
@@ -440,10 +453,20 @@ class CheckpointConfig(StrictModel):
     every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0 = off).")
     every_minutes: float = Field(0.0, ge=0.0, description="Also every N minutes (0 = off).")
     keep_last: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all).")
-    resume_mode: Literal["strict", "allow_schedule_changes"] = Field(
+    resume_mode: Literal[
         "strict",
-        description="strict: resume needs the same config (cadence/logging aside); "
-        "allow_schedule_changes: total_updates, scheduler and eval_every may change too.",
+        "allow_schedule_changes",
+        "epoch_extension",
+        "rollout_limit_change",
+        "execution_change",
+    ] = Field(
+        "strict",
+        description="What may change when resuming (in place or from run.parent; "
+        "unirl.config.hashing.RESUME_MODES): strict: nothing but cadence/logging/execution-"
+        "only keys; allow_schedule_changes: total_updates, scheduler, eval_every; "
+        "epoch_extension: a longer constant-LR run (total_updates, run.name); "
+        "rollout_limit_change: rollout caps; execution_change: micro-batching, gradient "
+        "checkpointing, DDP/FSDP2 execution flags.",
     )
 
 
@@ -595,6 +618,18 @@ class UnirlConfig(StrictModel):
                     "algorithm.share_prompt_prefix",
                     "continues from a KV cache, which gradient checkpointing drops: turn "
                     "trainer.gradient_checkpointing off",
+                )
+        if self.model.initial_adapter is not None:
+            if self.model.path is None:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "needs model.path (the base the adapter was trained on)",
+                )
+            if not self.trainer.lora.enabled:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "is trained on unmerged: it needs trainer.lora.enabled true (with the "
+                    "adapter's r, alpha and target_modules)",
                 )
         if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
             raise incompatible(

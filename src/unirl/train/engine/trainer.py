@@ -14,6 +14,8 @@ lines — lives here once.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
-from unirl.config.hashing import resumable_summary
+from unirl.config.hashing import check_extension, resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -37,6 +39,7 @@ from unirl.train.engine.optim import build_scheduler
 from unirl.train.engine.protocols import BatchSource, Objective
 from unirl.train.state import checkpoint as ckpt
 from unirl.train.state import sharded
+from unirl.train.state.fingerprints import FINGERPRINTS, check_fingerprints, input_fingerprints
 
 
 class TrainingError(RuntimeError):
@@ -55,10 +58,14 @@ def autocast(cfg: TrainerConfig, device: torch.device):
 
 def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
     """ConfigError (a usage error) naming the changed keys when the config `found` was
-    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`)."""
+    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`, and
+    `check_extension` under `epoch_extension`), or naming the file when an input it
+    recorded changed since (`check_fingerprints`)."""
+    check_fingerprints(found.state.get(FINGERPRINTS), cfg, str(found.path))
     if found.state.get("config_hash") == config_hash(cfg):
         return
-    refused = resume_conflicts(found.state.get("config", {}), cfg)
+    saved = found.state.get("config", {})
+    refused = resume_conflicts(saved, cfg)
     if refused:
         mode = cfg.checkpoint.resume_mode
         raise ConfigError(
@@ -67,6 +74,48 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
             "change); use a new run.output_dir for a new run",
             source=str(found.path),
         )
+    bad = check_extension(saved, cfg)
+    if bad is not None:
+        raise ConfigError(f"refusing to resume {found.path}: {bad[1]}", key=bad[0])
+
+
+def parent_checkpoint(cfg: UnirlConfig) -> ckpt.Checkpoint:
+    """The checkpoint `run.parent` names: a checkpoint directory (verified), or a run
+    directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
+    for a checkpoint inside a GRPO round (`algorithm.updates_per_batch` K > 1, update not
+    a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    root = Path(cfg.run.parent)
+    try:
+        if (root / ckpt.STATE).is_file():
+            found: ckpt.Checkpoint | None = ckpt.verify_checkpoint(root)
+        elif not ckpt.checkpoint_dir(root).is_dir():
+            raise ConfigError(f"{root}: neither a run directory nor a checkpoint", key="run.parent")
+        else:
+            found = ckpt.scan_checkpoints(root).latest
+    except ckpt.CheckpointError as exc:
+        raise ConfigError(f"{exc}", key="run.parent") from None
+    if found is None:
+        raise ConfigError(f"{root}: no intact checkpoint", key="run.parent")
+    k = getattr(cfg.algorithm, "updates_per_batch", 1)
+    if found.update % k:
+        raise ConfigError(
+            f"{found.path}: update {found.update} is inside a GRPO round "
+            f"(algorithm.updates_per_batch={k}); a child starts only at a round boundary "
+            "(a multiple of it)",
+            key="run.parent",
+        )
+    return found
+
+
+def parent_record(found: ckpt.Checkpoint) -> dict[str, str]:
+    """What a child run records of its parent checkpoint: its path and the SHA-256 of its
+    manifest (every file's size and SHA-256, canonical JSON)."""
+    manifest = json.dumps(found.state["manifest"], sort_keys=True, separators=(",", ":"))
+    return {
+        "checkpoint": str(found.path.resolve()),
+        "manifest_sha256": hashlib.sha256(manifest.encode()).hexdigest(),
+        "update": str(found.update),
+    }
 
 
 def gradient_diagnostics(
@@ -150,6 +199,9 @@ class Trainer:
         self.config_hash = config_hash(cfg)
         self.update = 0
         self.resumed_from: Path | None = None
+        self.parent: dict[str, str] | None = None  # the run.parent checkpoint started from
+        self.from_parent = False  # this start loaded the parent (not an own checkpoint)
+        self._fingerprints: dict | None = None
         self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
@@ -171,7 +223,12 @@ class Trainer:
             "data_cursor": self.update,
             "optimizer_saved": bool(self.optimizer.state) or not self.parallel.distributed,
             **({"identity": self.identity} if self.identity is not None else {}),
+            **({"parent": self.parent} if self.parent is not None else {}),
         }
+        if self.dist.is_main:
+            if self._fingerprints is None:  # what the run reads, fingerprinted once
+                self._fingerprints = input_fingerprints(self.cfg)
+            state[FINGERPRINTS] = self._fingerprints
         if self.parallel.distributed:
             sharded.save_sharded(
                 staging, self.model, self.optimizer, self.scheduler, self._ckpt_keys, self.dist
@@ -193,17 +250,32 @@ class Trainer:
         self._last_ckpt_time = time.monotonic()
 
     def resume(self) -> bool:
-        """Load the latest intact checkpoint, if any; return whether one was found."""
+        """Load the latest intact checkpoint of the run directory, else (with `run.parent`)
+        the parent checkpoint; return whether one was loaded. Says which on stdout."""
         scan = ckpt.scan_checkpoints(self.run_dir)
-        if scan.latest is not None:
-            self._check_config(scan.latest)
+        found = scan.latest
+        parent = self.cfg.run.parent
+        if found is None and parent is not None:
+            found = parent_checkpoint(self.cfg)
+            self.from_parent = True
+        if found is not None:
+            self._check_config(found)
         barrier(self.dist)
         if self.dist.is_main:
             ckpt.tidy_run_dir(self.run_dir, scan)
         barrier(self.dist)
-        found = scan.latest
         if found is None:
             return False
+        self.parent = parent_record(found) if self.from_parent else found.state.get("parent")
+        if self.dist.is_main and parent is not None:
+            if self.from_parent:
+                print(f"starting from the parent checkpoint {found.path} (run.parent)", flush=True)
+            else:
+                print(
+                    f"resuming from this run's own checkpoint {found.path} (not the "
+                    f"run.parent {parent})",
+                    flush=True,
+                )
         if found.sharded != self.parallel.distributed:
             raise TrainingError(
                 f"{found.path}: written {'with' if found.sharded else 'without'} "
@@ -249,9 +321,17 @@ class Trainer:
                 f"refusing to resume {found.path}: it was trained against {held}, this run "
                 f"has {self.identity}; use a new run.output_dir"
             )
-        if found.state.get("config_hash") == self.config_hash:
-            return
         check_resume(found, self.cfg)
+
+    def _remeasures(self) -> bool:
+        """A child started from its parent under `rollout_limit_change` re-measures the
+        validation metrics at the update it starts from (rank 0, when it validates)."""
+        return (
+            self.from_parent
+            and self.cfg.checkpoint.resume_mode == "rollout_limit_change"
+            and self.evaluator is not None
+            and self.t.eval_every > 0
+        )
 
     # -- one update ----------------------------------------------------------------
     def accumulate(self) -> dict[str, float]:
@@ -397,10 +477,10 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
-        if not resumed:
+        if not resumed or self.from_parent:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
-            self.save()
+            self.save()  # a child's first checkpoint: the parent's state, in its own dir
         if self.dist.is_main:
             if resumed:
                 print(
@@ -420,6 +500,9 @@ class Trainer:
             total, self.update, log.progress_bar and main, plain=main and not interactive()
         )
         start = self.update
+        if self._remeasures() and logger is not None:
+            # rollout caps changed from the parent: the validation baseline under the new caps
+            logger.log(self.update, self.evaluator(self.update), force=True)
         try:
             while self.update < total:
                 t0 = time.perf_counter()
