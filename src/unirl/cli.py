@@ -25,12 +25,14 @@ from typing import NoReturn
 from unirl import __version__
 from unirl.config import (
     ConfigError,
+    InputError,
     UnirlConfig,
     config_hash,
     key_source,
     load_config,
     to_yaml,
 )
+from unirl.data.errors import DatasetError
 
 PROG = "unirl"
 
@@ -261,8 +263,10 @@ def run_eval(args: argparse.Namespace) -> int:
     `unirl.eval.runner`)."""
     cfg = load_weights_config(args)
     from unirl.eval import run_eval as evaluate
+    from unirl.train.preflight import preflight_inference
 
     e = cfg.evaluation
+    preflight_inference(cfg, (e.split,))
     try:
         out = evaluate(cfg)
     except KeyboardInterrupt:
@@ -290,7 +294,9 @@ def run_probe(args: argparse.Namespace) -> int:
     """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
     cfg = load_args_config(args)
     from unirl.train.methods.sft.probe import run_probe as probe
+    from unirl.train.preflight import preflight_inference
 
+    preflight_inference(cfg, ("val",))
     probe(cfg, args.n)
     return 0
 
@@ -373,9 +379,10 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
         return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.handler(args)
-    except ConfigError as exc:
-        _locate(args, exc)
-        return _fail(args, str(exc), 2)
+    except (ConfigError, DatasetError) as exc:
+        error = exc if isinstance(exc, ConfigError) else InputError(str(exc), exc.key)
+        _locate(args, error)
+        return _fail(args, str(error), 2)
     except KeyboardInterrupt as exc:  # a command may say what it saved
         return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback

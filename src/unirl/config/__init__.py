@@ -17,7 +17,7 @@ from unirl.config.algorithms import (
     SFTConfig,
 )
 from unirl.config.base import StrictModel, incompatible
-from unirl.config.errors import COMMAND_LINE, ConfigError, suggest
+from unirl.config.errors import COMMAND_LINE, ConfigError, InputError, suggest
 from unirl.config.hashing import (
     canonical_json,
     config_hash,
@@ -59,6 +59,7 @@ __all__ = [
     "CheckpointConfig",
     "CodecConfig",
     "ConfigError",
+    "InputError",
     "DataConfig",
     "DecoderSizes",
     "EvaluationConfig",

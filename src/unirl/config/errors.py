@@ -91,6 +91,22 @@ class ConfigError(ValueError):
         return self.message
 
 
+class InputError(ConfigError):
+    """A file the config names cannot be used, on one line: "FILE[:LINE]: what (KEY in
+    SOURCE)", KEY the config key that named the file, SOURCE the config file or
+    `<command line>` that set it (filled in by the CLI)."""
+
+    def __init__(self, text: str, key: str | None = None) -> None:
+        self.text = _one_line(text)
+        super().__init__(self.text, key=key)
+
+    @property
+    def message(self) -> str:
+        if not self.key:
+            return self.text
+        return f"{self.text} ({self.key}{f' in {self.source}' if self.source else ''})"
+
+
 def suggest(name: str, candidates: Iterable[str]) -> str | None:
     """The closest candidate to `name` (difflib ratio >= 0.6), also trying `KEY_SYNONYMS`.
 
