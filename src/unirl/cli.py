@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from unirl import __version__
 from unirl.config import (
+    COMMAND_LINE,
     ConfigError,
     InputError,
     UnirlConfig,
@@ -168,30 +169,67 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--prompt", required=True, help='user text, e.g. "draw the digit 7"')
     parser.add_argument("--n", type=_positive_int, default=8, help="samples to draw (default 8)")
-    parser.add_argument("--out", required=True, help="output directory for the PNG and JSON")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory for the PNGs and JSON (default <run.output_dir>/generations)",
+    )
     parser.add_argument(
         "--image",
+        default=None,
+        metavar="PATH",
+        help="an input image shown before the prompt (image-to-text questions); read at the "
+        "model's image size as a dataset row's image is",
+    )
+    parser.add_argument(
+        "--draw",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="force text-to-image (default: on when the prompt starts with 'draw')",
+    )
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="score the samples as rows of this task, as 'unirl eval' does (its reward "
+        "plugins, else the task's default verifier)",
+    )
+    parser.add_argument(
+        "--answer", default=None, help="the reference answer the scorer compares with (--task)"
     )
     add_random_init_argument(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Validate the config (a model.path or --random-init), then sample and write
-    generations.png / generations.json."""
+    """Validate the config (a model.path or --random-init) and the inputs, then sample and
+    write generations.png / generations.json (see `unirl.generate`)."""
+    if args.answer is not None and args.task is None:
+        raise ConfigError(
+            "needs --task (the task whose verifier compares with it)",
+            key="--answer",
+            source=COMMAND_LINE,
+        )
     cfg = load_weights_config(args)
     from pathlib import Path
 
     from unirl.generate import generate
+    from unirl.train.preflight import preflight_inference
 
-    image = args.prompt.lower().startswith("draw") if args.image is None else args.image
-    summary = generate(cfg, args.prompt, args.n, Path(args.out), image)
+    preflight_inference(cfg)
+    if args.image is not None and not Path(args.image).is_file():
+        raise ConfigError(
+            f"{args.image}: image file not found", key="--image", source=COMMAND_LINE
+        )
+    draw = args.prompt.lower().startswith("draw") if args.draw is None else args.draw
+    out = Path(args.out) if args.out else Path(cfg.run.output_dir) / "generations"
+    summary = generate(cfg, args.prompt, args.n, out, draw, args.image, args.task, args.answer)
     for record in summary["samples"]:
-        print(f"{record['id']}: {record['text']!r} ({record['finish_reason']})")
+        shown = [repr(record["text"])] if record["text"] or not record["images"] else []
+        shown += record["images"]
+        score = f" score {record['score']:.4f}" if "score" in record else ""
+        print(f"{record['id']}: {' '.join(shown)} ({record['finish_reason']}){score}")
     if summary["png"]:
         print(f"images: {summary['png']}")
+    print(f"{PROG} generate: results in {out} (generations.json)", file=sys.stderr)
     return 0
 
 
