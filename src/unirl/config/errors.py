@@ -114,6 +114,8 @@ def suggest(name: str, candidates: Iterable[str]) -> str | None:
     synonym ``learning_rate``, whose schema name ``lr`` is a candidate.
     """
     pool = [c for c in candidates if c != name]
+    if KEY_SYNONYMS.get(name) in pool:  # batch_size: global_batch_size, not micro_batch_size
+        return KEY_SYNONYMS[name]
     close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
     if close:
         return close[0]
