@@ -102,8 +102,12 @@ def from_validation_error(
     key, node = loc_to_key(root, loc)
     expected = suggestion = None
     if kind == INCOMPATIBLE:
-        key = join_key(key, ctx["field"])
+        section = key
+        key = join_key(section, ctx["field"])
         problem = ctx["detail"]
+        for other in ctx.get("also", ()):
+            other = join_key(section, other)
+            problem += f" ({other} set in {source_of(other, provenance, 'the defaults')})"
     elif kind in ("union_tag_invalid", "union_tag_not_found"):
         disc, branches = union_branches(node)  # type: ignore[misc]
         key = join_key(key, disc)
