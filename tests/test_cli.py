@@ -286,3 +286,29 @@ def test_overrides_may_follow_an_option():
     parser = cli.build_parser()
     args = cli._parse(parser, ["eval", "c.yaml", "a=1", "--random-init", "b=2"])
     assert args.random_init and args.overrides == ["a=1", "b=2"]
+
+
+def test_inspect_sources_names_who_set_each_value(tmp_path, capsys):
+    """`inspect --sources`: one `key: value  # source` line per value, the source being
+    the file that set it (a base file's key, the child's own), `<command line>` for an
+    override, or `default`; the hash is the plain inspect's."""
+    (tmp_path / "base.yaml").write_text("trainer: {optimizer: {lr: 0.01}, total_updates: 7}\n")
+    (tmp_path / "own.yaml").write_text(
+        "defaults: base.yaml\ntrainer: {total_updates: 9}\nreward: {plugins: [{name: mc_exact}]}\n"
+    )
+    own = str(tmp_path / "own.yaml")
+    assert cli.main(["inspect", "--sources", own, "run.seed=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    got = {k: (v, src) for k, v, src in (re_line(line) for line in lines[:-1])}
+    assert got["trainer.optimizer.lr"] == ("0.01", str(tmp_path / "base.yaml"))
+    assert got["trainer.total_updates"] == ("9", own)
+    assert got["run.seed"] == ("3", "<command line>")
+    assert got["trainer.grad_clip"][1] == "default"
+    assert got["reward.plugins"][1] == own and "mc_exact" in got["reward.plugins"][0]
+    assert lines[-1] == f"hash: {config_hash(load_config(own, ['run.seed=3']))}"
+
+
+def re_line(line: str) -> tuple[str, str, str]:
+    body, source = line.rsplit("  # ", 1)
+    key, value = body.rstrip().split(": ", 1)
+    return key, value, source

@@ -29,6 +29,7 @@ from unirl.config import (
     InputError,
     UnirlConfig,
     config_hash,
+    config_sources,
     key_source,
     load_config,
     to_yaml,
@@ -107,10 +108,30 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     add_random_init_argument(parser)
 
 
+def configure_inspect(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--sources",
+        action="store_true",
+        help="print one line per value: dotted key, value and the file, <command line> or "
+        "default that set it",
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
-    cfg = load_args_config(args)
-    sys.stdout.write(to_yaml(cfg))
+    """Print the resolved config as YAML (with `--sources`: `key: value  # source` lines),
+    then `hash: <sha256 hex>`. Builds nothing."""
+    if args.sources:
+        from unirl.models import check_model_config
+
+        cfg, rows = config_sources(args.config, args.overrides)
+        check_model_config(cfg.model)
+        width = min(60, max(len(f"{k}: {v}") for k, v, _ in rows))
+        for key, value, source in rows:
+            sys.stdout.write(f"{f'{key}: {value}':<{width}}  # {source}\n")
+    else:
+        cfg = load_args_config(args)
+        sys.stdout.write(to_yaml(cfg))
     sys.stdout.write(f"hash: {config_hash(cfg)}\n")
     return 0
 
@@ -342,8 +363,9 @@ def run_probe(args: argparse.Namespace) -> int:
 COMMANDS: list[Command] = [
     Command(
         "inspect",
-        "print the resolved config and its hash (CPU only, creates nothing)",
-        add_config_arguments,
+        "print the resolved config and its hash (--sources: who set each value; CPU only, "
+        "creates nothing)",
+        configure_inspect,
         run_inspect,
     ),
     Command(

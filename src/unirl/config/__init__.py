@@ -26,7 +26,7 @@ from unirl.config.hashing import (
     short_hash,
     to_yaml,
 )
-from unirl.config.loader import key_source, load_config
+from unirl.config.loader import config_sources, key_source, load_config
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import (
     DIGITS_TASKS,
@@ -85,6 +85,7 @@ __all__ = [
     "apply_overrides",
     "canonical_json",
     "config_hash",
+    "config_sources",
     "diff_configs",
     "incompatible",
     "key_source",
