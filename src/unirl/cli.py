@@ -233,15 +233,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from unirl.generate import generate
-    from unirl.train.preflight import preflight_inference
+    from unirl.train.preflight import GENERATIONS, preflight_inference
 
     preflight_inference(cfg)
     if args.image is not None and not Path(args.image).is_file():
-        raise ConfigError(
-            f"{args.image}: image file not found", key="--image", source=COMMAND_LINE
-        )
+        raise ConfigError(f"{args.image}: image file not found", key="--image", source=COMMAND_LINE)
     draw = args.prompt.lower().startswith("draw") if args.draw is None else args.draw
-    out = Path(args.out) if args.out else Path(cfg.run.output_dir) / "generations"
+    out = Path(args.out) if args.out else Path(cfg.run.output_dir) / GENERATIONS
     summary = generate(cfg, args.prompt, args.n, out, draw, args.image, args.task, args.answer)
     for record in summary["samples"]:
         shown = [repr(record["text"])] if record["text"] or not record["images"] else []

@@ -6,8 +6,8 @@ config fails before any side effect.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 

@@ -6,7 +6,8 @@ exit 2, one line naming the culprit) on the first problem:
 
 - the algorithm can be trained (`algorithm.name`), the model section fits its kind
   (`check_model_config`, with the kind's own config checks: e.g. UniAR's sizes);
-- `run.output_dir` is a directory or does not exist yet;
+- `run.output_dir` does not exist yet, is empty, is a unirl run, or holds only what unirl
+  writes there before a run (`check_run_dir`);
 - `model.path`, `model.codec.path` and OPD's `algorithm.teacher.path`: they exist, and the header of every safetensors
   file under them is read and its size checked against the file (a truncated file names
   its path); no weights are loaded;
@@ -49,6 +50,7 @@ from unirl.codecs.base import CONFIG_NAME as CODEC_CONFIG
 from unirl.config import ConfigError, UnirlConfig
 from unirl.config.errors import InputError
 from unirl.config.schema import DIGITS_IMAGE_SIZE, ModelConfig
+from unirl.core.atomic import is_temporary
 from unirl.core.sample import GenerationRequest, Sample
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError, Rows, load_rows
@@ -60,7 +62,7 @@ from unirl.models.registry import ModelFacts, inspect_model
 from unirl.models.tiny.build import new_codec
 from unirl.rewards.answers import check_answers, check_dataset_answers
 from unirl.rewards.defaults import evaluation_reward
-from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.parallel import check_fsdp2_support
@@ -77,6 +79,17 @@ ROLLOUT_METHODS = ("grpo", "opd")
 RUN_CODEC, RUN_TOKENIZER = "codec", "tokenizer"
 """Where a run directory keeps the codec and tokenizer of a model built from the config
 (`unirl.train.run`)."""
+GENERATIONS = "generations"
+"""`unirl generate`'s default output directory under `run.output_dir`."""
+EVALS = "evals"
+"""Where a run keeps its evaluations (`unirl.train.run`)."""
+RUN_MARKERS = ("config.yaml", "config_hash", "checkpoints")
+"""What makes a directory a unirl run: a run writes `config.yaml` and `config_hash`
+before anything else (`unirl.train.run.prepare_run_dir`)."""
+LEFTOVERS = (CLASSIFIER_DIR, GENERATIONS, RUN_CODEC, RUN_TOKENIZER, EVALS)
+"""What unirl writes into `run.output_dir` before (or without) a run there: the digits
+classifier (`unirl eval`, `unirl generate --task`), generations, a codec or tokenizer
+fitted ahead of the run, evaluations; with `unirl eval`'s `eval-<split>` directories."""
 
 
 def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
@@ -90,9 +103,7 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     check_model_config(cfg.model)
     if cfg.trainer.parallel == "fsdp2":
         check_fsdp2_support()
-    out = Path(cfg.run.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
+    check_run_dir(Path(cfg.run.output_dir))
     check_weights(cfg.model.path, "model.path")
     teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
     if teacher is not None:
@@ -109,6 +120,34 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
         check_rewards(cfg)
     if teacher is not None:
         check_teacher(cfg)
+
+
+def check_run_dir(out: Path) -> None:
+    """`run.output_dir` does not exist, is empty, is a unirl run (it holds one of
+    `RUN_MARKERS`), or holds only what unirl writes there before a run (`LEFTOVERS`,
+    `eval-<split>` directories of `unirl eval`, temporaries of interrupted writes):
+    anything else is someone's directory, which a run must not fill."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
+    names = sorted(p.name for p in out.iterdir())
+    if any(name in RUN_MARKERS for name in names):
+        return
+    foreign = [
+        n
+        for n in names
+        if n not in LEFTOVERS and not n.startswith("eval-") and not is_temporary(out / n)
+    ]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise ConfigError(
+            f"{out} is not empty and is not a unirl run (it holds {shown}); choose a new "
+            "or empty directory",
+            key="run.output_dir",
+        )
 
 
 def preflight_inference(cfg: UnirlConfig, splits: Collection[str] = ()) -> None:
