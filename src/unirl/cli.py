@@ -6,10 +6,13 @@ functions and append a `Command` to `COMMANDS`. Keep `unirl --help` and `unirl i
 light: a `run` imports its implementation inside the function, and a `configure` imports
 only light modules (tests/test_cli.py checks that they load no model package and no torch).
 
-Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
-a bad file it names, a refused resume); 1 any other failure; 130 interrupted (`train` names
-the last checkpoint it saved). Errors print one line `unirl: error: ...` on stderr; `--debug`
-adds the traceback.
+Exit codes (docs/cli.md): 0 success; 2 usage or input errors (argparse, `ConfigError`: a
+bad config, a bad file it names, a refused resume; `DatasetError`: a dataset file or row,
+named with the config key that pointed at it); 1 any other failure; 130 interrupted
+(`train` names the last checkpoint it saved). Errors print one line `unirl: error: ...` on
+stderr naming the file or `<command line>` that set the culprit; `--debug` adds the
+traceback. `train`, `eval`, `probe` and `generate` check what they read before writing
+anything (`unirl.train.preflight`).
 """
 
 from __future__ import annotations
