@@ -180,6 +180,8 @@ def check_split_rows(
     through the model's processor) and verified by the plugins that score them
     (`evaluation_reward`: the `reward:` plugins, else the tasks' default verifiers); a
     bad row is an InputError naming its file:line and the key naming its file."""
+    if not splits:
+        return
     processor, grid = _processor(cfg, geometry)
     reward, _ = evaluation_reward(cfg)
     for split in splits:
