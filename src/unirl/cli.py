@@ -356,7 +356,7 @@ def run_probe(args: argparse.Namespace) -> int:
     from unirl.train.methods.sft.probe import run_probe as probe
     from unirl.train.preflight import preflight_inference
 
-    preflight_inference(cfg, ("val",))
+    preflight_inference(cfg, ("val",), verify=False)  # probe scores no answers
     probe(cfg, args.n)
     return 0
 

@@ -150,13 +150,16 @@ def check_run_dir(out: Path) -> None:
         )
 
 
-def preflight_inference(cfg: UnirlConfig, splits: Collection[str] = ()) -> None:
+def preflight_inference(
+    cfg: UnirlConfig, splits: Collection[str] = (), verify: bool = True
+) -> None:
     """`unirl eval`, `probe` and `generate`: check what the command reads before it builds
     the model or writes anything, as `preflight` does for a run: the model section, the
     weights at `model.path` (or the codec at `model.codec.path`), the model's files, the
     reward plugins' paths, and every row of each of `splits` (`data.<split>_path` or the
     split's `data.path` rows, images at the model's size) with the answers its verifiers
-    need (`check_split_rows`). Raises the same one-line `ConfigError`s; writes nothing."""
+    need (`check_split_rows`; `verify` False: the rows only, for a command that scores
+    nothing, `unirl probe`). Raises the same one-line `ConfigError`s; writes nothing."""
     check_model_config(cfg.model)
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
@@ -168,13 +171,16 @@ def preflight_inference(cfg: UnirlConfig, splits: Collection[str] = ()) -> None:
         check_weights(plugin.path, f"reward.plugins.{k}.path")
     geometry = check_model(cfg)
     if cfg.data.path is not None and splits:
-        check_split_rows(cfg, splits, geometry)
+        check_split_rows(cfg, splits, geometry, verify)
     if cfg.reward.plugins:
         check_rewards(cfg)
 
 
 def check_split_rows(
-    cfg: UnirlConfig, splits: Collection[str], geometry: Geometry | None = None
+    cfg: UnirlConfig,
+    splits: Collection[str],
+    geometry: Geometry | None = None,
+    verify: bool = True,
 ) -> None:
     """The rows of each of `splits` as an evaluation reads them (`split_rows`, images
     through the model's processor) and verified by the plugins that score them
@@ -183,11 +189,12 @@ def check_split_rows(
     if not splits:
         return
     processor, grid = _processor(cfg, geometry)
-    reward, _ = evaluation_reward(cfg)
+    reward = evaluation_reward(cfg)[0] if verify else None
     for split in splits:
         try:
             rows = split_rows(cfg.data, split, processor, grid)
-            check_answers(reward, rows)
+            if reward is not None:
+                check_answers(reward, rows)
         except DatasetError as err:
             raise _as_input_error(err, split_key(cfg.data, split)) from None
 
