@@ -374,7 +374,7 @@ def _test_row_without_answer(d: Path, out: Path, w) -> list[str]:
 
 def _eval_tasks_on_the_command_line(d: Path, out: Path, w) -> list[str]:
     cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")), val_path=None)
-    return [write(d, cfg), "data.tasks=[say,nope]", "evaluation.split=train"]
+    return [write(d, cfg), "data.tasks=[nope]", "evaluation.split=train"]
 
 
 def _probe_bad_val_row_on_the_command_line(d: Path, out: Path, w) -> list[str]:
@@ -757,6 +757,11 @@ CASES: list[Case] = [
         ("gone", "not found", "model.path in <command line>"),
         lambda d, out, w: [write(d, tiny(out, w)), f"model.path={d / 'gone'}"],
         command=("eval",),
+    ),
+    Case(
+        "train_task_list_on_the_command_line",
+        ("no train rows of task 'nope'", "data.tasks in <command line>"),
+        lambda d, out, w: [write(d, own(out, w, rows_file(d, row("five")))), "data.tasks=[nope]"],
     ),
     Case(
         "train_test_row_without_answer",

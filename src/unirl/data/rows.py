@@ -81,18 +81,18 @@ def _split_rows(
                 "data.default_task"
             )
     kept = [s.task in data.tasks for s in rows.samples]
+    present = {s.task for s, k in zip(rows.samples, kept) if k}
+    missing = [t for t in data.tasks if t not in present]
+    if missing and (split == "train" or not any(kept)):  # refused before any warning
+        raise DatasetError(
+            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks})",
+            key="data.tasks",
+        )
     left_out = Counter(s.task for s, k in zip(rows.samples, kept) if not k)
     if left_out:
         shown = ", ".join(f"{t}: {n}" for t, n in sorted(left_out.items()))
         logger.warning("%s (%s): left out rows of tasks not in data.tasks (%s)", key, split, shown)
     rows = rows.select(kept)
-    present = {s.task for s in rows.samples}
-    missing = [t for t in data.tasks if t not in present]
-    if missing and (split == "train" or not rows.samples):
-        raise DatasetError(
-            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks})",
-            key="data.tasks",
-        )
     return rows
 
 
