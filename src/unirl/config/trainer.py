@@ -209,6 +209,10 @@ class TrainerConfig(StrictModel):
         if self.scheduler.warmup_steps > self.total_updates:
             raise incompatible(
                 "scheduler.warmup_steps",
-                f"{self.scheduler.warmup_steps} exceeds total_updates={self.total_updates}",
+                f"{self.scheduler.warmup_steps} warmup updates exceed trainer.total_updates="
+                f"{self.total_updates}; for a short trial run also set "
+                f"trainer.scheduler.warmup_steps={self.total_updates // 10} (at most "
+                f"total_updates), or raise trainer.total_updates",
+                also=("total_updates",),
             )
         return self

@@ -2,7 +2,8 @@
 
 Layout of a run directory::
 
-    config.yaml          the resolved config (as `unirl inspect` prints it)
+    config.yaml          the resolved config (as `unirl inspect` prints it), then comment
+                         lines giving each relative path's absolute form
     config_hash          its SHA-256
     codec/               the fitted image codec (reused on resume)
     checkpoints/         atomic checkpoints (update-NNNNNN)
@@ -65,18 +66,50 @@ from unirl.train.methods.opd.job import build_opd_job
 from unirl.train.methods.sft.information_gain import ig_evaluation
 from unirl.train.methods.sft.job import build_sft_job
 from unirl.train.methods.sft.source import sft_trajectories
-from unirl.train.preflight import preflight
+from unirl.train.preflight import EVALS, preflight
 from unirl.train.state import checkpoint as ckpt
 from unirl.train.state.checkpoint import write_text_atomic
 from unirl.train.state.sharded import full_model_state
 
 logger = logging.getLogger(__name__)
-EVALS = "evals"
 
 
 def _record(path: Path, text: str) -> None:
     if not path.is_file() or path.read_text() != text:
         write_text_atomic(path, text)
+
+
+def _path_values(value, key: str = ""):
+    """(dotted key, value) of every path the config holds: a string under a key named
+    `path`, `*_path` or `*_dir` (model.path, data.test_path, run.output_dir, ...)."""
+    if isinstance(value, dict):
+        for name, child in value.items():
+            yield from _path_values(child, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, list):
+        for k, child in enumerate(value):
+            yield from _path_values(child, f"{key}.{k}")
+    elif isinstance(value, str) and value:
+        last = key.rsplit(".", 1)[-1]
+        if last == "path" or last.endswith(("_path", "_dir")):
+            yield key, value
+
+
+def absolute_paths(cfg: UnirlConfig) -> str:
+    """Comment lines for config.yaml: each relative path of the config as given and
+    resolved against the working directory of the run's command, so the record still
+    says which files were read when it is read from elsewhere. Empty when every path is
+    absolute."""
+    lines = [
+        f"#   {key}: {value} -> {Path(value).resolve()}\n"
+        for key, value in _path_values(cfg.model_dump(mode="json"))
+        if not Path(value).is_absolute()
+    ]
+    if not lines:
+        return ""
+    return (
+        "# absolute paths (the relative ones above, resolved from the working directory):\n"
+        + "".join(lines)
+    )
 
 
 def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
@@ -99,7 +132,7 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.tidy_run_dir(run_dir, scan)
-        _record(run_dir / "config.yaml", to_yaml(cfg))
+        _record(run_dir / "config.yaml", to_yaml(cfg) + absolute_paths(cfg))
         _record(run_dir / "config_hash", config_hash(cfg) + "\n")
     barrier(info)
     return run_dir

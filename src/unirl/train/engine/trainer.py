@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
-from unirl.config.hashing import check_extension, resumable_summary
+from unirl.config.hashing import SCHEDULE_KEYS, check_extension, resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -68,10 +68,20 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
     refused = resume_conflicts(saved, cfg)
     if refused:
         mode = cfg.checkpoint.resume_mode
+        schedule = [
+            k for k in refused if any(k == p or k.startswith(p + ".") for p in SCHEDULE_KEYS)
+        ]
+        fix = "use a new run.output_dir for a new run"
+        if schedule and mode == "strict":
+            fix = (
+                f"to extend or reschedule this run ({', '.join(schedule)}), set "
+                "checkpoint.resume_mode: allow_schedule_changes "
+                f"(checkpoint.resume_mode=allow_schedule_changes on the command line); else {fix}"
+            )
         raise ConfigError(
             f"refusing to resume: the config changed at {', '.join(refused)} "
             f"(checkpoint.resume_mode={mode} allows only {resumable_summary(mode)} to "
-            "change); use a new run.output_dir for a new run",
+            f"change); {fix}",
             source=str(found.path),
         )
     bad = check_extension(saved, cfg)
