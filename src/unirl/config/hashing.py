@@ -27,6 +27,7 @@ ALWAYS_RESUMABLE = (
     "run.deterministic",
     "checkpoint.every_updates",
     "checkpoint.every_minutes",
+    "checkpoint.every_epochs",
     "checkpoint.keep_last",
     "checkpoint.resume_mode",
     "logging",
@@ -40,7 +41,12 @@ ALWAYS_RESUMABLE = (
     "ray",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
-SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")
+SCHEDULE_KEYS = (
+    "trainer.total_updates",
+    "trainer.scheduler",
+    "trainer.eval_every",
+    "trainer.eval_every_epochs",
+)
 
 
 def as_plain(cfg: ConfigLike) -> dict[str, Any]:
