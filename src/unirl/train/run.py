@@ -206,6 +206,7 @@ def evaluate_split(
         out,
         per_task=size,
         classifier_dir=run_dir / CLASSIFIER_DIR,
+        stale="replace",
     )
     return task_metrics(summary)
 
