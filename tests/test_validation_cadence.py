@@ -163,6 +163,12 @@ def test_epoch_boundaries_land_on_exact_updates(tmp_path, small_vq_dir, classifi
     for u in evaluated:
         assert {"val/loss", "val/loss_text", "val/loss_image_vq"} <= set(logged[u])
         assert any(k.startswith("val/t2i/") for k in logged[u])  # the rollout evaluation too
+    # what the run logged at its last update is the independent CE of the final weights
+    rows = sft_trajectories(cfg, trainer.model, "val", cfg.data.val_size)
+    want = independent_ce(trainer.model, rows, cfg.algorithm.lambda_visual)
+    for key, ref in (("val/loss", "loss"), ("val/loss_text", "loss_text"),
+                     ("val/loss_image_vq", "loss_image")):  # fmt: skip
+        assert math.isclose(logged[9][key], want[ref], rel_tol=1e-5)  # bound: see above
 
 
 # -- the best checkpoint ----------------------------------------------------------------

@@ -72,11 +72,11 @@ def truncate_tensorboard(run_dir: Path, last_update: int) -> None:
     """Rewrite every events file under ``<run_dir>/tensorboard`` keeping only the events
     with step <= last_update (the file-version header has step 0), record bytes unchanged,
     each file atomically — what `truncate_metrics` does for the JSONL file."""
-    from tensorboard.compat.proto.event_pb2 import Event
-
     root = Path(run_dir) / TENSORBOARD
     if not root.is_dir():
         return
+    from tensorboard.compat.proto.event_pb2 import Event
+
     for path in sorted(root.rglob("events.out.tfevents.*")):
         records = _tf_records(path.read_bytes())
         kept = [r for r in records if Event.FromString(r[12:-4]).step <= last_update]

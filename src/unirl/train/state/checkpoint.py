@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from unirl.core.atomic import apply_umask, fsync_dir, fsync_tree, is_temporary, remove
 from unirl.core.atomic import write_dir_atomic as write_dir_atomic  # re-exported
 from unirl.core.atomic import write_text_atomic as write_text_atomic  # re-exported
-from unirl.train.state.artifacts import read_best, write_best
+from unirl.train.state.artifacts import ROLLOUTS, read_best, write_best
 
 STATE = "state.json"
 MODEL = "model.safetensors"
@@ -296,12 +296,18 @@ def last_saved(run_dir: Path) -> Path | None:
 
 def stale_temporaries(run_dir: Path) -> list[Path]:
     """What interrupted writes leave behind: checkpoint staging directories, half-pruned
-    checkpoints, and the temporaries of atomic writes in the run directory."""
+    checkpoints, and the temporaries of atomic writes in the run directory, its
+    checkpoints/ (best.json) and rollouts/ (saved rollouts)."""
     run_dir = Path(run_dir)
     found = [p for p in run_dir.iterdir() if is_temporary(p)] if run_dir.is_dir() else []
     root = checkpoint_dir(run_dir)
     if root.is_dir():
-        found += [p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING))]
+        found += [
+            p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING)) or is_temporary(p)
+        ]
+    rollouts = run_dir / ROLLOUTS
+    if rollouts.is_dir():  # checkpoint.save_rollouts
+        found += [p for p in rollouts.iterdir() if is_temporary(p)]
     return sorted(found)
 
 
