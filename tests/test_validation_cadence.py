@@ -332,3 +332,55 @@ def test_evaluation_reuse_requires_the_same_weights(tmp_path, small_vq_dir, clas
         evaluate(cfg, model, out, per_task=2, classifier_dir=classifier_dir)
     evaluate(cfg, model, out, per_task=2, classifier_dir=classifier_dir, stale="replace")
     assert (out / "weights_sha256").read_text().strip() == weights_sha256(model)
+
+
+# -- saved OPD rollouts: routes and the GT replay selection ------------------------------------
+
+
+def test_opd_rollout_record_holds_routes_and_replay_selection(
+    tmp_path, small_vq_dir, classifier_dir
+):
+    from unirl.models.build import build_model
+    from unirl.train.methods.opd.job import build_opd_job
+
+    def opd(run_dir: Path, seed: int, teacher: str) -> dict:
+        cfg = tiny_config(
+            run_dir,
+            small_vq_dir,
+            data={"tasks": ["t2i", "i2t_mc"], "train_size": 16},
+            rollout={"max_new_tokens": 20, "length_semantics": "cap"},
+            reward={
+                "plugins": [
+                    {"name": "digit_classifier", "path": str(classifier_dir), "tasks": ["t2i"]},
+                    {"name": "mc_exact", "tasks": ["i2t_mc"]},
+                ]
+            },  # fmt: skip
+            trainer={"total_updates": 1, "global_batch_size": 6, "micro_batch_size": 3},
+            checkpoint={"every_updates": 0, "keep_last": 0, "save_rollouts": True},
+        )
+        cfg["run"]["seed"] = seed
+        cfg["algorithm"] = {"name": "opd", "teacher": {"path": teacher, "privilege": "answer"},
+                            "routing": "privileged_correction", "gt_replay": {"mode": "failure", "budget": 2}}  # fmt: skip
+        return cfg
+
+    teacher = tmp_path / "teacher"
+    build_model(validate_config(opd(tmp_path / "x", 9, "/nonexistent"))).save_pretrained(teacher)
+    cfg = validate_config(opd(tmp_path / "run", 3, str(teacher)))
+    model = build_model(cfg).train()
+    source, objective = build_opd_job(cfg, model, Path(cfg.run.output_dir), DistInfo())
+    trainer = Trainer(model, source, objective, cfg, Path(cfg.run.output_dir), DistInfo(),
+                      model.special_ids.pad)  # fmt: skip
+    ((_, metrics),) = list(trainer.fit())
+    root = Path(cfg.run.output_dir) / artifacts.ROLLOUTS
+    record = json.loads((root / "update-000001.json").read_text())
+    saved = load_trajectories(root / "update-000001.pt", [RolloutTrajectory])
+    rows = record["rows"]
+    trained = [t.token_ids.tolist() for t in source.global_batch(0) if t.sampling is not None]
+    assert trained == [t.token_ids.tolist() for t in saved]  # every row is distilled
+    assert len(rows) == 6
+    assert [r["route"] for r in rows] == ["plain" if r["correct"] else "privileged" for r in rows]
+    assert sum(r["route"] == "privileged" for r in rows) == metrics["route/n_privileged"]
+    failed = [r["id"] for r in rows if not r["correct"]]
+    chosen = [g["sample_id"] for g in record["gt_replay"]["rows"]]
+    assert len(chosen) == metrics["replay/n_gt_rows"] == min(2, len(failed))
+    assert set(chosen) <= set(failed)
