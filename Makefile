@@ -3,9 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LINT_PATHS := src tests $(wildcard bench)
+LINT_PATHS := src tests $(wildcard bench) $(wildcard examples)
 
-.PHONY: venv test test-fast test-full lint format demo clean
+.PHONY: venv test test-fast test-full lint format demo recipes-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-full: test
 
 demo: $(STAMP)
 	$(BIN)/unirl demo --out runs/demo
+
+# Every recipe after the recipes its header names (`# needs:`), 2 updates each, in a temporary
+# copy of recipes/ and examples/ (tests/recipe_chains.py; also tests/test_recipes.py, slow).
+recipes-check: $(STAMP)
+	$(BIN)/python tests/recipe_chains.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

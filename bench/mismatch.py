@@ -18,15 +18,31 @@ bf16w/fp32: the rollout runs a bfloat16 copy of the weights (bf16 weights and co
 Sampled tokens come from the rollout, so every mode scores its own rows.
 
     .venv/bin/python bench/mismatch.py [--rows 32] [--guidance 5 1] [--threads 2]
+
+`--grpo-run`: instead of the table, one GRPO run on digits T2I
+(recipes/digits/grpo_t2i_vq.yaml, shortened by --updates / --batch) with bf16 rollouts
+(`rollout.precision: bf16`, fp32 replay and training), once without and once with the
+guards (`algorithm.mismatch.percentile` and `replay_bound`, --percentile / --bound), from
+the same start: the recipe's short t2i SFT (trained here first, ~1 min, unless --start
+names a model directory). Each run is `bench/grpo_learning.py` (held-out test before and
+after, drift/noise of the per-update reward, docs/numerics.md §12); the closing table adds
+the run means of the logged mismatch (`mismatch/abs_dlogp_p90`, `mismatch/k3`), of the
+guards' masked share of actions (`mismatch/masked_share`, both guards) and of the replay
+bound's masked share of rows (`mismatch/bound_masked_row_share`).
+
+    .venv/bin/python bench/mismatch.py --grpo-run [--updates 60] [--batch 64] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -105,12 +121,82 @@ def measure(model, reqs, rollout: str, replay: str) -> dict[str, float]:
     }
 
 
+GRPO_RECIPE = "recipes/digits/grpo_t2i_vq.yaml"
+SFT_RECIPE = "recipes/digits/sft_vq.yaml"
+SFT_SHORT = ["data.tasks=[t2i]", "data.task_weights=null", "trainer.total_updates=80"]
+
+
+def grpo_run(args: argparse.Namespace) -> None:
+    """The bf16-rollout GRPO comparison of the module docstring."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from grpo_learning import main as learning
+
+    from unirl.config import load_config
+    from unirl.train.engine.metrics import read_metrics
+    from unirl.train.run import run_train
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="unirl-mismatch-"))
+    start = args.start
+    if start is None:
+        sft = work / "sft"
+        t0 = time.perf_counter()
+        run_train(load_config(SFT_RECIPE, [*SFT_SHORT, f"run.output_dir={sft}",
+                                           "logging.progress_bar=false"]))  # fmt: skip
+        print(f"start: {SFT_RECIPE} {' '.join(SFT_SHORT)} ({time.perf_counter() - t0:.0f} s)")
+        start = str(sft / "model")
+    common = [f"model.path={start}", "rollout.precision=bf16",
+              f"trainer.total_updates={args.updates}", f"trainer.global_batch_size={args.batch}",
+              f"trainer.micro_batch_size={args.batch}", "logging.progress_bar=false"]  # fmt: skip
+    guards = [f"algorithm.mismatch.percentile={args.percentile}",
+              f"algorithm.mismatch.replay_bound={args.bound}"]  # fmt: skip
+    rows = []
+    for name, extra in (("unguarded", []), ("guarded", guards)):
+        run_dir = work / name
+        overrides = [*common, *extra, f"run.output_dir={run_dir}"]
+        print(f"\n== {name}: {GRPO_RECIPE} {' '.join(overrides)}", flush=True)
+        code = learning([GRPO_RECIPE, *overrides, "--fresh", f"--threads={args.threads}"])
+        if code:
+            raise SystemExit(code)
+        result = json.loads((run_dir / "learning.json").read_text())
+        curve = read_metrics(run_dir / "metrics.jsonl")
+        keys = ("mismatch/abs_dlogp_p90", "mismatch/k3", "mismatch/masked_share",
+                "mismatch/bound_masked_row_share")  # fmt: skip
+        means = [sum(r.get(k, 0.0) for r in curve) / len(curve) for k in keys]
+        before, after = result["held_out_before_after"]["t2i/score"]
+        rows.append((name, result, before, after, *means))
+    print(
+        f"\nGRPO digits T2I, bf16 rollouts / fp32 replay, {args.updates} updates x "
+        f"{args.batch} rows; guards: percentile {args.percentile}, replay_bound {args.bound}"
+    )
+    head = (
+        f"{'run':<11}{'reward first-10':>16}{'last-10':>9}{'drift':>8}{'noise':>8}"
+        f"{'d/n':>7}{'test score':>17}{'|Δ| p90':>10}{'K3':>10}{'masked':>8}{'rows':>7}"
+        f"{'wall':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, r, before, after, p90, k3, masked, bound_rows in rows:
+        print(f"{name:<11}{r['first_mean']:>16.3f}{r['last_mean']:>9.3f}{r['drift']:>+8.3f}"
+              f"{r['noise']:>8.3f}{r['ratio']:>7.2f}{before:>8.3f} -> {after:.3f}"
+              f"{p90:>10.2e}{k3:>10.2e}{masked:>8.3f}{bound_rows:>7.3f}{r['wall_seconds']:>6.0f}s")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--guidance", type=float, nargs="+", default=[5.0, 1.0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--grpo-run", action="store_true", help="the GRPO comparison instead")
+    ap.add_argument("--updates", type=int, default=60, help="--grpo-run: updates per run")
+    ap.add_argument("--batch", type=int, default=64, help="--grpo-run: rows per update")
+    ap.add_argument("--percentile", type=float, default=90.0, help="--grpo-run guard")
+    ap.add_argument("--bound", type=float, default=1.002, help="--grpo-run replay_bound")
+    ap.add_argument("--start", help="--grpo-run: start model directory (default: train one)")
+    ap.add_argument("--workdir", help="--grpo-run: where the runs go (default: a temp dir)")
     args = ap.parse_args()
+    if args.grpo_run:
+        grpo_run(args)
+        return
     torch.set_num_threads(args.threads)
     modes = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16w", "fp32")]
     head = (f"{'model':<12}{'w':>4}  {'rollout/replay':<16}{'|Δ| p50':>10}{'p90':>10}{'p99':>10}"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from unirl.config import load_config
 from unirl.core.types import TRUNCATED_REASONS
 from unirl.eval import evaluate
 from unirl.train.engine.build import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Page(HTMLParser):
@@ -308,3 +311,58 @@ def test_one_definition_of_passing():
         "task/a/accuracy": 1.0,
         "task/b/accuracy": 1 / 3,
     }
+
+
+def test_max_samples_is_stratified_by_task(tmp_path):
+    """evaluation.max_samples deals its N rows round-robin over the tasks (a task with no
+    rows left passes its turn), draws each task's rows with a seed from (data.seed, task),
+    and a kept row keeps its seed index: its sampled response equals the uncapped run's."""
+    data = make_dataset(tmp_path / "data", 24)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    test_ids = [r["id"] for r in rows if r["split"] == "test"]
+    late = set(test_ids[-2:])  # the last two test rows: task colour_qb, after every colour_qa
+    for row in rows:
+        row["task"] = "colour_qb" if row["id"] in late | {"sq0"} else "colour_qa"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = "evaluation: {greedy: false}\n"
+    path = write_config(tmp_path, data, extra)
+    text = path.read_text().replace("tasks: [colour_qa]", "tasks: [colour_qa, colour_qb]")
+    path.write_text(text)
+    base = load_config(path)
+    model = build_model(base).eval()
+
+    def kept(overrides: list[str]) -> dict[str, str]:
+        cfg = load_config(path, overrides)
+        out = tmp_path / f"eval-{len(list(tmp_path.iterdir()))}"
+        evaluate(cfg, model, out)
+        records = [json.loads(line) for line in (out / "results.jsonl").open()]
+        return {r["id"]: r["response"] for r in records}
+
+    everything = kept([])
+    assert sorted(everything) == sorted(test_ids)
+    for cap in (1, 2, 4, 6, 11, 12):
+        # two tasks of 10 and 2 rows, dealt a, b, a, b, ...: b gets min(2, floor(cap / 2))
+        want_b = min(2, cap // 2)
+        got = kept([f"evaluation.max_samples={cap}"])
+        assert len(got) == cap and len(late & set(got)) == want_b, (cap, sorted(got))
+        assert all(everything[i] == got[i] for i in got)  # same seed index, same response
+    four = kept(["evaluation.max_samples=4"])
+    assert four == kept(["evaluation.max_samples=4"])
+    others = {frozenset(kept(["evaluation.max_samples=4", f"data.seed={s}"])) for s in (1, 2, 3)}
+    assert len(others | {frozenset(four)}) > 1  # the draw depends on data.seed
+
+
+def test_unirl_eval_of_a_task_nothing_can_score_exits_2(tmp_path, capsys):
+    """The command line: `unirl eval` with the quickstart recipe and no reward plugin exits
+    2 with one line naming the key, before a model is built or anything written."""
+    from unirl.cli import main
+
+    out = tmp_path / "eval"
+    recipe = str(ROOT / "recipes" / "examples" / "own_data_tiny.yaml")
+    data = [f"data.path={ROOT}/examples/colour_squares/train.jsonl"]
+    data.append(f"data.test_path={ROOT}/examples/colour_squares/test.jsonl")
+    argv = ["eval", recipe, "--random-init", "reward.plugins=[]", *data]
+    assert main([*argv, f"evaluation.output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward.plugins" in err[0] and "colour_qa" in err[0]
+    assert not out.exists()

@@ -648,6 +648,38 @@ def _opd(kit):
             base)  # fmt: skip
 
 
+def _answer_row_loss(cfg: UnirlConfig) -> float:
+    """The OPD loss of one distilled draw-then-answer row (its reference answer as the
+    response, ended by eos: text and image segments complete, which a random student's
+    rollout rarely gives)."""
+    from dataclasses import replace
+
+    from unirl.train.methods.opd.source import DistillRecord
+
+    trainer = make_trainer(cfg)
+    sample = make_task_samples("draw_then_answer", "train", 1, seed=0)[0]
+    traj = trainer.model.prompt_trajectory(sample, add_generation_prompt=False)
+    row = replace(traj, sampling=DistillRecord(trainer.source.params), finish_reason="eos")
+    batch = TrajectoryBatch.collate([row], trainer.pad_id)
+    return trainer.objective.loss(trainer.model, batch, 1)[0].item()
+
+
+@probe("algorithm[opd].text_clip")
+def _opd_text_clip(kit):
+    """The answer row's text part of D_i is above 1e-4 nats: the clip lowers its loss."""
+    differs(kit, _answer_row_loss, "algorithm.text_clip", None, 1e-4, _opd_base(kit))
+
+
+@probe("logging.gradient_diagnostics_every_updates")
+def _gradient_diagnostics(kit):
+    """An OPD update with GT replay logs the distillation / GT-replay gradient figures
+    only with the diagnostics on."""
+    gt = {"algorithm__gt_replay__mode": "uniform", "algorithm__gt_replay__budget": 2}
+    logged = lambda c: sorted(k for k in make_trainer(c).step() if k.startswith("grad/"))  # noqa: E731
+    key = "logging.gradient_diagnostics_every_updates"
+    differs(kit, logged, key, 0, 1, _opd_base(kit), **gt)
+
+
 GRPO_CHANGES = [
     ("algorithm.group_size", 4, 2, {}),
     ("algorithm.scope", "group", "global", {}),
@@ -1006,6 +1038,58 @@ def _resume_mode(kit):
     saved = config(kit, {"trainer.total_updates": 2})
     observe = lambda c: resume_conflicts(saved, c)  # noqa: E731
     differs(kit, observe, "checkpoint.resume_mode", "strict", "allow_schedule_changes")
+    differs(kit, observe, "checkpoint.resume_mode", "strict", "epoch_extension")
+    capped = lambda c: resume_conflicts(saved, c)  # noqa: E731
+    differs(
+        kit, capped, "checkpoint.resume_mode", "strict", "rollout_limit_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+    differs(
+        kit, capped, "checkpoint.resume_mode", "rollout_limit_change", "execution_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+
+
+@probe("run.parent")
+def _run_parent(kit):
+    """A run directory with no checkpoint starts from its parent's newest checkpoint."""
+    parent = Path(fresh_dir(kit))
+    fit_run(kit, config(kit, {"run.output_dir": str(parent), "trainer.total_updates": 1}))
+    child = fresh_dir(kit)
+
+    def start(c):
+        trainer = make_trainer(c, Path(child))
+        return trainer.resume(), trainer.update
+
+    differs(
+        kit, start, "run.parent", None, str(parent),
+        run__output_dir=child, trainer__total_updates=1,
+    )  # fmt: skip
+
+
+@probe("model.initial_adapter")
+def _initial_adapter(kit):
+    """A LoRA run's adapter (written by `save_adapter`) is what the run's LoRA starts from."""
+    from unirl.train.engine.adapters import lora_targets, save_adapter
+
+    lora = {"enabled": True, "r": 2, "target_modules": r".*\.(q_proj|v_proj)$"}
+    base = {"model": {"path": str(kit.saved), "tiny": {}, "codec": {}}, "trainer": {"lora": lora}}
+    trained = config(kit, {}, base)
+    model = _prepare_model(trained, kit.root, torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    adapter = kit.root / "adapter"
+    save_adapter(model, trained, adapter, lora_targets(model))
+
+    def lora_b(c):
+        started = _prepare_model(c, kit.root, torch.device("cpu"))
+        return sum(
+            float(p.detach().abs().sum()) for n, p in started.named_parameters() if "lora_B" in n
+        )
+
+    differs(kit, lora_b, "model.initial_adapter", None, str(adapter), base)
 
 
 @probe("logging.samples_every", "logging.wandb")
@@ -1234,6 +1318,7 @@ def test_probe(fn, kit):
 # -- settings that another setting makes inactive are refused (issue 29) --------------
 
 GRPO_RUN = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_exact"}]}}
+OPD_RUN = {"algorithm": {"name": "opd", "teacher": {"path": "t"}}}
 JANUS = {"model": {"kind": "janus_pro", "path": "/ckpt/janus"}}
 UNIAR = {"model": {"kind": "uniar", "visual_head": "bsq", "tiny": {"mixer_kernel": 0}}}
 SUM_NORM = {"algorithm": {"aggregation": "seq_mean_token_sum_norm"}}
@@ -1324,6 +1409,13 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "acts only with logging.tensorboard or logging.wandb", {"logging": {"tensorboard": True}}),
     ("samples_every_under_sft", {"logging": {"samples_every": 10}}, "logging.samples_every",
      "sft logs no samples", GRPO_RUN),
+    ("gradient_diagnostics_under_grpo", {**GRPO_RUN, "logging": {
+        "gradient_diagnostics_every_updates": 5}}, "logging.gradient_diagnostics_every_updates",
+     "acts only with opd", {"algorithm": {"name": "opd", "teacher": {"path": "t"},
+                                          "gt_replay": {"mode": "uniform", "budget": 2}}}),
+    ("gradient_diagnostics_without_gt_replay", {**OPD_RUN, "logging": {
+        "gradient_diagnostics_every_updates": 5}}, "logging.gradient_diagnostics_every_updates",
+     "acts only with GT replay", {"algorithm": {"gt_replay": {"mode": "uniform", "budget": 2}}}),
     ("shuffle_under_grpo", {**GRPO_RUN, "data": {"shuffle": False}}, "data.shuffle",
      "acts only with sft: grpo draws its prompts", {"algorithm": {"name": "sft"}}),
     ("over_length_without_a_limit", {"data": {"over_length": "drop"}}, "data.over_length",

@@ -6,6 +6,7 @@ rollout and during an update; --stop-after-updates; a changed teacher is refused
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,11 @@ from trainer_helpers import (
 from unirl.algorithms.sft import text_ce, visual_ce
 from unirl.codecs import build_codec
 from unirl.config import ConfigError, validate_config
+from unirl.config.algorithms import ModalityWeights
 from unirl.core.distributions import jsd_from_logp
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
+from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.forward import forward_interleaved
 from unirl.replay import replay_distributions
@@ -80,10 +83,14 @@ def make_trainer(cfg: dict) -> Trainer:
     return Trainer(model, source, objective, cfg, run_dir, DistInfo(), pad)
 
 
-def reference_loss(objective: OPDObjective, model, micro: TrajectoryBatch) -> float:
+def reference_loss(
+    objective: OPDObjective, model, micro: TrajectoryBatch, text_clip: float | None = None
+) -> float:
     """The OPD loss of a micro-batch from the full distributions of both models
     (`replay_distributions`), core's dense `jsd_from_logp`, explicit per-row loops over
-    events and a separate SFT forward for the GT rows, divided by the row count."""
+    events and a separate SFT forward for the GT rows, divided by the row count. With
+    `text_clip` c a row's text part (its events' text positions summed, each event
+    divided by all its positions, averaged over events) counts min(part, c)."""
     a = objective.algo
     distil, gt = objective._split(micro)
     total, n = 0.0, 0
@@ -112,13 +119,18 @@ def reference_loss(objective: OPDObjective, model, micro: TrajectoryBatch) -> fl
         w = {False: a.modality_weights.text, True: a.modality_weights.visual}
         for b in range(len(batch)):
             events = objective._events(batch[[b]])
-            means = []
+            parts = {False: [], True: []}  # text / visual share of each event's mean
+            vis = batch.modality[b] == Modality.VISUAL
             for e in range(len(events.kinds[0])):
                 ts = (events.index[0] == e).nonzero().flatten().tolist()
-                vis = batch.modality[b] == Modality.VISUAL
-                means.append(sum(w[bool(vis[t])] * float(d[b, t]) for t in ts) / len(ts))
-            if means:
-                total += sum(means) / len(means)
+                for modality, share in parts.items():
+                    terms = [w[modality] * float(d[b, t]) for t in ts if bool(vis[t]) == modality]
+                    share.append(sum(terms) / len(ts))
+            if parts[True]:
+                text = sum(parts[False]) / len(parts[False])
+                if text_clip is not None:
+                    text = min(text, text_clip)
+                total += sum(parts[True]) / len(parts[True]) + text
                 n += 1
     if gt:
         with torch.no_grad():
@@ -382,3 +394,156 @@ def test_uniar_student_and_teacher_run_one_update(tmp_path):
     build_tiny_uniar(codec, UNIAR_SIZES, seed=1).save_pretrained(tmp_path / "teacher")
     model = {"kind": "uniar", "path": str(tmp_path / "student"), "visual_head": "bsq"}
     _one_update_of_a_family(tmp_path, model, tmp_path / "teacher", 24)
+
+
+# -- gradient diagnostics and text contribution clipping (issue 33) -----------------
+def count_backwards(monkeypatch) -> list[str]:
+    """Every `Tensor.backward` and `torch.autograd.grad` call from now on, by name (each
+    is still run: the counter wraps them)."""
+    calls: list[str] = []
+    backward, grad = torch.Tensor.backward, torch.autograd.grad
+
+    def counted_backward(self, *args, **kwargs):
+        calls.append("backward")
+        return backward(self, *args, **kwargs)
+
+    def counted_grad(*args, **kwargs):
+        calls.append("grad")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
+    monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+    return calls
+
+
+def test_gradient_diagnostics_equal_two_separate_backwards_from_one(tmp_path, assets, monkeypatch):
+    """6 distilled + 2 GT rows in micro-batches of 2. With the diagnostics on, the update
+    runs one backward per micro-batch (4, as with them off) and logs the pre-clip norms,
+    ratio and cosine of the distillation and GT-replay gradients; an independent
+    computation — each part's rows as one micro-batch, its own backward from zero
+    gradients — gives the same figures to 1e-5. Bound: both sides hold fp32 gradients of
+    the same loss terms summed in another order (3 micro-batches vs 1, other padding
+    widths), each element off by a few fp32 roundings of its terms, |err| <~ 1e-6 of the
+    gradient's scale; norms, dot product and cosine are then formed in float64, so they
+    carry that relative error (the cosine at most twice it) — 1e-5 leaves a factor 10.
+    The total gradient equals the diagnostics-off update's to 1e-6 (§15: another float32
+    order of the same objective)."""
+    algo = {"gt_replay": {"mode": "uniform", "budget": 2}}
+    cfg = opd_config(tmp_path / "on", assets, **algo)
+    cfg["trainer"]["micro_batch_size"] = 2
+    cfg["logging"] = {**cfg.get("logging", {}), "gradient_diagnostics_every_updates": 1}
+    on = make_trainer(cfg)
+    calls = count_backwards(monkeypatch)
+    metrics = on.accumulate()
+    assert calls == ["backward"] * 4
+    total = [p.grad.detach().clone() for p in on.params]
+
+    trajs = on.source.global_batch(0)
+    objective = on.objective
+    parts = [[t for t in trajs if objective.in_second_part(t) == second] for second in (0, 1)]
+    assert [len(p) for p in parts] == [6, 2]
+    micros = [TrajectoryBatch.collate(p, on.pad_id) for p in parts]
+    n_global = sum(objective.count(m) for m in micros)
+    grads = []
+    for micro in micros:
+        on.optimizer.zero_grad(set_to_none=True)
+        objective.loss(on.model, micro, n_global)[0].backward()
+        grads.append(torch.cat([p.grad.double().flatten() for p in on.params]))
+    na, nb = grads[0].norm().item(), grads[1].norm().item()
+    assert metrics["grad/opd_norm"] == pytest.approx(na, rel=1e-5)
+    assert metrics["grad/gt_replay_norm"] == pytest.approx(nb, rel=1e-5)
+    assert metrics["grad/opd_to_gt_replay_norm_ratio"] == pytest.approx(na / nb, rel=1e-5)
+    cosine = float(grads[0] @ grads[1]) / (na * nb)
+    assert metrics["grad/opd_gt_replay_cosine"] == pytest.approx(cosine, rel=1e-5, abs=1e-6)
+    summed = torch.cat([g.double().flatten() for g in total])
+    assert torch.allclose(summed, grads[0] + grads[1], rtol=1e-5, atol=1e-6 * summed.abs().max())
+
+    cfg["logging"]["gradient_diagnostics_every_updates"] = 0
+    cfg["run"]["output_dir"] = str(tmp_path / "off")
+    off = make_trainer(cfg)
+    calls.clear()
+    plain = off.accumulate()
+    assert calls == ["backward"] * 4 and not any(k.startswith("grad/") for k in plain)
+    for a, b in zip(total, off.params):
+        assert torch.allclose(a, b.grad, rtol=1e-6, atol=1e-6 * float(b.grad.abs().max()))
+
+
+def answer_rows(trainer: Trainer, n: int) -> TrajectoryBatch:
+    """`n` draw-then-answer rows (text, image, text: both parts in one row) with their
+    reference answers as the distilled response, ended by eos (every segment complete):
+    a random student's own rollouts rarely finish a text segment."""
+    params = trainer.source.params
+    rows = [
+        replace(
+            trainer.model.prompt_trajectory(s, add_generation_prompt=False),
+            sampling=DistillRecord(params, None, k),
+            finish_reason="eos",
+        )
+        for k, s in enumerate(make_task_samples("draw_then_answer", "train", n, seed=0))
+    ]
+    return TrajectoryBatch.collate(rows, trainer.pad_id)
+
+
+def test_text_clip_matches_an_independent_computation(tmp_path, assets):
+    """`algorithm.text_clip` c: the loss equals the reference with each distilled row's
+    text part replaced by min(part, c) to 1e-6 (the float64 reference against the fp32
+    objective on the same full-vocabulary divergences: fp32 rounding of log-probs and
+    divergences, ~1e-7 relative each, summed over a few hundred positions); c is the
+    median text part, so some rows clip and some do not. Gradient: the clip scales row
+    i's text gradient by s_i = min(1, c / T_i), so it equals the gradient of the
+    unclipped objective with text weight s_i, row by row (one-row micro-batches, summed)
+    — to 1e-5 (other batch shapes, fp32 gradients summed in another order)."""
+    cfg = opd_config(tmp_path / "run", assets)
+    cfg["algorithm"]["text_clip"] = 1e9  # measure: never clips
+    wide = make_trainer(cfg)
+    micro = answer_rows(wide, 6)
+    n = wide.objective.count(micro)
+    assert n == 6
+    parts = [wide.objective.loss(wide.model, micro[[b]], 1)[1]["text_part_sum"] for b in range(6)]
+    c = sorted(parts)[3]
+    assert 0 < min(parts) < c < max(parts)
+    cfg["algorithm"]["text_clip"] = c
+    clipped = make_trainer(cfg)
+    loss, stats = clipped.objective.loss(clipped.model, micro, n)
+    expected = reference_loss(clipped.objective, clipped.model, micro, text_clip=c)
+    unclipped = reference_loss(clipped.objective, clipped.model, micro)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert unclipped - expected > 1e-3 * expected  # the clip's effect: >= 1000x the tolerance
+    assert stats["text_clipped_rows"] == sum(p > c for p in parts) > 0
+    clipped.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    got = torch.cat([p.grad.flatten() for p in clipped.params])
+    want = torch.zeros_like(got)
+    for b, part in enumerate(parts):
+        weights = {"text": min(1.0, c / part), "visual": 1.0}
+        algo = clipped.objective.algo.model_copy(
+            update={"text_clip": None, "modality_weights": ModalityWeights(**weights)}
+        )
+        clipped.optimizer.zero_grad(set_to_none=True)
+        objective = OPDObjective(algo, clipped.objective.teacher, {})
+        objective.loss(clipped.model, micro[[b]], n)[0].backward()
+        want += torch.cat([p.grad.flatten() for p in clipped.params])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_text_clip_and_gradient_diagnostics_are_refused_where_they_cannot_act():
+    opd = {"name": "opd", "teacher": {"path": "t"}}
+    gt = {"gt_replay": {"mode": "uniform", "budget": 1}}
+    key = "logging.gradient_diagnostics_every_updates"
+    diag = {"logging": {"gradient_diagnostics_every_updates": 2}}
+    cases = [
+        ({**diag, "algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_exact"}]}},
+         key, "acts only with opd"),
+        ({**diag, "algorithm": opd}, key, "acts only with GT replay"),
+        ({**diag, "algorithm": {**opd, **gt}, "trainer": {"parallel": "ddp"}}, key,
+         "built for one process"),
+        ({"algorithm": {**opd, "text_clip": 1.0, "modality_weights": {"text": 0.0}}},
+         "algorithm.text_clip", "acts only with modality_weights.text > 0"),
+        ({"algorithm": {**opd, "text_clip": 0.0}}, "algorithm.text_clip", "greater than 0"),
+    ]  # fmt: skip
+    for case, where, fragment in cases:
+        with pytest.raises(ConfigError, match=fragment) as info:
+            validate_config(case)
+        assert info.value.key == where
+    validate_config({**diag, "algorithm": {**opd, **gt}})
+    validate_config({"algorithm": {**opd, "text_clip": 1.0}})

@@ -15,6 +15,7 @@ from unirl.algorithms.opd import (
     bernoulli_jsd,
     bit_pairs,
     categorical_divergence,
+    clip_text_contribution,
     event_index,
     generalized_jsd,
     row_events,
@@ -191,3 +192,48 @@ def test_a_row_without_events_contributes_zero():
     ev = Events(torch.full((1, 4), -1), [[]])
     per_row, _ = trajectory_first(torch.ones(1, 4), ev)
     assert per_row.tolist() == [0.0]
+
+
+def test_text_clip_value_and_gradient_equal_numpy():
+    """`clip_text_contribution` on float64 values against explicit loops: row value
+    V_i + min(T_i, c) (each event's positions summed by modality and divided by all of the
+    event's positions, then averaged over the row's events) and the gradient of a random
+    linear function of the rows, ∂/∂x_t = r_i·(1 or s_i)/(|e|·n_i), s_i = min(1, c/T_i);
+    1e-12 (float64 on both sides, a few dozen terms)."""
+    gen = torch.Generator().manual_seed(0)
+    B, T = 5, 12
+    x = torch.rand(B, T, generator=gen, dtype=torch.float64)
+    visual = torch.rand(B, T, generator=gen) < 0.5
+    index = torch.full((B, T), -1)
+    kinds = []
+    for b in range(B):  # row b: b events of consecutive positions from 1 (row 0: none)
+        cuts = sorted(torch.randperm(T - 2, generator=gen)[:b].tolist())
+        bounds = [1] + [k + 2 for k in cuts] + [T]
+        for e in range(b):
+            index[b, bounds[e] : bounds[e + 1]] = e
+        kinds.append(["text"] * b)
+    events = Events(index, kinds)
+    c = float(clip_text_contribution(x, visual, events, math.inf)[1][1:].median())
+    xg = x.clone().requires_grad_(True)
+    rows, t_part, scale = clip_text_contribution(xg, visual, events, c)
+    r = torch.rand(B, generator=gen, dtype=torch.float64)
+    (rows * r).sum().backward()
+    xs, vs, ix = x.numpy(), visual.numpy(), index.numpy()
+    want_grad = np.zeros((B, T))
+    for b in range(B):
+        n_ev = len(kinds[b])
+        tv = {False: 0.0, True: 0.0}
+        for e in range(n_ev):
+            ts = np.flatnonzero(ix[b] == e)
+            for m in (False, True):
+                tv[m] += sum(xs[b, t] for t in ts if vs[b, t] == m) / len(ts) / n_ev
+        s = min(1.0, c / tv[False]) if tv[False] > 0 else 1.0
+        assert t_part[b].item() == pytest.approx(tv[False], rel=1e-12, abs=1e-15)
+        assert scale[b].item() == pytest.approx(s, rel=1e-12)
+        assert rows[b].item() == pytest.approx(tv[True] + min(tv[False], c), rel=1e-12, abs=1e-15)
+        for e in range(n_ev):
+            ts = np.flatnonzero(ix[b] == e)
+            for t in ts:
+                want_grad[b, t] = r[b].item() * (1.0 if vs[b, t] else s) / (len(ts) * n_ev)
+    assert (scale < 1).any() and (scale[1:] == 1).any()  # both cases occur
+    np.testing.assert_allclose(xg.grad.numpy(), want_grad, rtol=1e-12, atol=1e-15)

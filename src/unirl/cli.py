@@ -104,11 +104,80 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     add_random_init_argument(parser)
 
 
+def configure_inspect(parser: argparse.ArgumentParser) -> None:
+    """`inspect CONFIG [key=value ...]`, or `inspect --fingerprints RUN_DIR`."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. trainer.optimizer.lr=1e-4 (typed by the schema)",
+    )
+    parser.add_argument(
+        "--fingerprints",
+        metavar="RUN_DIR",
+        help="print the input fingerprints recorded in a run's (or a checkpoint "
+        "directory's) newest checkpoint and whether each file still matches",
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
+    """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing.
+    With `--fingerprints RUN_DIR`: the recorded input fingerprints instead."""
+    if args.fingerprints is not None:
+        if args.config is not None:
+            raise ConfigError("give either CONFIG or --fingerprints RUN_DIR, not both")
+        return _print_fingerprints(args.fingerprints)
+    if args.config is None:
+        raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
     cfg = load_args_config(args)
     sys.stdout.write(to_yaml(cfg))
     sys.stdout.write(f"hash: {config_hash(cfg)}\n")
+    return 0
+
+
+def _print_fingerprints(where: str) -> int:
+    """The `fingerprints` of the newest checkpoint under `where` (a run directory, or one
+    checkpoint), by name and unverified, one line per file: key, path, size, SHA-256 and
+    whether the file now on disk still matches. Reads only (no torch)."""
+    from pathlib import Path
+
+    from unirl.config.fingerprint import changed_files, fingerprint
+
+    root = Path(where)
+    states = [root / "state.json"] if (root / "state.json").is_file() else []
+    if not states:
+        found = sorted((root / "checkpoints").glob("update-*/state.json"))
+        states = found[-1:]
+    if not states:
+        raise ConfigError(f"{root}: no checkpoint (no state.json)")
+    state = json.loads(states[0].read_text())
+    recorded = state.get("fingerprints")
+    print(f"checkpoint {states[0].parent} (update {state.get('update')})")
+    if "parent" in state:
+        parent = state["parent"]
+        print(f"parent {parent['checkpoint']} (manifest sha256 {parent['manifest_sha256']})")
+    if recorded is None:
+        print("no fingerprints recorded (a checkpoint written before they were)")
+        return 0
+    if not recorded:
+        print("no input files (a model built from the config, the built-in digits data)")
+        return 0
+    for key, record in sorted(recorded.items()):
+        path = Path(record["path"])
+        try:
+            changes = dict(changed_files(record["files"], fingerprint(path)))
+        except FileNotFoundError:
+            changes = {name: "missing" for name in record["files"]}
+        for name, fp in sorted(record["files"].items()):
+            status = changes.get(name, "ok")
+            print(
+                f"{key}  {path / name if path.is_dir() else path}  {fp['size']}  "
+                f"{fp['sha256']}  {status}"
+            )
+        for name in sorted(n for n, what in changes.items() if what == "added"):
+            print(f"{key}  {path / name}  -  -  added")
     return 0
 
 
@@ -298,8 +367,9 @@ def run_probe(args: argparse.Namespace) -> int:
 COMMANDS: list[Command] = [
     Command(
         "inspect",
-        "print the resolved config and its hash (CPU only, creates nothing)",
-        add_config_arguments,
+        "print the resolved config and its hash, or a run's input fingerprints (CPU "
+        "only, creates nothing)",
+        configure_inspect,
         run_inspect,
     ),
     Command(

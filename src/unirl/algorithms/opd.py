@@ -229,3 +229,19 @@ def trajectory_first(values: torch.Tensor, events: Events) -> tuple[torch.Tensor
     means = (sums / counts.clamp_min(1.0)).view(B, E)
     per_row = means.sum(-1) / n_ev.clamp_min(1).to(values.dtype)
     return per_row, means
+
+
+def clip_text_contribution(
+    values: torch.Tensor, visual: torch.Tensor, events: Events, bound: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Text contribution clipping (docs/numerics.md §9) of per-position values [B, T]
+    (already weighted). `trajectory_first` is linear in the values, so a row's
+    D_i = V_i + T_i, with V_i / T_i the reduction of its visual / text positions alone
+    (each event still divided by all of its positions). The text part becomes
+    T_i·s_i, s_i = min(1, c / sg(T_i)): at most c, its gradient scaled by s_i, the
+    visual part untouched. Returns (clipped D_i [B], T_i [B], s_i [B], detached)."""
+    v_part, _ = trajectory_first(values * visual.to(values), events)
+    t_part, _ = trajectory_first(values * (~visual).to(values), events)
+    tiny = torch.finfo(t_part.dtype).tiny
+    scale = (bound / t_part.detach().clamp_min(tiny)).clamp(max=1.0)
+    return v_part + t_part * scale, t_part, scale

@@ -328,6 +328,13 @@ class OPDConfig(StrictModel):
     gt_replay: GTReplayConfig = Field(
         default_factory=GTReplayConfig, description="Ground-truth replay."
     )
+    text_clip: float | None = Field(
+        None,
+        gt=0.0,
+        description="Text contribution clipping (docs/numerics.md §9): a distilled row's "
+        "text part of D_i is scaled down to at most this many nats, gradient scaled alike "
+        "(null = off).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OPDConfig:
@@ -343,6 +350,10 @@ class OPDConfig(StrictModel):
             raise incompatible(
                 "teacher.privilege",
                 "routing 'privileged_correction' needs a privileged teacher (privilege: answer)",
+            )
+        if self.text_clip is not None and self.modality_weights.text == 0:
+            raise incompatible(
+                "text_clip", "acts only with modality_weights.text > 0 (text contributes nothing)"
             )
         if self.top_k == 0 and "retained_mass_min" in self.model_fields_set:
             raise incompatible("retained_mass_min", "has no effect with top_k 0 (full vocab)")

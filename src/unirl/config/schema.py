@@ -49,6 +49,13 @@ class RunConfig(StrictModel):
     output_dir: str | None = Field(
         None, description="Run directory (created by train, never by loading); null = runs/<name>."
     )
+    parent: str | None = Field(
+        None,
+        description="Start this (new) run directory from a parent run's newest intact "
+        "checkpoint, or from the checkpoint directory named (docs/campaigns.md); the "
+        "changes allowed against it are checkpoint.resume_mode's. A retry of this run "
+        "resumes from its own newest checkpoint first.",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
     )
@@ -175,6 +182,12 @@ class ModelConfig(StrictModel):
     )
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
+    )
+    initial_adapter: str | None = Field(
+        None,
+        description="A LoRA run's adapter/ directory (peft format + unirl_adapter.json) to "
+        "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
+        "rslora and target_modules, and the base it was trained on).",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
     codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
@@ -461,10 +474,20 @@ class CheckpointConfig(StrictModel):
         "and replay selection to rollouts/update-N.pt + .json, linked from checkpoints.",
     )
     keep_last: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all).")
-    resume_mode: Literal["strict", "allow_schedule_changes"] = Field(
+    resume_mode: Literal[
         "strict",
-        description="strict: resume needs the same config (cadence/logging aside); "
-        "allow_schedule_changes: total_updates, scheduler and eval_every may change too.",
+        "allow_schedule_changes",
+        "epoch_extension",
+        "rollout_limit_change",
+        "execution_change",
+    ] = Field(
+        "strict",
+        description="What may change when resuming (in place or from run.parent; "
+        "unirl.config.hashing.RESUME_MODES): strict: nothing but cadence/logging/execution-"
+        "only keys; allow_schedule_changes: total_updates, scheduler, eval_every; "
+        "epoch_extension: a longer constant-LR run (total_updates, run.name); "
+        "rollout_limit_change: rollout caps; execution_change: micro-batching, gradient "
+        "checkpointing, DDP/FSDP2 execution flags.",
     )
 
 
@@ -490,6 +513,13 @@ class LoggingConfig(StrictModel):
         ge=0,
         description="Log a few rollout samples (prompt, response, reward, image) to "
         "TensorBoard / W&B every N updates (0 = off).",
+    )
+    gradient_diagnostics_every_updates: int = Field(
+        0,
+        ge=0,
+        description="OPD with GT replay: every N updates log the pre-clip norms of the "
+        "distillation and GT-replay gradients, their ratio and cosine, from the update's one "
+        "backward per micro-batch (the two row kinds are micro-batched apart; 0 = off).",
     )
 
     @model_validator(mode="after")
@@ -521,7 +551,13 @@ class EvaluationConfig(StrictModel):
     split: Literal["train", "val", "test"] = Field(
         "test", description="Rows to evaluate: data.<split>_path, or data.path rows of it."
     )
-    max_samples: int = Field(0, ge=0, description="Evaluate the first N rows (0 = all).")
+    max_samples: int = Field(
+        0,
+        ge=0,
+        description="Evaluate at most N rows (0 = all), stratified by task: the N are dealt "
+        "round-robin over the tasks, each task's rows drawn with a seed from data.seed and "
+        "the task's name.",
+    )
     rollouts_per_sample: int = Field(
         1, ge=1, description="Rollouts n per row: mean@n and pass@n are reported."
     )
@@ -608,6 +644,18 @@ class UnirlConfig(StrictModel):
                     "continues from a KV cache, which gradient checkpointing drops: turn "
                     "trainer.gradient_checkpointing off",
                 )
+        if self.model.initial_adapter is not None:
+            if self.model.path is None:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "needs model.path (the base the adapter was trained on)",
+                )
+            if not self.trainer.lora.enabled:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "is trained on unmerged: it needs trainer.lora.enabled true (with the "
+                    "adapter's r, alpha and target_modules)",
+                )
         if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
             raise incompatible(
                 "reward.plugins",
@@ -634,6 +682,7 @@ class UnirlConfig(StrictModel):
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
         self._inert(algo)
         self._cadence(algo)
+        self._gradient_diagnostics(algo)
         return self
 
     def _inert(self, algo: AlgorithmConfig) -> None:
@@ -759,6 +808,29 @@ class UnirlConfig(StrictModel):
             f"{', '.join(known + ['val/<task>/<statistic>'])} with <task> in data.tasks"
             f"{', or val/ig/... with information gain on' if sft else ''})",
         )
+
+    def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
+        """The OPD gradient diagnostics split the gradient into the distillation and the
+        GT-replay part (`unirl.train.engine.trainer`): only OPD with GT rows has both, and
+        the split is built for one process."""
+        key = "logging.gradient_diagnostics_every_updates"
+        if self.logging.gradient_diagnostics_every_updates == 0:
+            return
+        if not isinstance(algo, OPDConfig):
+            raise incompatible(
+                key, f"acts only with opd (distillation vs GT-replay gradients), not {algo.name}"
+            )
+        if algo.gt_replay.mode == "none":
+            raise incompatible(
+                key,
+                "acts only with GT replay (algorithm.gt_replay.mode uniform or failure): "
+                "without GT rows there is no second gradient to compare",
+            )
+        if self.trainer.parallel != "none":
+            raise incompatible(
+                key,
+                f"is built for one process (trainer.parallel none), not {self.trainer.parallel}",
+            )
 
     def _packing(self, algo: AlgorithmConfig) -> None:
         """Sequence packing is built for SFT rows on the tiny model, without per-row noise

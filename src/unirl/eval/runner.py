@@ -7,8 +7,13 @@ Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, imag
 through the model's processor; a row a verifier would score without the answer it
 needs is a DatasetError naming its file:line, `check_answers`), or the digits tasks'
 rows of that split (`data.<split>_size` per task, from `data.seed`); training keeps the
-first `data.<split>_size` rows per task of a `data.path` split; then the first
-`evaluation.max_samples` (0 = all).
+first `data.<split>_size` rows per task of a `data.path` split; then
+`evaluation.max_samples` (0 = all) rows stratified by task (`stratified_cap`): the cap is
+dealt round-robin over the tasks in order of first appearance (a task with no rows left
+passes its turn), and each task keeps that many of its rows, drawn without replacement
+by a generator seeded from (data.seed, the task's name), in their original order. A
+kept row keeps its index among its task's rows, so its rollout seeds (below) do not
+depend on the cap.
 
 Scoring (`unirl.rewards.evaluation_reward`): the `reward:` plugins, or, when it names
 none, each task's default verifier (`unirl.rewards.TASK_VERIFIERS`: the digits
@@ -46,6 +51,7 @@ import hashlib
 import os
 import shutil
 import sys
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -96,6 +102,14 @@ def engine_rollout(model: UnifiedModel) -> Rollout:
 def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> list[Sample]:
     """The rows to evaluate (module docstring); with `per_task` > 0, only the first
     `per_task` rows of each task (training: `data.<split>_size`)."""
+    return [s for _, s in indexed_eval_samples(cfg, model, per_task)]
+
+
+def indexed_eval_samples(
+    cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0
+) -> list[tuple[int, Sample]]:
+    """`eval_samples`' rows, each with its index among its task's rows before the
+    `evaluation.max_samples` cap (its seed index)."""
     split = cfg.evaluation.split
     if cfg.data.path is not None:
         rows = dataset_rows(cfg, model, split)
@@ -116,8 +130,34 @@ def eval_samples(cfg: UnirlConfig, model: UnifiedModel, per_task: int = 0) -> li
             for task in cfg.data.tasks
             for s in make_task_samples(task, split, n[split], seed=cfg.data.seed)
         ]
-    cap = cfg.evaluation.max_samples
-    return samples[:cap] if cap else samples
+    indexed = list(zip(task_indices(samples), samples))
+    keep = stratified_cap([s.task for s in samples], cfg.evaluation.max_samples, cfg.data.seed)
+    return [indexed[i] for i in keep]
+
+
+def stratified_cap(tasks: Sequence[str | None], cap: int, seed: int) -> list[int]:
+    """Positions (ascending) of at most `cap` rows (0 = all) whose tasks are `tasks`,
+    stratified by task (module docstring): quotas dealt round-robin over the tasks in
+    order of first appearance, each task's rows drawn by a generator seeded from
+    (`seed`, the task's name)."""
+    if not cap or cap >= len(tasks):
+        return list(range(len(tasks)))
+    by_task: dict[str | None, list[int]] = {}
+    for i, task in enumerate(tasks):
+        by_task.setdefault(task, []).append(i)
+    quota = dict.fromkeys(by_task, 0)
+    left = cap
+    while left:
+        for task, rows in by_task.items():
+            if left and quota[task] < len(rows):
+                quota[task] += 1
+                left -= 1
+    keep: list[int] = []
+    for task, rows in by_task.items():
+        name = zlib.crc32(str(task).encode())
+        chosen = np.random.default_rng([seed, name]).choice(len(rows), quota[task], replace=False)
+        keep.extend(rows[j] for j in chosen)
+    return sorted(keep)
 
 
 def task_indices(samples: Sequence[Sample]) -> list[int]:
@@ -296,7 +336,8 @@ def evaluate(
     (default <run.output_dir>/classifier) holds the digits classifier; `stale`: what to
     do with records of other weights in `out` (`_check_weights`)."""
     reward, source = evaluation_reward(cfg)
-    samples = eval_samples(cfg, model, per_task)
+    indexed = indexed_eval_samples(cfg, model, per_task)
+    samples = [s for _, s in indexed]
     out.mkdir(parents=True, exist_ok=True)
     _check_weights(out, weights_sha256(model), stale)
     _check_hash(out, cfg)
@@ -306,12 +347,7 @@ def evaluate(
     rollout = rollout or engine_rollout(model)
     grid = tuple(model.codec.grid)
     n = cfg.evaluation.rollouts_per_sample
-    todo = [
-        (k, m, s)
-        for s, k in zip(samples, task_indices(samples))
-        for m in range(n)
-        if (s.id, m) not in log.done
-    ]
+    todo = [(k, m, s) for k, s in indexed for m in range(n) if (s.id, m) not in log.done]
     quiet = os.environ.get("CI", "").lower() == "true" or not sys.stderr.isatty()
     size = cfg.rollout.batch_size
     with Progress(disable=quiet, transient=False) as progress:

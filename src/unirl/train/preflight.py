@@ -10,6 +10,9 @@ exit 2, one line naming the culprit) on the first problem:
 - `model.path`, `model.codec.path` and OPD's `algorithm.teacher.path`: they exist, and the header of every safetensors
   file under them is read and its size checked against the file (a truncated file names
   its path); no weights are loaded;
+- `model.initial_adapter`: a LoRA run's adapter/ trained on the files now at
+  `model.path` with the run's rank, alpha, rslora and target modules
+  (`unirl.train.engine.adapters.check_initial_adapter`);
 - the model as its small files say (`check_model`, `inspect_model`: no weights): a
   `model.path` directory holds the kind's files and `model.visual_head`; a
   `model.codec.path` codec is of `model.visual_head`'s kind; `algorithm.share_prompt_prefix`
@@ -62,6 +65,7 @@ from unirl.rewards.digit_classifier import DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.parallel import check_fsdp2_support
+from unirl.train.engine.adapters import check_initial_adapter
 from unirl.train.methods.grpo.job import check_prefix_sharing
 from unirl.train.methods.opd.objective import KEY as TEACHER_KEY
 from unirl.train.methods.opd.objective import compare_action_spaces
@@ -108,6 +112,8 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
     check_weights(cfg.model.path, "model.path")
+    check_weights(cfg.model.initial_adapter, "model.initial_adapter")
+    check_initial_adapter(cfg)
     teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
     if teacher is not None:
         check_weights(teacher.path, "algorithm.teacher.path")

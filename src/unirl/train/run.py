@@ -8,6 +8,7 @@ Layout of a run directory::
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
+    adapter/             LoRA runs: the adapter alone, in peft's format (+ unirl_adapter.json)
     classifier/          the digits classifier, when a reward plugin or a task's default
                          verifier needs it (fitted on first use)
     evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
@@ -42,6 +43,12 @@ from unirl.models.base import UnifiedModel
 from unirl.rewards import evaluation_reward
 from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.engine.adapters import (
+    ADAPTER_DIR,
+    load_initial_adapter,
+    lora_targets,
+    save_adapter,
+)
 from unirl.train.engine.build import (
     adapter_state,
     apply_lora,
@@ -53,7 +60,7 @@ from unirl.train.engine.build import (
 from unirl.train.engine.faults import inject_fault
 from unirl.train.engine.metrics import plot_metrics
 from unirl.train.engine.protocols import BatchSource, Objective
-from unirl.train.engine.trainer import Trainer, check_resume
+from unirl.train.engine.trainer import Trainer, check_resume, parent_checkpoint
 from unirl.train.methods.grpo.job import build_grpo_job
 from unirl.train.methods.opd.job import build_opd_job
 from unirl.train.methods.sft.information_gain import ig_evaluation
@@ -82,6 +89,8 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     scan = ckpt.scan_checkpoints(run_dir)
     if scan.latest is not None:
         check_resume(scan.latest, cfg)
+    elif cfg.run.parent is not None and not scan.n_candidates:
+        check_resume(parent_checkpoint(cfg), cfg)
     elif scan.n_candidates:
         raise ConfigError(
             f"no intact checkpoint among {scan.n_candidates} in {ckpt.checkpoint_dir(run_dir)} "
@@ -103,7 +112,9 @@ def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> Uni
     if cfg.trainer.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if cfg.trainer.lora.enabled:
-        apply_lora(model, cfg)
+        targets = apply_lora(model, cfg)
+        if cfg.model.initial_adapter is not None:  # base + adapter, unmerged
+            load_initial_adapter(model, cfg, targets)
     if cfg.trainer.precision == "fp64":  # float64 weights, compute and optimizer state
         model = model.to(torch.float64)
     return model.to(device).train()
@@ -261,6 +272,9 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
         inject_fault("model_write", cfg.trainer.total_updates)
 
     ckpt.write_dir_atomic(run_dir, "model", export)
+    if cfg.trainer.lora.enabled:  # the adapter alone, in peft's format (engine.adapters)
+        targets = lora_targets(model)
+        ckpt.write_dir_atomic(run_dir, ADAPTER_DIR, lambda p: save_adapter(model, cfg, p, targets))
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if _rows_of(cfg, "test", cfg.data.test_size):
         results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates)

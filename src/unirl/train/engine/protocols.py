@@ -64,6 +64,15 @@ class Objective(Protocol):
     """What besides the config a checkpoint must match to be resumed (e.g. OPD's teacher
     path and content hash); written into every checkpoint."""
 
+    gradient_parts: tuple[str, str] | None = None
+    """Names of two additive parts of the loss whose gradients
+    `logging.gradient_diagnostics_every_updates` compares (OPD: distillation and GT
+    replay); `in_second_part` says which part a row's loss belongs to."""
+
+    def in_second_part(self, traj: Trajectory) -> bool:
+        """Whether row `traj`'s loss belongs to the second of `gradient_parts`."""
+        return False
+
     def count(self, batch: TrajectoryBatch) -> int:
         """This shard's contribution to the global normaliser."""
         raise NotImplementedError

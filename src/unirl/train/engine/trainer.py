@@ -14,6 +14,8 @@ lines — lives here once.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
-from unirl.config.hashing import resumable_summary
+from unirl.config.hashing import check_extension, resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -43,6 +45,7 @@ from unirl.train.engine.optim import build_scheduler
 from unirl.train.engine.protocols import BatchSource, Objective
 from unirl.train.state import artifacts, sharded
 from unirl.train.state import checkpoint as ckpt
+from unirl.train.state.fingerprints import FINGERPRINTS, check_fingerprints, input_fingerprints
 
 
 class TrainingError(RuntimeError):
@@ -61,10 +64,14 @@ def autocast(cfg: TrainerConfig, device: torch.device):
 
 def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
     """ConfigError (a usage error) naming the changed keys when the config `found` was
-    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`)."""
+    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`, and
+    `check_extension` under `epoch_extension`), or naming the file when an input it
+    recorded changed since (`check_fingerprints`)."""
+    check_fingerprints(found.state.get(FINGERPRINTS), cfg, str(found.path))
     if found.state.get("config_hash") == config_hash(cfg):
         return
-    refused = resume_conflicts(found.state.get("config", {}), cfg)
+    saved = found.state.get("config", {})
+    refused = resume_conflicts(saved, cfg)
     if refused:
         mode = cfg.checkpoint.resume_mode
         raise ConfigError(
@@ -73,6 +80,76 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
             "change); use a new run.output_dir for a new run",
             source=str(found.path),
         )
+    bad = check_extension(saved, cfg)
+    if bad is not None:
+        raise ConfigError(f"refusing to resume {found.path}: {bad[1]}", key=bad[0])
+
+
+def parent_checkpoint(cfg: UnirlConfig) -> ckpt.Checkpoint:
+    """The checkpoint `run.parent` names: a checkpoint directory (verified), or a run
+    directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
+    for a checkpoint inside a GRPO round (`algorithm.updates_per_batch` K > 1, update not
+    a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    root = Path(cfg.run.parent)
+    try:
+        if (root / ckpt.STATE).is_file():
+            found: ckpt.Checkpoint | None = ckpt.verify_checkpoint(root)
+        elif not ckpt.checkpoint_dir(root).is_dir():
+            raise ConfigError(f"{root}: neither a run directory nor a checkpoint", key="run.parent")
+        else:
+            found = ckpt.scan_checkpoints(root).latest
+    except ckpt.CheckpointError as exc:
+        raise ConfigError(f"{exc}", key="run.parent") from None
+    if found is None:
+        raise ConfigError(f"{root}: no intact checkpoint", key="run.parent")
+    k = getattr(cfg.algorithm, "updates_per_batch", 1)
+    if found.update % k:
+        raise ConfigError(
+            f"{found.path}: update {found.update} is inside a GRPO round "
+            f"(algorithm.updates_per_batch={k}); a child starts only at a round boundary "
+            "(a multiple of it)",
+            key="run.parent",
+        )
+    return found
+
+
+def parent_record(found: ckpt.Checkpoint) -> dict[str, str]:
+    """What a child run records of its parent checkpoint: its path and the SHA-256 of its
+    manifest (every file's size and SHA-256, canonical JSON)."""
+    manifest = json.dumps(found.state["manifest"], sort_keys=True, separators=(",", ":"))
+    return {
+        "checkpoint": str(found.path.resolve()),
+        "manifest_sha256": hashlib.sha256(manifest.encode()).hexdigest(),
+        "update": str(found.update),
+    }
+
+
+def gradient_diagnostics(
+    first: list[torch.Tensor | None], second: list[torch.Tensor | None], names: tuple[str, str]
+) -> dict[str, float]:
+    """Pre-clip L2 norms of two gradients (per-parameter lists, None = zero), the ratio
+    of the first's to the second's and their cosine, in float64 (docs/numerics.md §9).
+    Ratio and cosine are left out when either norm is 0 (an update without rows of a
+    part)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    sq_a, sq_b, dot = zero, zero, zero
+    for a, b in zip(first, second):
+        a64 = None if a is None else a.detach().double()
+        b64 = None if b is None else b.detach().double()
+        if a64 is not None:
+            sq_a = sq_a + a64.pow(2).sum().cpu()
+        if b64 is not None:
+            sq_b = sq_b + b64.pow(2).sum().cpu()
+        if a64 is not None and b64 is not None:
+            dot = dot + (a64 * b64).sum().cpu()
+    sq_a, sq_b, dot = torch.stack([sq_a, sq_b, dot]).tolist()
+    na, nb = math.sqrt(sq_a), math.sqrt(sq_b)
+    x, y = names
+    out = {f"grad/{x}_norm": na, f"grad/{y}_norm": nb}
+    if na > 0 and nb > 0:
+        out[f"grad/{x}_to_{y}_norm_ratio"] = na / nb
+        out[f"grad/{x}_{y}_cosine"] = dot / (na * nb)
+    return out
 
 
 class Trainer:
@@ -130,6 +207,9 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.best: dict[str, Any] | None = None  # checkpoint.keep_best (rank 0)
         self._rollout_files: dict[str, tuple[int, str]] = {}  # checkpoint.save_rollouts
+        self.parent: dict[str, str] | None = None  # the run.parent checkpoint started from
+        self.from_parent = False  # this start loaded the parent (not an own checkpoint)
+        self._fingerprints: dict | None = None
         self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
@@ -152,12 +232,17 @@ class Trainer:
             "optimizer_saved": bool(self.optimizer.state) or not self.parallel.distributed,
             **({"identity": self.identity} if self.identity is not None else {}),
             **({"best": self.best} if self.best is not None else {}),
+            **({"parent": self.parent} if self.parent is not None else {}),
         }
         if self.cfg.checkpoint.save_rollouts:
             state["rollouts"] = {
                 "files": sorted(self._rollout_files),
                 "inventory_sha256": artifacts.inventory_sha256(self._rollout_files),
             }
+        if self.dist.is_main:
+            if self._fingerprints is None:  # what the run reads, fingerprinted once
+                self._fingerprints = input_fingerprints(self.cfg)
+            state[FINGERPRINTS] = self._fingerprints
         if self.parallel.distributed:
             sharded.save_sharded(
                 staging, self.model, self.optimizer, self.scheduler, self._ckpt_keys, self.dist
@@ -179,17 +264,32 @@ class Trainer:
         self._last_ckpt_time = time.monotonic()
 
     def resume(self) -> bool:
-        """Load the latest intact checkpoint, if any; return whether one was found."""
+        """Load the latest intact checkpoint of the run directory, else (with `run.parent`)
+        the parent checkpoint; return whether one was loaded. Says which on stdout."""
         scan = ckpt.scan_checkpoints(self.run_dir)
-        if scan.latest is not None:
-            self._check_config(scan.latest)
+        found = scan.latest
+        parent = self.cfg.run.parent
+        if found is None and parent is not None:
+            found = parent_checkpoint(self.cfg)
+            self.from_parent = True
+        if found is not None:
+            self._check_config(found)
         barrier(self.dist)
         if self.dist.is_main:
             ckpt.tidy_run_dir(self.run_dir, scan)
         barrier(self.dist)
-        found = scan.latest
         if found is None:
             return False
+        self.parent = parent_record(found) if self.from_parent else found.state.get("parent")
+        if self.dist.is_main and parent is not None:
+            if self.from_parent:
+                print(f"starting from the parent checkpoint {found.path} (run.parent)", flush=True)
+            else:
+                print(
+                    f"resuming from this run's own checkpoint {found.path} (not the "
+                    f"run.parent {parent})",
+                    flush=True,
+                )
         if found.sharded != self.parallel.distributed:
             raise TrainingError(
                 f"{found.path}: written {'with' if found.sharded else 'without'} "
@@ -213,6 +313,8 @@ class Trainer:
             ckpt.restore_rng_states(found.rng_state(self.dist.rank))
         self.update = found.update
         self.resumed_from = found.path
+        if self.from_parent:  # a child starts without metrics, best record or rollouts
+            return True
         if self.cfg.checkpoint.keep_best is not None:
             self.best = found.state.get("best")
         if self.dist.is_main:
@@ -256,9 +358,17 @@ class Trainer:
                 f"refusing to resume {found.path}: it was trained against {held}, this run "
                 f"has {self.identity}; use a new run.output_dir"
             )
-        if found.state.get("config_hash") == self.config_hash:
-            return
         check_resume(found, self.cfg)
+
+    def _remeasures(self) -> bool:
+        """A child started from its parent under `rollout_limit_change` re-measures the
+        validation metrics at the update it starts from (rank 0, when it validates)."""
+        return (
+            self.from_parent
+            and self.cfg.checkpoint.resume_mode == "rollout_limit_change"
+            and self.evaluator is not None
+            and (self.t.eval_every > 0 or self.t.eval_every_epochs > 0)
+        )
 
     # -- one update ----------------------------------------------------------------
     def accumulate(self) -> dict[str, float]:
@@ -269,7 +379,7 @@ class Trainer:
         t0 = time.perf_counter()
         trajs = self.parallel.gathered(lambda: self.source.global_batch(self.update))
         self._batch_seconds = time.perf_counter() - t0
-        groups = rank_micro_batches(trajs, self.dist, self.t)
+        groups, boundary = self._micro_groups(trajs)
         collate = pack if self.t.packing else TrajectoryBatch.collate
         micros = [collate(g, self.pad_id).to(self.model.device) for g in groups]
         local = sum(self.objective.count(m) for m in micros)
@@ -279,7 +389,10 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         sums: dict[str, float] = {}
         n_tokens = 0
+        first: list[torch.Tensor | None] | None = None
         for i, micro in enumerate(micros):
+            if i == boundary:
+                first = self._take_grads()
             with self.parallel.accumulation(last=i == len(micros) - 1):
                 with autocast(self.t, self.model.device):
                     loss, stats = self.parallel.run(self.objective.loss, micro, n_global)
@@ -296,6 +409,13 @@ class Trainer:
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        diagnostics: dict[str, float] = {}
+        if boundary is not None:
+            first = self._take_grads() if first is None else first
+            second = self._take_grads()
+            diagnostics = gradient_diagnostics(first, second, self.objective.gradient_parts)
+            for p, a, b in zip(self.params, first, second):
+                p.grad = a if b is None else b if a is None else a + b
         self.parallel.drop_unreached(self.params)
         if not self._grads_checked:
             grads = {n: p.grad for n, p in self.named_params if p.grad is not None}
@@ -308,7 +428,31 @@ class Trainer:
         metrics["loss"] = flat[-2]
         metrics["n_scored"] = float(n_global)
         metrics["tokens"] = flat[-1]
+        metrics.update(diagnostics)
         return metrics
+
+    def _micro_groups(self, trajs: list) -> tuple[list[list], int | None]:
+        """This rank's micro-batches and, on an update that logs gradient diagnostics,
+        the index of the first micro-batch of the objective's second gradient part.
+        With `logging.gradient_diagnostics_every_updates` > 0 every update micro-batches
+        the two parts apart (first part's rows, then the second's; the loss is additive
+        over any split), so a micro-batch's one backward adds to one part only."""
+        every = self.cfg.logging.gradient_diagnostics_every_updates
+        parts = self.objective.gradient_parts
+        if every == 0 or parts is None:
+            return rank_micro_batches(trajs, self.dist, self.t), None
+        second = [self.objective.in_second_part(t) for t in trajs]
+        head = rank_micro_batches([t for t, s in zip(trajs, second) if not s], self.dist, self.t)
+        tail = rank_micro_batches([t for t, s in zip(trajs, second) if s], self.dist, self.t)
+        return head + tail, len(head) if (self.update + 1) % every == 0 else None
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """The trainable parameters' `.grad` (the gradient accumulated so far), which are
+        then cleared so that the next backward starts a new accumulation."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
 
     def step(self) -> dict[str, float]:
         """Run update `self.update`: accumulate, clip, step the optimizer and schedule."""
@@ -433,12 +577,14 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
-        if not resumed:
+        if not resumed or self.from_parent:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
                 truncate_tensorboard(self.run_dir, 0)
                 artifacts.truncate_rollouts(self.run_dir, 0)
-            self.save()  # the step-zero checkpoint, before the first update
+            # the step-zero checkpoint before the first update, or a child's first
+            # checkpoint: the parent's state, in its own directory
+            self.save()
         if self.dist.is_main:
             if resumed:
                 print(
@@ -458,6 +604,9 @@ class Trainer:
             total, self.update, log.progress_bar and main, plain=main and not interactive()
         )
         start = self.update
+        if self._remeasures() and logger is not None:
+            # rollout caps changed from the parent: the validation baseline under the new caps
+            logger.log(self.update, self.evaluator(self.update), force=True)
         try:
             while self.update < total:
                 t0 = time.perf_counter()

@@ -41,6 +41,7 @@ import torch
 from unirl.algorithms.opd import (
     bernoulli_jsd,
     categorical_divergence,
+    clip_text_contribution,
     event_index,
     trajectory_first,
 )
@@ -48,7 +49,7 @@ from unirl.algorithms.sft import text_ce, visual_ce
 from unirl.config import ConfigError, UnirlConfig
 from unirl.config.algorithms import OPDConfig
 from unirl.core.distributions import TextCategorical, VisualBits
-from unirl.core.trajectory import TrajectoryBatch
+from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.forward import forward_interleaved, scored_mask
 from unirl.models.base import UnifiedModel
@@ -135,6 +136,11 @@ def _stack_columns(d) -> torch.Tensor:
 class OPDObjective(Objective):
     """The OPD loss of a micro-batch (module docstring)."""
 
+    gradient_parts = ("opd", "gt_replay")
+
+    def in_second_part(self, traj: Trajectory) -> bool:
+        return not isinstance(traj.sampling, DistillRecord)
+
     def __init__(self, algo: OPDConfig, teacher: UnifiedModel, identity: dict[str, str]) -> None:
         self.algo = algo
         self.teacher = teacher
@@ -215,10 +221,22 @@ class OPDObjective(Objective):
         mask = scored_mask(batch)
         events = self._events(batch)
         jsd = out[..., 0]
-        per_row, means = trajectory_first(jsd * self._weights(batch).to(jsd), events)
+        weighted = jsd * self._weights(batch).to(jsd)
+        per_row, means = trajectory_first(weighted, events)
         means = means.detach()
         contributing = events.n_events.to(per_row.device) > 0
         visual = batch.modality == Modality.VISUAL
+        clip_stats = {}
+        if self.algo.text_clip is not None:
+            per_row, t_part, scale = clip_text_contribution(
+                weighted, visual, events, self.algo.text_clip
+            )
+            t_part, scale = t_part.detach()[contributing], scale[contributing]
+            clip_stats = {
+                "text_clipped_rows": float((scale < 1.0).sum()),
+                "text_part_sum": float(t_part.sum()),
+                "text_scale_sum": float(scale.sum()),
+            }
         stats = _position_stats(out.detach(), mask, visual, batch.is_bits)
         for kind in EVENT_KINDS:
             cells = [
@@ -227,6 +245,7 @@ class OPDObjective(Objective):
             rows, cols = zip(*cells) if cells else ((), ())
             stats[f"ev_{kind}_sum"] = float(means[list(rows), list(cols)].sum())  # one sync
             stats[f"ev_{kind}_n"] = float(len(cells))
+        stats.update(clip_stats)
         stats["n_distilled"] = float(contributing.sum())
         stats["n_no_event"] = float((~contributing).sum())
         stats["teacher_s"] = t_teacher
@@ -262,6 +281,18 @@ class OPDObjective(Objective):
             stats.update(s)
         return total / max(n_global, 1), stats
 
+    def _clip_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """With `text_clip`: clipped distilled rows, the mean text part of D_i before the
+        clip and the mean scale, over distilled rows with events."""
+        if self.algo.text_clip is None:
+            return {}
+        n = max(sums["n_distilled"], 1.0)
+        return {
+            "opd/text_clipped_rows": sums["text_clipped_rows"],
+            "opd/text_part": sums["text_part_sum"] / n,
+            "opd/text_clip_scale": sums["text_scale_sum"] / n,
+        }
+
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
         """Means: `opd/jsd_<modality>` over positions, `opd/jsd_event_<kind>` over events,
         top-1 agreement, retained teacher mass and fallback share (categorical positions),
@@ -282,6 +313,7 @@ class OPDObjective(Objective):
             "opd/n_rows_without_event": sums["n_no_event"],
             "opd/n_gt_rows": sums["n_gt"],
             "opd/gt_ce": sums["gt_ce_sum"] / max(sums["n_gt"], 1.0),
+            **self._clip_metrics(sums),
             "time/teacher_s": sums["teacher_s"],
         }
         for kind in EVENT_KINDS:
@@ -297,7 +329,7 @@ def _with_prompt_length(record: DistillRecord, n: int) -> DistillRecord:
 def _empty_stats() -> dict[str, float]:
     keys = ["jsd_text_sum", "jsd_visual_sum", "n_text", "n_visual", "agree_sum", "retained_sum",
             "fallback_sum", "n_categorical", "n_distilled", "n_no_event", "teacher_s", "gt_ce_sum",
-            "n_gt"] + [f"ev_{k}_{s}" for k in EVENT_KINDS for s in ("sum", "n")]  # fmt: skip
+            "n_gt", "text_clipped_rows", "text_part_sum", "text_scale_sum"] + [f"ev_{k}_{s}" for k in EVENT_KINDS for s in ("sum", "n")]  # fmt: skip
     return dict.fromkeys(keys, 0.0)
 
 

@@ -2,7 +2,7 @@
 question "Which shape is drawn?" (answers circle / square / triangle / cross: words
 outside the digits vocabulary, a task no built-in knows).
 
-    python recipes/examples/make_shapes.py runs/shapes_data   # then recipes/examples/shapes_*.yaml
+    python examples/make_shapes.py examples/shapes   # shipped; recipes/examples/shapes_*.yaml read it
 
 One JSONL file `shapes.jsonl` holds every split (`split`: 40 train, 12 val, 20 test rows,
 shapes balanced within each split); images are `images/<id>.png`. Each shape is drawn in
