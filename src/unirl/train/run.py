@@ -228,16 +228,15 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
     `val/ig/...` of the same rows (cycle index pinned to 0)."""
     tasks = _task_evaluator(cfg, model, run_dir)
-    cadence = cfg.trainer.eval_every > 0 or cfg.trainer.eval_every_epochs > 0
-    if not isinstance(cfg.algorithm, SFTConfig) or not cadence:
-        return tasks
-    if not _rows_of(cfg, "val", cfg.data.val_size):
+    if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
     ig = cfg.algorithm.information_gain
-    rows = sft_trajectories(cfg, model, "val", cfg.data.val_size)
     pad = model.special_ids.pad
+    rows: list = []  # serialised at the first evaluation (none without an eval cadence)
 
     def evaluate_val(update: int) -> dict[str, float]:
+        if not rows:
+            rows.extend(sft_trajectories(cfg, model, "val", cfg.data.val_size))
         metrics = tasks(update) if tasks is not None else {}
         losses = validation_loss(cfg, model, rows, pad)
         metrics.update({f"val/{k}": v for k, v in losses.items()})
