@@ -28,6 +28,7 @@ ALWAYS_RESUMABLE = (
     "run.deterministic",
     "checkpoint.every_updates",
     "checkpoint.every_minutes",
+    "checkpoint.every_epochs",
     "checkpoint.keep_last",
     "checkpoint.resume_mode",
     "logging",
@@ -41,7 +42,12 @@ ALWAYS_RESUMABLE = (
     "ray",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
-SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")
+SCHEDULE_KEYS = (
+    "trainer.total_updates",
+    "trainer.scheduler",
+    "trainer.eval_every",
+    "trainer.eval_every_epochs",
+)
 # The rollout caps (`rollout_limit_change`): how long a sampled row or image may grow.
 ROLLOUT_CAP_KEYS = ("rollout.max_new_tokens", "rollout.max_grid_side")
 # Execution-only keys beyond ALWAYS_RESUMABLE (`execution_change`): DDP's reducer flags

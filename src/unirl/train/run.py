@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
+from unirl.config.algorithms import SFTConfig
 from unirl.data.rows import has_split
 from unirl.eval.runner import evaluate, split_config, task_metrics
 from unirl.models.base import UnifiedModel
@@ -66,6 +67,7 @@ from unirl.train.methods.opd.job import build_opd_job
 from unirl.train.methods.sft.information_gain import ig_evaluation
 from unirl.train.methods.sft.job import build_sft_job
 from unirl.train.methods.sft.source import sft_trajectories
+from unirl.train.methods.sft.validation import validation_loss
 from unirl.train.preflight import EVALS, preflight
 from unirl.train.state import checkpoint as ckpt
 from unirl.train.state.checkpoint import write_text_atomic
@@ -160,7 +162,8 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
-    validates = cfg.trainer.eval_every > 0 and _has_rows(cfg, "val", cfg.data.val_size)
+    cadence = cfg.trainer.eval_every > 0 or cfg.trainer.eval_every_epochs > 0
+    validates = cadence and _has_rows(cfg, "val", cfg.data.val_size)
     if validates or _has_rows(cfg, "test", cfg.data.test_size):
         evaluation_reward(cfg)  # a task nothing can score: a ConfigError before anything runs
     device = resolve_device(cfg.run.device)
@@ -247,25 +250,33 @@ def evaluate_split(
         out,
         per_task=size,
         classifier_dir=run_dir / CLASSIFIER_DIR,
+        stale="replace",
     )
     return task_metrics(summary)
 
 
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
-    """The task evaluator (`_task_evaluator`) and, for SFT with Information Gain on, the
-    IG metrics `val/ig/...` of the fixed val rows (cycle index pinned to 0)."""
+    """The task evaluator (`_task_evaluator`) and, for SFT, the teacher-forced validation
+    loss `val/loss`, `val/loss_text`, `val/loss_image_<head>` of the val rows
+    (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
+    `val/ig/...` of the same rows (cycle index pinned to 0)."""
     tasks = _task_evaluator(cfg, model, run_dir)
-    ig = getattr(cfg.algorithm, "information_gain", None)
-    if ig is None or ig.weight <= 0 or cfg.data.val_size == 0:
+    if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
-    if not _rows_of(cfg, "val", cfg.data.val_size):
-        return tasks
-    rows = sft_trajectories(cfg, model, "val", cfg.data.val_size)
+    ig = cfg.algorithm.information_gain
+    pad = model.special_ids.pad
+    rows: list = []  # serialised at the first evaluation (none without an eval cadence)
 
     def evaluate_val(update: int) -> dict[str, float]:
+        if not rows:
+            rows.extend(sft_trajectories(cfg, model, "val", cfg.data.val_size))
         metrics = tasks(update) if tasks is not None else {}
-        gains = ig_evaluation(model, rows, ig, model.special_ids.pad)
-        return {**metrics, **{f"val/{k}": v for k, v in gains.items()}}
+        losses = validation_loss(cfg, model, rows, pad)
+        metrics.update({f"val/{k}": v for k, v in losses.items()})
+        if ig.weight > 0:
+            gains = ig_evaluation(model, rows, ig, pad)
+            metrics.update({f"val/{k}": v for k, v in gains.items()})
+        return metrics
 
     return evaluate_val
 
