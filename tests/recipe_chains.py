@@ -6,7 +6,8 @@ KEY=VALUE overrides their commands take, in order; or `nothing`) and an `# input
 recipe the check copies recipes/ and examples/ (the tracked and new files, as a fresh
 clone has them) into a temporary directory and, from there, runs its chain in process
 with `unirl.cli.main`: each needed command (its own needs first), then
-`unirl train RECIPE`, every one with the tiny overrides of `tiny_overrides` (2 updates,
+`unirl train RECIPE` (after an SFT run, `unirl eval` of its model on the test split must
+reproduce the run's `eval.json`: the same metric names and values), every one with the tiny overrides of `tiny_overrides` (2 updates,
 batches of at most two GRPO groups, 16 digits train rows and 2 val/test rows per task). A
 command shared by two chains runs once (the same directory), and a codec an earlier
 step fitted with the same settings and seed is loaded (`model.codec.path`) instead of
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -163,6 +165,29 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
+def recheck_eval(step: Step, extra: list[str], run_dir: Path) -> str | None:
+    """`unirl eval` of an SFT step's model on its test split with the step's own config
+    and overrides: None when its per-task summary has exactly the metric names and
+    values of the run's end-of-run `eval.json` (one evaluator, issue 30), else what
+    differs."""
+    results_path = run_dir / "eval.json"
+    if not results_path.is_file():
+        return "the run wrote no eval.json"
+    out = run_dir / "recheck-eval"
+    argv = ["eval", step.recipe, *step.overrides, *extra, f"model.path={run_dir / 'model'}"]
+    argv += ["evaluation.split=test", f"evaluation.output_dir={out}"]
+    code, text = run_cli(argv)
+    if code:
+        return f"exit {code}: {text.strip()[-300:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    flat = {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
+    results = json.loads(results_path.read_text())
+    if flat != results:
+        keys = sorted(set(flat) ^ set(results)) or sorted(k for k in flat if flat[k] != results[k])
+        return f"differs from eval.json at {', '.join(keys[:5])}"
+    return None
+
+
 def check(recipes: list[str], work: Path, log=print) -> list[str]:
     """Run every chain of `recipes` in `work`; the failures (one line each)."""
     from unirl.config import ConfigError, load_config
@@ -200,6 +225,12 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
                     break
                 done.add(step)
                 cfg = load_config(step.recipe, list(step.overrides))
+                if cfg.algorithm.name == "sft":
+                    problem = recheck_eval(step, extra, work / cfg.run.output_dir)
+                    log(f"{'ok ' if problem is None else 'FAIL'} unirl eval {step.recipe}")
+                    if problem is not None:
+                        failures.append(f"unirl eval {step.recipe}: {problem}")
+                        break
                 key, own = codec_key(cfg), work / cfg.run.output_dir / "codec"
                 if key in codecs and not own.exists():
                     # a run that fits its codec saves it there (a later step may read it)

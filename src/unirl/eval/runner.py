@@ -6,8 +6,9 @@ configured reward plugins; resumable records, `summary.json` and `index.html`.
 Rows: `data.path` rows of `evaluation.split` (`unirl.data.rows.split_rows`, images
 through the model's processor; a row a verifier would score without the answer it
 needs is a DatasetError naming its file:line, `check_answers`), or the digits tasks'
-rows of that split (`data.<split>_size` per task, from `data.seed`); training keeps the
-first `data.<split>_size` rows per task of a `data.path` split; then
+rows of that split (`data.<split>_size` per task, from `data.seed`); of a `data.path`
+val or test split, training's evaluations and `unirl eval` alike keep the first
+`data.<split>_size` rows per task (0 is refused), so both score the same rows; then
 `evaluation.max_samples` (0 = all) rows stratified by task (`stratified_cap`): the cap is
 dealt round-robin over the tasks in order of first appearance (a task with no rows left
 passes its turn), and each task keeps that many of its rows, drawn without replacement
@@ -111,14 +112,25 @@ def indexed_eval_samples(
     """`eval_samples`' rows, each with its index among its task's rows before the
     `evaluation.max_samples` cap (its seed index)."""
     split = cfg.evaluation.split
+    sizes = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
     if cfg.data.path is not None:
+        if not per_task and split in ("val", "test"):
+            # the run's own evaluations take the first data.<split>_size rows per task;
+            # `unirl eval` takes the same rows, so both give the same numbers
+            if sizes[split] == 0:
+                raise ConfigError(
+                    f"evaluation.split={split} evaluates nothing: data.{split}_size is 0",
+                    key=f"data.{split}_size",
+                    expected="> 0 rows per task",
+                )
+            per_task = sizes[split]
         rows = dataset_rows(cfg, model, split)
         check_answers(evaluation_reward(cfg)[0], rows)
         samples = rows.samples
         if per_task:
             samples = [s for s, k in zip(samples, task_indices(samples)) if k < per_task]
     else:
-        n = {"train": cfg.data.train_size, "val": cfg.data.val_size, "test": cfg.data.test_size}
+        n = sizes
         if n[split] == 0:
             raise ConfigError(
                 f"the digits {split} split of evaluation.split has no rows",
