@@ -34,7 +34,7 @@ from unirl.config import HealthConfig
 from unirl.core.atomic import write_text_atomic
 from unirl.eval.drift import DriftNoise, drift_to_noise
 from unirl.eval.health import Alarm, HealthMonitor
-from unirl.eval.paired import Paired, compare, read_records
+from unirl.eval.paired import ALL, Paired, compare, per_prompt, read_records
 
 EVALS = "evals"
 METRICS = "metrics.jsonl"
@@ -180,10 +180,10 @@ def _heldout_rows(split: str, s: dict[str, Any]) -> tuple[list[str], list[list[s
     the baseline, its paired diff ± SE from the start)."""
     steps = s["steps"]
     head = ["task", "metric", *(f"update {st['update']}" for st in steps)]
-    from unirl.eval.paired import per_prompt
 
     firsts = [per_prompt(st["records"]) for st in steps]
-    keys = sorted({(t, m) for pp in firsts for t in pp for m in pp[t]})
+    tasks = {t for pp in firsts for t in pp if t != ALL}
+    keys = sorted({(t, m) for pp in firsts for t in pp for m in pp[t] if t != ALL or len(tasks) > 1})
     rows = []
     for task, metric in keys:
         row = [task, metric]
