@@ -53,6 +53,7 @@ CURVES = (
 )
 """The curves a report draws, those the run logs at >= 3 updates."""
 GALLERY_ROWS = 3
+GALLERY_HEAD = ["task", "prompt", "response", "images", "finish", "reward"]
 _EVAL_DIR = re.compile(r"^(train|val|test)-update-(\d{6})$")
 
 
@@ -305,9 +306,16 @@ def render_md(data: dict[str, Any]) -> str:
                 rel = Path(r["_dir"]).relative_to(data["run_dir"])
                 imgs = " ".join(f"![]({rel / p})" for p in r.get("images", []))
                 rows.append(
-                    [r["task"], r["prompt"], r["response"] or "(unparsed)", imgs, f"{r['total']:.3f}"]
+                    [
+                        r["task"],
+                        r["prompt"],
+                        r["response"] or "(unparsed)",
+                        imgs,
+                        r.get("finish_reason", ""),
+                        f"{r['total']:.3f}",
+                    ]
                 )
-            lines += _md_table(["task", "prompt", "response", "images", "reward"], rows)
+            lines += _md_table(GALLERY_HEAD, rows)
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -440,13 +448,12 @@ def render_html(data: dict[str, Any]) -> str:
                         f"<pre>{e(r['prompt'])}</pre>",
                         f"<pre>{e(r['response'] or '(unparsed)')}</pre>",
                         imgs,
+                        e(str(r.get("finish_reason", ""))),
                         f"{r['total']:.3f}",
                     ]
                 )
             parts.append(f"<h3>update {update}</h3>")
-            parts.append(
-                _html_table(["task", "prompt", "response", "images", "reward"], rows, raw=True)
-            )
+            parts.append(_html_table(GALLERY_HEAD, rows, raw=True))
     return _page(f"unirl report {data['name']}", "".join(parts))
 
 
