@@ -31,7 +31,20 @@ from unirl.train.run import run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "fish", "bird", "rock", "star"]
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "tree",
+    "fish",
+    "bird",
+    "rock",
+    "star",
+]
 
 
 # -- verdicts vs an independent paired computation ---------------------------------------
@@ -240,7 +253,12 @@ def test_the_fixed_length_trap_fires_its_alarm_within_three_updates(
         {
             "run": {"device": "cpu", "seed": 0, "output_dir": str(tmp_path / "trap")},
             "model": {
-                "tiny": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+                "tiny": {
+                    "hidden_size": 16,
+                    "num_layers": 1,
+                    "num_heads": 2,
+                    "intermediate_size": 32,
+                },
                 "codec": {"path": str(small_vq_dir), "codebook_size": 16},
             },
             "data": {"tasks": ["t2i"], "train_size": 8, "val_size": 0, "test_size": 0},

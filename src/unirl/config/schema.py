@@ -615,12 +615,6 @@ class HealthConfig(StrictModel):
         "invalid_frac vs the baseline evaluation.",
     )
 
-    @model_validator(mode="after")
-    def _needs_baseline(self) -> HealthConfig:
-        if not self.baseline_eval and self.heldout_drop and changed(self, "heldout_drop"):
-            raise incompatible("heldout_drop", "needs health.baseline_eval: true")
-        return self
-
 
 class UnirlConfig(StrictModel):
     """A complete run: what `unirl inspect` prints and the config hash covers."""

@@ -123,10 +123,15 @@ class HealthMonitor:
         kl = _num(metrics, "policy/kl_ref_mean")
         if c.kl_max is not None and kl is not None:
             msg = f"policy/kl_ref_mean = {kl:.4g} > {c.kl_max:g}: the policy left its reference"
-            alarm = Alarm("kl_to_reference", "policy/kl_ref_mean", update, kl, c.kl_max, "kl_max", msg)
+            alarm = Alarm(
+                "kl_to_reference", "policy/kl_ref_mean", update, kl, c.kl_max, "kl_max", msg
+            )
             self._check(kl > c.kl_max, alarm, new)
         if c.zero_signal_updates > 0:
-            for name, key in (("zero_advantages", "adv/advantage_std"), ("zero_gradients", "grad_norm")):
+            for name, key in (
+                ("zero_advantages", "adv/advantage_std"),
+                ("zero_gradients", "grad_norm"),
+            ):
                 v = _num(metrics, key)
                 if v is None:
                     continue
@@ -134,7 +139,9 @@ class HealthMonitor:
                 self._streak[key] = streak
                 k = c.zero_signal_updates
                 msg = f"{key} = 0 for {streak} updates in a row: the update trains on nothing"
-                alarm = Alarm(name, key, update, float(streak), float(k), "zero_signal_updates", msg)
+                alarm = Alarm(
+                    name, key, update, float(streak), float(k), "zero_signal_updates", msg
+                )
                 self._check(streak >= k, alarm, new)
         if c.entropy_collapse_ratio is not None:
             for key in ENTROPIES:
@@ -152,7 +159,9 @@ class HealthMonitor:
                 )  # fmt: skip
                 self._check(v < limit, alarm, new)
         if c.invalid_rise is not None:
-            for key in sorted(k for k in metrics if k.startswith("reward/") and k.endswith("/invalid_frac")):
+            for key in sorted(
+                k for k in metrics if k.startswith("reward/") and k.endswith("/invalid_frac")
+            ):
                 v = _num(metrics, key)
                 if v is None:
                     continue

@@ -130,9 +130,7 @@ def paired(
     )
 
 
-def compare(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], z: float
-) -> list[Paired]:
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]], z: float) -> list[Paired]:
     """Every task's (and, with several tasks, `ALL`'s) metrics, before vs after."""
     a, b = per_prompt(before), per_prompt(after)
     tasks = sorted(t for t in b if t != ALL)

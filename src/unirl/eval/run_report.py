@@ -82,10 +82,9 @@ def eval_dirs(run_dir: Path) -> dict[str, list[tuple[int, Path]]]:
 
 
 def _config(run_dir: Path) -> dict[str, Any]:
+    """The run's recorded config (`config.yaml`); {} (the defaults) without one."""
     path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no config.yaml (not a unirl run directory)")
-    return yaml.safe_load(path.read_text()) or {}
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
 def _parent(cfg: dict[str, Any]) -> dict[str, str] | None:
@@ -184,7 +183,9 @@ def _heldout_rows(split: str, s: dict[str, Any]) -> tuple[list[str], list[list[s
 
     firsts = [per_prompt(st["records"]) for st in steps]
     tasks = {t for pp in firsts for t in pp if t != ALL}
-    keys = sorted({(t, m) for pp in firsts for t in pp for m in pp[t] if t != ALL or len(tasks) > 1})
+    keys = sorted(
+        {(t, m) for pp in firsts for t in pp for m in pp[t] if t != ALL or len(tasks) > 1}
+    )
     rows = []
     for task, metric in keys:
         row = [task, metric]
@@ -276,9 +277,7 @@ def render_md(data: dict[str, Any]) -> str:
     if vs:
         lines += [f"- {split} {p.line(z)}" for split, p in vs]
     else:
-        lines.append(
-            "no verdicts: no evaluation after a baseline (update 0; health.baseline_eval)"
-        )
+        lines.append("no verdicts: no evaluation after a baseline (update 0; health.baseline_eval)")
     lines += [
         "",
         f"Test: per prompt, d = value after − value at the start (same prompts and seeds); "
