@@ -11,8 +11,11 @@ Layout of a run directory::
     classifier/          the digits classifier, when a reward plugin or a task's default
                          verifier needs it (fitted on first use)
     evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
-                         validation (val) and of the final test evaluation (test)
-    eval.json, report.md, curves.png
+                         validation (val), of the final test evaluation (test) and, with
+                         health.baseline_eval, of the starting model (update 000000)
+    eval.json, curves.png
+    report.md, report.html, report.json   the run report (`unirl.eval.run_report`,
+                         docs/reports.md), rewritten after every evaluation and at the end
 
 Re-running the same command on the same directory resumes from the latest intact
 checkpoint (see `unirl.train.state.checkpoint`).
