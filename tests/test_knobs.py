@@ -1298,6 +1298,84 @@ def _evaluation(kit):
     assert run_eval(default) == tmp_path / "r" / "eval-train"
 
 
+# -- health alarms (issue 34) -----------------------------------------------------------
+
+HEALTH_STREAM = [
+    {
+        "adv/frac_zero_std_groups": 0.8,
+        "adv/advantage_std": 0.0,
+        "grad_norm": 0.0,
+        "reward/overwritten_frac": 0.6,
+        "reward/total_mean": 0.99,
+        "policy/kl_ref_mean": 0.5 * u,
+        "policy/entropy_visual": 1.0 / u,
+        "reward/p/invalid_frac": 0.05 * u,
+    }
+    for u in range(1, 5)
+]
+"""Four updates' metrics, each near one of the default thresholds."""
+
+
+def _heldout_records(shift: float) -> list[dict]:
+    """12 prompts x 1 rollout whose totals differ by `shift` ± 0.1 (paired diff/SE ~ 3.5
+    for shift 0.1)."""
+    return [
+        {"id": f"p{i}", "task": "t", "member": 0, "total": 0.5 + shift + 0.1 * (i % 2) * (shift != 0),
+         "passed": True, "invalid": ["p"] if i < 3 * (shift != 0) else []}
+        for i in range(12)
+    ]  # fmt: skip
+
+
+@probe(
+    "health.heldout_se",
+    "health.heldout_drop",
+    "health.zero_variance_share",
+    "health.zero_signal_updates",
+    "health.truncation_overwrite_share",
+    "health.reward_saturation",
+    "health.entropy_collapse_ratio",
+    "health.kl_max",
+    "health.invalid_rise",
+)
+def _health(kit):
+    """The alarms (name, metric) a run's monitor fires on a fixed metric stream and on a
+    held-out evaluation that fell (`unirl.eval.health`)."""
+    from unirl.eval.health import HealthMonitor
+    from unirl.eval.paired import compare
+
+    def fired(c):
+        monitor = HealthMonitor(c.health)
+        for u, metrics in enumerate(HEALTH_STREAM, 1):
+            monitor.observe(u, metrics)
+        drop = compare(_heldout_records(0.0), _heldout_records(-0.1), c.health.heldout_se)
+        monitor.heldout(5, "val", drop)
+        return sorted((a.name, a.key, a.update) for a in monitor.fired)
+
+    differs(kit, fired, "health.heldout_se", 2.0, 10.0)
+    differs(kit, fired, "health.heldout_drop", True, False)
+    differs(kit, fired, "health.zero_variance_share", 0.75, 0.9)
+    differs(kit, fired, "health.zero_signal_updates", 3, 5)
+    differs(kit, fired, "health.truncation_overwrite_share", 0.5, None)
+    differs(kit, fired, "health.reward_saturation", 0.98, 0.995)
+    differs(kit, fired, "health.entropy_collapse_ratio", 0.1, 0.5)
+    differs(kit, fired, "health.kl_max", 1.0, 5.0)
+    differs(kit, fired, "health.invalid_rise", 0.1, 0.5)
+
+
+@probe("health.baseline_eval")
+def _baseline_eval(kit):
+    """The starting model's evaluation (update 0) of a run with test rows."""
+    from unirl.train.run import baseline_evaluations
+
+    def baseline(c):
+        run_dir = Path(fresh_dir(kit))
+        copy_classifier(kit, run_dir)
+        baseline_evaluations(c, build_model(c), run_dir)
+        return sorted(p.name for p in (run_dir / "evals").glob("*"))
+
+    differs(kit, baseline, "health.baseline_eval", True, False, data__test_size=2)
+
+
 def test_every_schema_field_has_a_probe_or_an_exemption():
     leaves = schema_leaves(UnirlConfig)
     assert len(leaves) == len(set(leaves))

@@ -342,6 +342,42 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one run directory, or two")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="two runs: where compare.md / compare.html go (default <first run>/compare)",
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Rebuild a run's report.md / report.html / report.json (one RUN_DIR), or write
+    compare.md / compare.html of two runs side by side (see unirl.eval.run_report)."""
+    from pathlib import Path
+
+    if len(args.runs) > 2:
+        return _fail(args, f"report takes one or two run directories, got {len(args.runs)}", 2)
+    for run in args.runs:
+        if not (Path(run) / "config.yaml").is_file():
+            return _fail(args, f"{run}: not a unirl run directory (no config.yaml)", 2)
+    from unirl.eval.run_report import REPORT_HTML, REPORT_MD, compare_runs, write_report
+
+    if len(args.runs) == 1:
+        run = Path(args.runs[0])
+        summary = write_report(run)
+        for alarm in summary["alarms"]:
+            print(f"alarm: {alarm['name']} at update {alarm['update']}: {alarm['message']}")
+        for v in summary["verdicts"]:
+            print(f"{v['split']} {v['task']} {v['metric']}: {v['verdict']}")
+        print(f"report: {run / REPORT_MD} {run / REPORT_HTML}")
+        return 0
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "compare"
+    path = compare_runs(Path(args.runs[0]), Path(args.runs[1]), out)
+    print(f"comparison: {path} {path.with_suffix('.html')}")
+    return 0
+
+
 def configure_data(parser: argparse.ArgumentParser) -> None:
     """`unirl data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
     from unirl.data import export
@@ -463,6 +499,12 @@ COMMANDS: list[Command] = [
         "the config reference: 'config describe [KEY]' (type, default, description)",
         configure_config,
         run_config,
+    ),
+    Command(
+        "report",
+        "rebuild a run's report.md/report.html (RUN_DIR), or compare two runs (A B)",
+        configure_report,
+        run_report,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),

@@ -20,14 +20,21 @@ import json
 from pathlib import Path
 
 from unirl.config import load_config
+from unirl.eval.run_report import REPORT_JSON
+from unirl.eval.runner import task_metrics
 from unirl.models import load_model
 from unirl.report import before_after_png, draw_digits, markdown_table, reward_curve_png
-from unirl.train.engine.build import build_model
-from unirl.train.run import evaluate_split, run_train
+from unirl.train.run import EVALS, run_train
 
 RECIPES = Path("recipes") / "digits"
 REWARD_KEY = "reward/total_mean"
 PER_DIGIT = 4
+
+
+def _baseline(run_dir: Path) -> dict[str, float]:
+    """The test metrics of a run's starting model (its update-0 evaluation)."""
+    summary = run_dir / EVALS / f"test-update-{0:06d}" / "summary.json"
+    return task_metrics(json.loads(summary.read_text()))
 
 
 def run_demo(out: Path, sft_updates: int, grpo_updates: int, recipes: Path = RECIPES) -> Path:
@@ -51,19 +58,16 @@ def run_demo(out: Path, sft_updates: int, grpo_updates: int, recipes: Path = REC
     )
     sft_dir = run_train(sft_cfg)
     sft_model = load_model(sft_dir / "model").eval()
-    # The model SFT started from: its seed, with the codec the SFT run fitted and saved
-    # (loaded, not fitted again), evaluated as SFT's final evaluation is (its update 0).
-    codec = sft_cfg.model.codec.model_copy(update={"path": str(sft_dir / "codec")})
-    init_cfg = sft_cfg.model_copy(
-        update={"model": sft_cfg.model.model_copy(update={"codec": codec})}
-    )
-    random_init = evaluate_split(init_cfg, build_model(init_cfg).eval(), sft_dir, "test", 0)
-    # GRPO's update 0 (the SFT model), scored as GRPO's final evaluation is (the classifier
-    # is fitted into the GRPO run directory here, and the GRPO run trains on it).
-    before = evaluate_split(grpo_cfg, sft_model, Path(grpo_cfg.run.output_dir), "test", 0)
+    # The model SFT started from (its seed), evaluated as SFT's final evaluation is: the
+    # run's own baseline evaluation (health.baseline_eval, evals/test-update-000000).
+    random_init = _baseline(sft_dir)
+    # GRPO's update 0 (the SFT model): the run's own baseline evaluation
+    # (health.baseline_eval, evals/test-update-000000), scored as its final one is.
     n_test = grpo_cfg.data.test_size
     grpo_dir = run_train(grpo_cfg)
+    before = _baseline(grpo_dir)
     after = json.loads((grpo_dir / "eval.json").read_text())
+    verdicts = json.loads((grpo_dir / REPORT_JSON).read_text())["verdicts"]
     grpo_model = load_model(grpo_dir / "model").eval()
     fit = reward_curve_png(grpo_dir / "metrics.jsonl", REWARD_KEY, out / "reward_curve.png")
     seed = grpo_cfg.run.seed + 1
@@ -91,6 +95,16 @@ def run_demo(out: Path, sft_updates: int, grpo_updates: int, recipes: Path = REC
                 f"## GRPO, test split ({n_test} prompts per task), before -> after",
                 "",
                 markdown_table(before, after),
+                "",
+                "Verdicts, paired per prompt (same prompts and seeds; the GRPO run's own "
+                f"report: {grpo_dir / 'report.md'}):",
+                "",
+                *(
+                    f"- {v['task']} {v['metric']}: {v['verdict']} ({v['diff']:+.3f} ± "
+                    f"{v['se']:.3f} SE over {v['n']} prompts)"
+                    for v in verdicts
+                    if v["split"] == "test"
+                ),
                 "",
                 f"## Training reward `{REWARD_KEY}` ({fit.n} updates)",
                 "",

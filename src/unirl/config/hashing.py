@@ -14,7 +14,7 @@ ConfigLike = BaseModel | Mapping[str, Any]
 
 SHORT_HASH_LEN = 12
 # Keys that cannot alter the objective, changeable on any resume: where the run lives,
-# checkpoint cadence, logging and progress, and execution-only settings — how a global
+# checkpoint cadence, logging and progress, health-alarm thresholds (they only watch), and execution-only settings — how a global
 # batch is split into micro-batches (the objective is normalised by global counts; the
 # invariance tests in tests/test_trainer.py prove it), how many rows the rollout engine
 # decodes together (per-row seeds), activation recomputation and deterministic kernels,
@@ -32,6 +32,7 @@ ALWAYS_RESUMABLE = (
     "checkpoint.keep_last",
     "checkpoint.resume_mode",
     "logging",
+    "health",
     "trainer.micro_batch_size",
     "trainer.micro_token_budget",
     "trainer.gradient_checkpointing",

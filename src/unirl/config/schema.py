@@ -594,6 +594,76 @@ VISUAL_LOSS: dict[str, str] = {"vq": "vq", "bsq": "bits"}
 """The suffix of SFT's validation visual loss per visual head (`val/loss_image_<suffix>`)."""
 
 
+class HealthConfig(StrictModel):
+    """Health alarms and the run report's before/after test (`unirl.eval.health`,
+    docs/reports.md). An alarm is logged as one plain line when it fires and listed at the
+    top of the run's report.md / report.html; null turns a threshold's alarm off."""
+
+    baseline_eval: bool = Field(
+        True,
+        description="Evaluate the starting model (update 0) on the val and test splits the "
+        "run evaluates, so every later evaluation has a paired before/after comparison "
+        "(false: no baseline, no verdicts, no held-out alarm).",
+    )
+    heldout_se: float = Field(
+        2.0,
+        gt=0.0,
+        description="A held-out change counts when the paired per-prompt mean difference "
+        "exceeds this many standard errors: the report's improved / got worse verdicts and "
+        "the held-out alarm.",
+    )
+    heldout_drop: bool = Field(
+        True,
+        description="Alarm when a held-out mean@n / pass@n got worse than at the start "
+        "(the heldout_se test; needs baseline_eval).",
+    )
+    zero_variance_share: float | None = Field(
+        0.75,
+        gt=0.0,
+        le=1.0,
+        description="Alarm when the share of GRPO groups whose rewards are all equal "
+        "(adv/frac_zero_std_groups) is >= this.",
+    )
+    zero_signal_updates: int = Field(
+        3,
+        ge=0,
+        description="Alarm when all advantages (adv/advantage_std = 0) or all gradients "
+        "(grad_norm = 0) were zero for this many logged updates in a row (0 = off).",
+    )
+    truncation_overwrite_share: float | None = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Alarm when truncation shaping overwrote >= this share of an update's "
+        "rewards (reward/overwritten_frac).",
+    )
+    reward_saturation: float | None = Field(
+        0.98,
+        description="Alarm when the mean training reward (reward/total_mean) is >= this "
+        "(nothing left to learn: groups go zero-variance).",
+    )
+    entropy_collapse_ratio: float | None = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Alarm when a policy entropy (policy/entropy_text, policy/entropy_visual) "
+        "falls below this fraction of its value at the first logged update.",
+    )
+    kl_max: float | None = Field(
+        1.0,
+        ge=0.0,
+        description="Alarm when the KL to the reference (policy/kl_ref_mean) exceeds this.",
+    )
+    invalid_rise: float | None = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Alarm when an invalid-output share rises more than this above its "
+        "start: training reward/<plugin>/invalid_frac vs its first logged update, held-out "
+        "invalid_frac vs the baseline evaluation.",
+    )
+
+
 class UnirlConfig(StrictModel):
     """A complete run: what `unirl inspect` prints and the config hash covers."""
 
@@ -615,6 +685,9 @@ class UnirlConfig(StrictModel):
     )
     ray: RayConfig = Field(
         default_factory=RayConfig, description="Ray workers (rollout.workers, reward.workers)."
+    )
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="Health alarms and the run report's test."
     )
 
     @model_validator(mode="after")

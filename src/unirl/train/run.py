@@ -13,8 +13,11 @@ Layout of a run directory::
     classifier/          the digits classifier, when a reward plugin or a task's default
                          verifier needs it (fitted on first use)
     evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
-                         validation (val) and of the final test evaluation (test)
-    eval.json, report.md, curves.png
+                         validation (val), of the final test evaluation (test) and, with
+                         health.baseline_eval, of the starting model (update 000000)
+    eval.json, curves.png
+    report.md, report.html, report.json   the run report (`unirl.eval.run_report`,
+                         docs/reports.md), rewritten after every evaluation and at the end
 
 Re-running the same command on the same directory resumes from the latest intact
 checkpoint (see `unirl.train.state.checkpoint`).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +43,8 @@ import torch
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.config.algorithms import SFTConfig
 from unirl.data.rows import has_split
+from unirl.eval.health import HealthMonitor
+from unirl.eval.run_report import write_report
 from unirl.eval.runner import evaluate, split_config, task_metrics
 from unirl.models.base import UnifiedModel
 from unirl.rewards import evaluation_reward
@@ -59,7 +65,7 @@ from unirl.train.engine.build import (
     set_determinism,
 )
 from unirl.train.engine.faults import inject_fault
-from unirl.train.engine.metrics import plot_metrics
+from unirl.train.engine.metrics import METRICS, plot_metrics, read_metrics
 from unirl.train.engine.protocols import BatchSource, Objective
 from unirl.train.engine.trainer import Trainer, check_resume, parent_checkpoint
 from unirl.train.methods.grpo.job import build_grpo_job
@@ -173,6 +179,9 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     try:
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
+        if info.is_main:
+            baseline_evaluations(cfg, model, run_dir)
+        barrier(info)
         source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, info)
         trainer = Trainer(
             model,
@@ -185,8 +194,10 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
             evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
         )
-        for _update, _metrics in trainer.fit(stop_after):
-            pass
+        health = HealthWatch(cfg, run_dir) if info.is_main else None
+        for update, metrics in trainer.fit(stop_after):
+            if health is not None:
+                health.update(update, metrics)
         if trainer.update >= cfg.trainer.total_updates:
             final = model
             if trainer.parallel.sharded:  # gather the whole model on rank 0 for the export
@@ -314,3 +325,64 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
             run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n"
         )
     write_text_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
+    report(run_dir, cfg.trainer.total_updates, "test")
+
+
+def _evaluated_splits(cfg: UnirlConfig) -> list[str]:
+    """The held-out splits the run evaluates: val (validation every trainer.eval_every)
+    and test (the final evaluation), each when it has rows."""
+    splits = []
+    if cfg.trainer.eval_every > 0 and _has_rows(cfg, "val", cfg.data.val_size):
+        splits.append("val")
+    if _has_rows(cfg, "test", cfg.data.test_size):
+        splits.append("test")
+    return splits
+
+
+def baseline_evaluations(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
+    """With `health.baseline_eval`, evaluate the starting model (update 0) on every split
+    the run evaluates (`<run_dir>/evals/<split>-update-000000`; an evaluation already
+    complete is kept), then write the run report (rank 0, before training)."""
+    if not cfg.health.baseline_eval:
+        return
+    for split in _evaluated_splits(cfg):
+        if not (run_dir / EVALS / f"{split}-update-{0:06d}" / "summary.json").is_file():
+            evaluate_split(cfg, model, run_dir, split, 0)
+    report(run_dir, 0, None)
+
+
+def report(run_dir: Path, update: int, split: str | None) -> None:
+    """Rewrite the run report (`unirl.eval.run_report`) and print the held-out alarms of
+    the `split` evaluation at `update`, one line each, to stderr."""
+    summary = write_report(run_dir)
+    for alarm in summary["alarms"]:
+        fresh = alarm["update"] == update and alarm["key"].startswith(f"{split}/")
+        if split is not None and alarm["name"].startswith("heldout") and fresh:
+            print(
+                f"health alarm: {alarm['name']} at update {update}: {alarm['message']} "
+                f"(health.{alarm['knob']}={alarm['threshold']:g})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class HealthWatch:
+    """Rank 0's live health alarms (`unirl.eval.health`): every update's metrics through
+    the monitor, a fired alarm printed as one line to stderr, and the report rewritten
+    after every evaluation. A resumed run first replays its logged updates silently."""
+
+    def __init__(self, cfg: UnirlConfig, run_dir: Path) -> None:
+        self.monitor = HealthMonitor(cfg.health)
+        self.run_dir = run_dir
+        self.started = False
+
+    def update(self, update: int, metrics: dict[str, float]) -> None:
+        if not self.started:
+            self.started = True
+            for record in read_metrics(self.run_dir / METRICS):
+                if record.get("update", 0) < update:
+                    self.monitor.observe(record["update"], record)
+        for alarm in self.monitor.observe(update, metrics):
+            print(alarm.line(), file=sys.stderr, flush=True)
+        if any(k.startswith("val/") for k in metrics):
+            report(self.run_dir, update, "val")
