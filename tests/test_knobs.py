@@ -1154,7 +1154,7 @@ def own_rows(kit: SimpleNamespace) -> dict[str, Path]:
     return out
 
 
-OWN = {"data": {"tasks": ["colour"], "default_task": "colour"}}
+OWN = {"data": {"tasks": ["colour"], "default_task": "colour", "val_size": 1, "test_size": 1}}
 
 
 def own_base(kit: SimpleNamespace) -> dict[str, Any]:
