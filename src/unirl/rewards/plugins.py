@@ -215,6 +215,16 @@ class DigitClassifierReward(RewardPlugin):
     ) -> list[bool]:
         return [single_image(r) is None for r in responses]
 
+    def features(self, samples: Sequence[Sample], responses: Sequence[Response]) -> torch.Tensor:
+        """The classifier's penultimate activations (`DigitClassifier.features`) of each
+        row's image, float32 [n, hidden]; NaN rows where `single_image` is None."""
+        images = [single_image(r) for r in responses]
+        out = torch.full((len(samples), self.classifier.hidden), float("nan"))
+        valid = [i for i, img in enumerate(images) if img is not None]
+        if valid:
+            out[valid] = self.classifier.features(torch.stack([images[i] for i in valid]))
+        return out
+
 
 class ExactAnswer(RewardPlugin):
     """Draw-then-answer: 1 if the text after the (only) image, stripped, equals the answer.

@@ -19,6 +19,10 @@ Contract of `RewardService.score(samples, trajectories, responses)`, row i:
   context or cycle (`TRUNCATED_REASONS`) get total 0 — never `length_exact`, `eos` or
   `invalid` rows. Every shaped row counts as overwritten (whatever its reward was);
   when all rows are overwritten the service warns loudly: 100% is an alarm.
+- Features (`features=True`, GRPO's diversity metrics): the first plugin whose
+  `RewardPlugin.features` gives any (digit_classifier, clip_score) describes each row it
+  scored without error, `RewardResult.features` float [N, d] (NaN rows elsewhere);
+  its failure follows on_error like a score's.
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ class RewardResult:
     sample_ids: list[str] = field(default_factory=list)
     tasks: list[str | None] = field(default_factory=list)
     n_undecodable_images: int = 0
+    features: torch.Tensor | None = None
+    """float32 [N, d] scorer features of each row (NaN rows: none), or None (module
+    docstring, Features); `feature_source` names the plugin that gave them."""
+    feature_source: str = ""
 
     @property
     def n_errors(self) -> int:
@@ -177,6 +185,7 @@ class RewardService:
         truncated_reward: Literal["zero", "keep"] = "zero",
         on_error: Literal["raise", "zero"] = "raise",
         decode_images: DecodeImages | None = None,
+        features: bool = False,
     ) -> None:
         if not plugins:
             raise ValueError("RewardService needs at least one plugin")
@@ -199,6 +208,7 @@ class RewardService:
         self.truncated_reward = truncated_reward
         self.on_error = on_error
         self.decode_images = decode_images
+        self.with_features = bool(features)
 
     def score(
         self,
@@ -248,6 +258,9 @@ class RewardService:
             raw_total += spec.weight * scores
         overwritten = truncated if self.truncated_reward == "zero" else torch.zeros_like(truncated)
         total = torch.where(overwritten, torch.zeros_like(raw_total), raw_total)
+        features, source = None, ""
+        if self.with_features:
+            features, source = self._features(samples, rows_responses, applied, errors)
         result = RewardResult(
             total=total.float(),
             raw_total=raw_total.float(),
@@ -260,6 +273,8 @@ class RewardService:
             sample_ids=ids,
             tasks=[s.task for s in samples],
             n_undecodable_images=n_bad,
+            features=features,
+            feature_source=source,
         )
         if alarm and n and bool(overwritten.all()):
             msg = (
@@ -271,6 +286,39 @@ class RewardService:
             logger.warning(msg)
             warnings.warn(msg, AllRewardsOverwrittenWarning, stacklevel=2)
         return result
+
+    def _features(
+        self,
+        samples: Sequence[Sample],
+        responses: Sequence[Response],
+        applied: dict[str, torch.Tensor],
+        errors: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, str]:
+        """(features [N, d] or None, the plugin's label) of the first plugin that has
+        features, on the rows it scored without error (module docstring)."""
+        n = len(samples)
+        for spec in self.plugins:
+            key = spec.label
+            rows = [i for i in range(n) if applied[key][i] and not errors[key][i]]
+            if type(spec.plugin).features is RewardPlugin.features or not rows:
+                continue
+            try:
+                out = spec.plugin.features([samples[i] for i in rows], [responses[i] for i in rows])
+                if out is None:
+                    continue
+                out = torch.as_tensor(out).detach().float().cpu()
+                if out.dim() != 2 or out.shape[0] != len(rows):
+                    raise ValueError(f"features of shape {list(out.shape)} for {len(rows)} rows")
+            except Exception as err:  # a plugin may raise anything
+                msg = f"reward plugin {key!r} failed to give features: {type(err).__name__}: {err}"
+                if self.on_error == "raise":
+                    raise RewardError(msg, key, [samples[i].id for i in rows]) from err
+                logger.warning("%s; no diversity features (reward.on_error=zero)", msg)
+                return None, ""
+            full = torch.full((n, out.shape[1]), float("nan"))
+            full[rows] = out
+            return full, key
+        return None, ""
 
     @staticmethod
     def _truncated(
@@ -367,12 +415,14 @@ def build_reward_service(
     *,
     decode_images: DecodeImages | None = None,
     resources: Mapping[str, Any] | None = None,
+    features: bool = False,
 ) -> RewardService:
     """The `RewardService` of the `reward:` section.
 
     Plugin k is logged under its name (or `<name>_<k>` when a name repeats) and scores
     only its `tasks` (null = all). `decode_images` (the model's codec.decode) is required
-    when a plugin reads images.
+    when a plugin reads images; `features`: results carry the scorer's features
+    (`RewardService`, GRPO's diversity metrics).
     """
     names = [p.name for p in cfg.plugins]
     specs = []
@@ -387,4 +437,4 @@ def build_reward_service(
             "reads images but no decode_images (codec) was given",
             key=f"reward.plugins.{key}.name",
         )
-    return RewardService(specs, cfg.truncated_reward, cfg.on_error, decode_images)
+    return RewardService(specs, cfg.truncated_reward, cfg.on_error, decode_images, features)
