@@ -99,6 +99,12 @@ class RewardPlugin(ABC):
         plugin has no features. GRPO's diversity metrics (the Vendi score) read them."""
         return None
 
+    def pop_counts(self) -> dict[str, float]:
+        """Summable counts of what the plugin did since the last call (then reset), logged
+        as `reward/<plugin>/<name>` and, with `n_rows` among them, `<x>_frac` for each
+        `n_<x>` (e.g. answer_judge's n_judged -> judged_frac). Default: none."""
+        return {}
+
 
 def build_responses(
     responses: Sequence[Sequence[Part] | None], decode_images: DecodeImages | None

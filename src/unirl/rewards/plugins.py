@@ -20,6 +20,10 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
 - `clip_score` (alias `pickscore`; t2i on real images): CLIP / PickScore-style
   text-image score from a local `CLIPModel` directory (`unirl.rewards.clip_score`;
   kwargs device, mode, batch_size). Invalid: not exactly one decodable image.
+- `answer_judge` (open answers): a deterministic parser (letters, numbers, normalised
+  text), then a judge — a local causal LM (`path`) or an OpenAI-compatible endpoint
+  (kwargs base_url, model, timeout, retries, concurrency, api_key_env) — for the rows it
+  leaves unresolved (`unirl.rewards.judge`). Invalid: an empty or unparsable response.
 
 A plugin class with a `from_config(cfg, key, resources)` classmethod and a
 `config_kwargs` set builds itself from its config entry.
@@ -51,6 +55,7 @@ from unirl.data.template import parse_response, response_parts
 from unirl.rewards.base import DecodeImages, Response, RewardPlugin, build_responses
 from unirl.rewards.clip_score import ClipScore
 from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.judge import AnswerJudge
 
 __all__ = [
     "PLUGINS",
@@ -283,6 +288,7 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "text_exact": TextExact,
     "clip_score": ClipScore,
     "pickscore": ClipScore,
+    "answer_judge": AnswerJudge,
 }
 """Plugin name (config `reward.plugins.N.name`) -> class."""
 

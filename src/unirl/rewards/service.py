@@ -104,6 +104,8 @@ class RewardResult:
     sample_ids: list[str] = field(default_factory=list)
     tasks: list[str | None] = field(default_factory=list)
     n_undecodable_images: int = 0
+    counts: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per plugin label, its `RewardPlugin.pop_counts` of this batch (summable)."""
     features: torch.Tensor | None = None
     """float32 [N, d] scorer features of each row (NaN rows: none), or None (module
     docstring, Features); `feature_source` names the plugin that gave them."""
@@ -141,6 +143,12 @@ class RewardResult:
             out[f"reward/{key}/std"] = _std(scores[applied])
             out[f"reward/{key}/invalid_frac"] = _mean(self.invalid[key][applied].double())
             out[f"reward/{key}/n_errors"] = float(self.errors[key].sum())
+        for key, counts in self.counts.items():
+            rows = counts.get("n_rows", 0.0)
+            for name, value in counts.items():
+                out[f"reward/{key}/{name}"] = float(value)
+                if name.startswith("n_") and name != "n_rows" and "n_rows" in counts:
+                    out[f"reward/{key}/{name[2:]}_frac"] = float(value) / rows if rows else 0.0
         for task in sorted({t for t in self.tasks if t is not None}):
             rows = torch.tensor([t == task for t in self.tasks])
             out[f"reward/task/{task}/mean"] = _mean(self.total[rows])
@@ -246,12 +254,16 @@ class RewardService:
         reads_images = any(spec.plugin.needs_images for spec in self.plugins)
         decode = self.decode_images if reads_images else None
         rows_responses, n_bad = build_responses(responses, decode)
-        per_plugin, applied, invalid, errors = {}, {}, {}, {}
+        per_plugin, applied, invalid, errors, counts = {}, {}, {}, {}, {}
         raw_total = torch.zeros(n, dtype=torch.float64)
         for spec in self.plugins:
             key = spec.label
             rows = [i for i in range(n) if spec.applies(samples[i])]
+            spec.plugin.pop_counts()  # drop what an earlier, failed call left
             scores, bad_format, failed = self._run(spec, samples, rows_responses, rows)
+            plugin_counts = spec.plugin.pop_counts()
+            if plugin_counts:
+                counts[key] = {k: float(v) for k, v in plugin_counts.items()}
             applied[key] = torch.zeros(n, dtype=torch.bool)
             applied[key][rows] = True
             per_plugin[key], invalid[key], errors[key] = scores, bad_format, failed
@@ -273,6 +285,7 @@ class RewardService:
             sample_ids=ids,
             tasks=[s.task for s in samples],
             n_undecodable_images=n_bad,
+            counts=counts,
             features=features,
             feature_source=source,
         )

@@ -65,9 +65,24 @@ def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
         sample_ids=interleave([p.sample_ids for p in parts]),
         tasks=interleave([p.tasks for p in parts]),
         n_undecodable_images=sum(p.n_undecodable_images for p in parts),
+        counts={
+            key: {name: sum(p.counts.get(key, {}).get(name, 0.0) for p in parts) for name in names}
+            for key, names in _count_names(parts).items()
+        },
         features=features,
         feature_source=next((p.feature_source for p in parts if p.feature_source), ""),
     )
+
+
+def _count_names(parts: Sequence[RewardResult]) -> dict[str, list[str]]:
+    """Plugin label -> the count names any part reports, in first-seen order."""
+    names: dict[str, list[str]] = {}
+    for part in parts:
+        for key, counts in part.counts.items():
+            for name in counts:
+                if name not in names.setdefault(key, []):
+                    names[key].append(name)
+    return names
 
 
 def first_failure(
