@@ -164,3 +164,68 @@ def test_a_grpo_rollout_logs_the_diversity_of_its_groups(tmp_path, small_vq_dir,
     # the service featurises the same decoded pixels with the same float32 network
     assert abs(metrics["diversity/t2i/vendi"] - expect) <= 1e-9
     assert 1.0 <= metrics["diversity/t2i/vendi"] <= G
+
+
+def test_round_robin_merge_keeps_each_rows_features_and_sums_counts():
+    """Rank r scored rows r, r + 2, ...: the merged features are in batch order, a shard
+    without features gets NaN rows, and plugin counts add up."""
+    from unirl.rewards import RewardResult
+    from unirl.train.rollouts.scoring import merge_round_robin
+
+    def part(ids, features, counts):
+        n = len(ids)
+        z = torch.zeros(n)
+        flags = {"p": torch.zeros(n, dtype=torch.bool)}
+        return RewardResult(
+            z,
+            z,
+            {"p": z},
+            flags,
+            flags,
+            flags,
+            flags["p"],
+            flags["p"],
+            sample_ids=ids,
+            tasks=["t"] * n,
+            counts=counts,
+            features=features,
+        )
+
+    f0 = torch.tensor([[1.0, 0.0], [2.0, 0.0]])
+    merged = merge_round_robin(
+        [
+            part(["a", "c"], f0, {"p": {"n_rows": 2.0, "n_judged": 1.0}}),
+            part(["b"], None, {"p": {"n_rows": 1.0}}),
+        ]
+    )
+    assert merged.sample_ids == ["a", "b", "c"]
+    assert torch.equal(merged.features[[0, 2]], f0) and torch.isnan(merged.features[1]).all()
+    assert merged.counts == {"p": {"n_rows": 3.0, "n_judged": 1.0}}
+    assert merged.metrics()["reward/p/judged_frac"] == 1 / 3
+
+
+def test_clip_features_are_the_image_embeddings_its_score_uses(tiny_clip_dir):
+    """cos(text embedding, ClipScore.features) is the cosine the score is built from
+    (`ClipScore.similarity`), and rows without one image get NaN features."""
+    from unirl.rewards.base import Response
+    from unirl.rewards.clip_score import ClipScore
+
+    rng = np.random.default_rng(3)
+    clip = ClipScore(tiny_clip_dir)
+    images = [rng.uniform(size=(16, 16, 3)).astype(np.float32) for _ in range(3)]
+    responses = [
+        Response((ImagePart(pixels=px, role="assistant"),), (torch.from_numpy(px),))
+        for px in images
+    ] + [Response(parsed=False)]
+    samples = [Sample(id=f"s{i}", parts=[TextPart("a red cat", "user")]) for i in range(4)]
+    feats = clip.features(samples, responses)
+    assert torch.isnan(feats[3]).all() and not torch.isnan(feats[:3]).any()
+    inputs = clip.processor(text=["a red cat"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        text = clip.model.get_text_features(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).pooler_output[0]
+    cos = torch.nn.functional.cosine_similarity(feats[:3], text[None], dim=-1)
+    expected = clip.similarity(["a red cat"] * 3, images)
+    # float32 embeddings of width <= 64: cosines agree to ~1e-6
+    torch.testing.assert_close(cos, expected, atol=1e-5, rtol=1e-5)
