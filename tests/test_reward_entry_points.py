@@ -123,3 +123,6 @@ def test_a_recipe_with_the_installed_plugin_trains_two_updates(site, tmp_path):
     updates = [r for r in rows if "reward/contains_answer/mean" in r]
     assert len(updates) == 2, rows
     assert all(0.0 <= r["reward/contains_answer/mean"] <= 1.0 for r in updates)
+    # the groups' diversity is logged during training (2 prompts of G = 8 per update)
+    assert all(r["diversity/i2t_open/text_groups"] == 2.0 for r in updates)
+    assert all(1.0 <= r["diversity/i2t_open/distinct_answers"] <= 8.0 for r in updates)

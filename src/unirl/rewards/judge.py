@@ -290,8 +290,12 @@ class LocalJudge:
         out: list[float | JudgeError] = []
         with self.lock:
             for prompt in prompts:
-                logits = self.model(input_ids=self.input_ids(prompt).to(self.device)).logits
-                last = logits[0, -1].float()
+                try:
+                    ids = self.input_ids(prompt).to(self.device)
+                    last = self.model(input_ids=ids).logits[0, -1].float()
+                except (RuntimeError, IndexError, ValueError) as err:  # e.g. past its context
+                    out.append(JudgeError(f"local judge: {type(err).__name__}: {err}"))
+                    continue
                 out.append(float(last[self.yes] > last[self.no]))
         return out
 
