@@ -87,9 +87,14 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(on_path):
     assert "installed contains_answer" in msg and "did you mean 'contains_answer'" in msg
 
 
-def test_a_recipe_with_the_installed_plugin_trains_two_updates(site, tmp_path):
-    """`unirl train` in a fresh process, the package on PYTHONPATH only: 2 GRPO updates
-    scored by the plugin (its metrics are logged under its name)."""
+def test_a_recipe_with_the_installed_plugin_trains_two_updates(
+    on_path, tmp_path, monkeypatch, small_vq_dir
+):
+    """`unirl train` of the example recipe (in process, as `make recipes-check` runs
+    recipes; the package is on sys.path only): 2 GRPO updates scored by the plugin, its
+    metrics logged under its name, and the final evaluation scored by it too."""
+    from unirl.cli import main
+
     out = tmp_path / "run"
     overrides = [
         f"run.output_dir={out}",
@@ -101,24 +106,18 @@ def test_a_recipe_with_the_installed_plugin_trains_two_updates(site, tmp_path):
         "model.tiny.num_layers=1",
         "model.tiny.num_heads=2",
         "model.codec.codebook_size=16",
+        f"model.codec.path={small_vq_dir}",  # the session's fitted codec (no fit here)
         "data.train_size=16",
+        "data.val_size=0",
+        "data.test_size=4",
         "checkpoint.every_updates=0",
         "logging.tensorboard=false",
         "logging.progress_bar=false",
         "logging.every=1",
     ]
-    src = os.pathsep.join([str(site), str(ROOT / "src")])
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", "CI": "true"}
-    config = EXAMPLE / "grpo_contains_answer.yaml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "unirl", "train", str(config), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CI", "true")
+    assert main(["train", str(EXAMPLE / "grpo_contains_answer.yaml"), *overrides]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in rows if "reward/contains_answer/mean" in r]
     assert len(updates) == 2, rows
@@ -126,3 +125,4 @@ def test_a_recipe_with_the_installed_plugin_trains_two_updates(site, tmp_path):
     # the groups' diversity is logged during training (2 prompts of G = 8 per update)
     assert all(r["diversity/i2t_open/text_groups"] == 2.0 for r in updates)
     assert all(1.0 <= r["diversity/i2t_open/distinct_answers"] <= 8.0 for r in updates)
+    assert "i2t_open/contains_answer/mean" in (out / "eval.json").read_text()
