@@ -278,3 +278,52 @@ def test_local_judge_verdict_is_the_yes_no_logit_comparison(tmp_path):
         )
     ).score(*rows(answers))
     assert swapped.total.tolist()[1:5] == [1.0 - v for v in expected]  # (no ties)
+
+
+def test_a_grpo_run_trains_on_the_http_judge(endpoint, tmp_path, monkeypatch, small_vq_dir):
+    """`unirl train` (in process) of a recipe-like config whose reward is answer_judge on
+    the local endpoint: an update with every row scored, the judged share logged, and
+    every judge request one the parser left unresolved."""
+    import yaml
+
+    from unirl.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "examples" / "grpo_tiny.yaml"
+    judge = {"base_url": endpoint.url, "model": "judge-1", "timeout": 5.0, "retries": 1}
+    config = {
+        "defaults": str(recipe),
+        "run": {"output_dir": str(tmp_path / "run")},
+        "model": {
+            "tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2},
+            "codec": {"path": str(small_vq_dir), "codebook_size": 16},
+        },
+        "data": {"tasks": ["i2t_open"], "train_size": 16, "val_size": 0, "test_size": 0},
+        "rollout": {"max_new_tokens": 6},
+        "reward": {"plugins": [{"name": "answer_judge", "kwargs": judge}]},
+        "trainer": {
+            "total_updates": 1,
+            "global_batch_size": 16,
+            "micro_batch_size": 16,
+            "scheduler": {"warmup_steps": 0},
+        },
+        "checkpoint": {"every_updates": 0},
+        "logging": {"tensorboard": False, "progress_bar": False, "every": 1},
+    }
+    path = tmp_path / "judge.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CI", "true")
+    assert main(["train", str(path)]) == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    updates = [m for m in map(json.loads, lines) if "reward/answer_judge/n_rows" in m]
+    assert [m["reward/answer_judge/n_rows"] for m in updates] == [16.0]
+    for m in updates:
+        assert m["reward/answer_judge/judged_frac"] + m["reward/answer_judge/parsed_frac"] == 1.0
+        assert m["reward/n_errors"] == 0.0
+    fresh = sum(
+        m["reward/answer_judge/n_judged"] - m["reward/answer_judge/n_cached"] for m in updates
+    )
+    assert 0 < len(endpoint.requests) <= fresh  # identical rows of one batch share a request
+    # every reference is a digit: what the parser leaves to the judge (no single number)
+    # does not depend on which digit
+    assert all(parse_verdict("7", a) is None for a in endpoint.requests)
