@@ -95,3 +95,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_cache(tmp_path_factory):
+    """Content hashes of run inputs (`unirl.config.fingerprint`) cached in a session
+    directory, not the user's ~/.cache (inherited by `unirl` subprocesses)."""
+    import os
+
+    previous = os.environ.get("UNIRL_CACHE_DIR")
+    os.environ["UNIRL_CACHE_DIR"] = str(tmp_path_factory.mktemp("unirl_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("UNIRL_CACHE_DIR", None)
+    else:
+        os.environ["UNIRL_CACHE_DIR"] = previous

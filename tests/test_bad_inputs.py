@@ -1,6 +1,7 @@
 """Every mistake is one line naming its culprit, and touches nothing (issue 18).
 
-Each case runs the real CLI (`python -m unirl train ...`) in its own scratch directory
+Each case runs the real CLI (`python -m unirl train ...`; `eval`, `generate`, `probe` and
+`data export` too, issue 30: one error contract) in its own scratch directory
 and asserts: the exit code; stderr is exactly one line `unirl: error: ...` holding the
 culprit's fragments (file, file:line, dotted key); no traceback; and then either, for a
 fresh `run.output_dir`, that nothing was created (the output directory does not exist
@@ -129,13 +130,15 @@ def grpo(out: Path, w: SimpleNamespace, **reward) -> dict:
 @dataclass(frozen=True)
 class Case:
     """`make(d, out, w)` writes the case's inputs into scratch dir `d` and returns the
-    arguments after `unirl train`; `out` is the run directory to name."""
+    arguments after `unirl <command>` (default `train`); `out` is the run directory to
+    name."""
 
     id: str
     culprit: tuple[str, ...]
     make: Callable[[Path, Path, SimpleNamespace], list[str]]
     code: int = 2
     existing: bool = False
+    command: tuple[str, ...] = ("train",)
 
 
 def cfg_case(id: str, culprit: tuple[str, ...], build: Callable, *over: str, **kw) -> Case:
@@ -328,6 +331,107 @@ def _opd_row_without_answer(d: Path, out: Path, w) -> list[str]:
     cfg["algorithm"] = {"name": "opd", "teacher": {"path": str(w.saved)}, "routing": "correct_only"}
     cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
     return [write(d, cfg)]
+
+
+# -- eval, generate, probe, data export: the same contract (issue 30) --------------------
+
+
+def _scored(out: Path, w: SimpleNamespace, rows: Path, **data) -> dict:
+    """A config `unirl eval` / `probe` take: the saved tiny model, own rows with answers
+    scored by text_exact, the word tokenizer."""
+    cfg = own(out, w, rows, **data)
+    cfg["model"]["path"] = str(w.saved)
+    cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
+    return cfg
+
+
+def _split_file(d: Path, name: str, bad: dict) -> Path:
+    """`name` (e.g. test.jsonl): answered rows of no split field, `bad` as the third."""
+    lines = [json.dumps(row(word, answer=word)) for word in ("1", "2", "4")]
+    lines.insert(2, json.dumps(bad))
+    (d / name).write_text("\n".join(lines) + "\n")
+    return d / name
+
+
+def _eval_test_file_missing_on_the_command_line(d: Path, out: Path, w) -> list[str]:
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")))
+    return [write(d, cfg), "evaluation.split=test", "data.test_path=gone.jsonl"]
+
+
+def _eval_test_image_missing_on_the_command_line(d: Path, out: Path, w) -> list[str]:
+    _split_file(d, "test.jsonl", {**image_row("img/x.png"), "answer": "7"})
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")))
+    return [write(d, cfg), "evaluation.split=test", "data.test_path=test.jsonl"]
+
+
+def _test_row_without_answer(d: Path, out: Path, w) -> list[str]:
+    """A test file named in the YAML whose third row has no answer for text_exact."""
+    test = _split_file(d, "test.jsonl", row("3"))
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")), test_path=str(test), test_size=4)
+    cfg["evaluation"] = {"split": "test"}
+    return [write(d, cfg)]
+
+
+def _eval_tasks_on_the_command_line(d: Path, out: Path, w) -> list[str]:
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")), val_path=None)
+    return [write(d, cfg), "data.tasks=[nope]", "evaluation.split=train"]
+
+
+def _probe_bad_val_row_on_the_command_line(d: Path, out: Path, w) -> list[str]:
+    _split_file(d, "val.jsonl", {"task": "say"})
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")))
+    return [write(d, cfg), "data.val_path=val.jsonl"]
+
+
+def _generate_args(d: Path, out: Path, w, *extra: str) -> list[str]:
+    cfg = tiny(out, w, model={"path": str(w.saved)})
+    return [write(d, cfg), "--prompt", "which digit?", "--n", "1", *extra]
+
+
+def _generate_big_image(d: Path, out: Path, w) -> list[str]:
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(d / "big.png")
+    return _generate_args(d, out, w, "--image", "big.png")
+
+
+def _generate_model_truncated(d: Path, out: Path, w) -> list[str]:
+    args = _model_path("truncated")(d, out, w)
+    return [*args, "--prompt", "draw the digit 7", "--n", "1"]
+
+
+def _probe_model_truncated(d: Path, out: Path, w) -> list[str]:
+    cfg = _scored(out, w, _answered_rows(d, row("3", answer="3")))
+    shutil.copytree(w.saved, d / "model")
+    weights = d / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    cfg["model"]["path"] = str(d / "model")
+    return [write(d, cfg)]
+
+
+def _export_into(kind: str) -> Callable:
+    def make(d: Path, out: Path, w) -> list[str]:
+        target = d / "data"
+        if kind == "file":
+            target.write_text("not a directory\n")
+        else:
+            target.mkdir()
+            (target / "notes.txt").write_text("mine\n")
+        return ["--task", "t2i", "--split", "val", "--n", "2", "--out", "data"]
+
+    return make
+
+
+def _train_val_image_missing_on_the_command_line(d: Path, out: Path, w) -> list[str]:
+    _split_file(d, "val.jsonl", {**image_row("img/x.png"), "answer": "7"})
+    cfg = own(out, w, rows_file(d, row("five")), val_size=2)
+    cfg["trainer"]["eval_every"] = 1
+    cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
+    return [write(d, cfg), "data.val_path=val.jsonl"]
+
+
+def _output_dir_not_a_run(d: Path, out: Path, w) -> list[str]:
+    out.mkdir()
+    (out / "thesis.tex").write_text("mine\n")
+    return [write(d, tiny(out, w))]
 
 
 CASES: list[Case] = [
@@ -623,6 +727,105 @@ CASES: list[Case] = [
             out, w, **{**GRPO, "rollout": {**GRPO["rollout"], "workers": 2}, "ray": {"num_cpus": 1}}
         ),
     ),
+    # -- eval, generate, probe, data export: the same contract (issue 30) ----------------
+    Case(
+        "eval_test_file_missing_on_the_command_line",
+        ("gone.jsonl", "dataset file not found", "data.test_path in <command line>"),
+        _eval_test_file_missing_on_the_command_line,
+        command=("eval",),
+    ),
+    Case(
+        "eval_test_image_missing_on_the_command_line",
+        ("test.jsonl:3", "img/x.png", "not found", "data.test_path in <command line>"),
+        _eval_test_image_missing_on_the_command_line,
+        command=("eval",),
+    ),
+    Case(
+        "eval_test_row_without_answer",
+        ("test.jsonl:3", "answer: missing", "data.test_path in c.yaml"),
+        _test_row_without_answer,
+        command=("eval",),
+    ),
+    Case(
+        "eval_task_list_on_the_command_line",
+        ("no train rows of task 'nope'", "data.tasks in <command line>"),
+        _eval_tasks_on_the_command_line,
+        command=("eval",),
+    ),
+    Case(
+        "eval_model_path_missing",
+        ("gone", "not found", "model.path in <command line>"),
+        lambda d, out, w: [write(d, tiny(out, w)), f"model.path={d / 'gone'}"],
+        command=("eval",),
+    ),
+    Case(
+        "train_task_list_on_the_command_line",
+        ("no train rows of task 'nope'", "data.tasks in <command line>"),
+        lambda d, out, w: [write(d, own(out, w, rows_file(d, row("five")))), "data.tasks=[nope]"],
+    ),
+    Case(
+        "train_test_row_without_answer",
+        ("test.jsonl:3", "answer: missing", "data.test_path in c.yaml"),
+        _test_row_without_answer,
+    ),
+    Case(
+        "train_val_image_missing_on_the_command_line",
+        ("val.jsonl:3", "img/x.png", "data.val_path in <command line>"),
+        _train_val_image_missing_on_the_command_line,
+    ),
+    Case(
+        "output_dir_not_a_run",
+        ("c.yaml", "run.output_dir", "not a unirl run", "thesis.tex"),
+        _output_dir_not_a_run,
+    ),
+    Case(
+        "probe_bad_val_row_on_the_command_line",
+        ("val.jsonl:3", "messages", "data.val_path in <command line>"),
+        _probe_bad_val_row_on_the_command_line,
+        command=("probe",),
+    ),
+    Case(
+        "probe_model_truncated",
+        ("model/model.safetensors", "truncated", "model.path in c.yaml"),
+        _probe_model_truncated,
+        command=("probe",),
+    ),
+    Case(
+        "generate_image_missing",
+        ("<command line>", "--image", "gone.png", "not found"),
+        lambda d, out, w: _generate_args(d, out, w, "--image", "gone.png"),
+        command=("generate",),
+    ),
+    Case(
+        "generate_image_wrong_size",
+        ("<command line>", "--image", "16x16", "data.image_resize"),
+        _generate_big_image,
+        command=("generate",),
+    ),
+    Case(
+        "generate_answer_without_task",
+        ("<command line>", "--answer", "--task"),
+        lambda d, out, w: _generate_args(d, out, w, "--answer", "7"),
+        command=("generate",),
+    ),
+    Case(
+        "generate_model_truncated",
+        ("model/model.safetensors", "truncated", "model.path in c.yaml"),
+        _generate_model_truncated,
+        command=("generate",),
+    ),
+    Case(
+        "data_export_into_a_full_directory",
+        ("<command line>", "--out", "not empty"),
+        _export_into("full"),
+        command=("data", "export"),
+    ),
+    Case(
+        "data_export_onto_a_file",
+        ("<command line>", "--out", "not a directory"),
+        _export_into("file"),
+        command=("data", "export"),
+    ),
     # -- an existing run: refused resumes and bad inputs leave it as it was -------------
     Case(
         "resume_with_changed_lr",
@@ -638,7 +841,12 @@ CASES: list[Case] = [
     ),
     Case(
         "resume_with_more_updates_under_strict",
-        ("refusing to resume", "trainer.total_updates", "resume_mode=strict"),
+        (
+            "refusing to resume",
+            "trainer.total_updates",
+            "resume_mode=strict",
+            "resume_mode: allow_schedule_changes",
+        ),
         lambda d, out, w: [write(d, tiny(out, w)), "trainer.total_updates=3"],
         existing=True,
     ),
@@ -699,7 +907,7 @@ def _run_case(case: Case, w: SimpleNamespace, cli: ForkedCLI) -> dict:
     before = snapshot(out) if case.existing else None
     inputs = snapshot(d)
     env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
-    done = cli.run(["train", *args], cwd=d, env=env)
+    done = cli.run([*case.command, *args], cwd=d, env=env)
     return {
         "done": done,
         "out": out,
@@ -746,8 +954,8 @@ def test_bad_input(case: Case, results):
         assert fragment in lines[0], (fragment, lines[0])
     if case.existing:
         assert r["after"] == r["before"], lines[0]
-    else:
-        assert not r["out"].exists(), lines[0]
+    else:  # nothing written: no run directory (unless the case made it), no other file
+        assert "out" in r["inputs"] or not r["out"].exists(), lines[0]
         assert r["now"] == r["inputs"], lines[0]
 
 

@@ -286,3 +286,75 @@ def test_overrides_may_follow_an_option():
     parser = cli.build_parser()
     args = cli._parse(parser, ["eval", "c.yaml", "a=1", "--random-init", "b=2"])
     assert args.random_init and args.overrides == ["a=1", "b=2"]
+
+
+def test_inspect_sources_names_who_set_each_value(tmp_path, capsys):
+    """`inspect --sources`: one `key: value  # source` line per value, the source being
+    the file that set it (a base file's key, the child's own), `<command line>` for an
+    override, or `default`; the hash is the plain inspect's."""
+    (tmp_path / "base.yaml").write_text("trainer: {optimizer: {lr: 0.01}, total_updates: 7}\n")
+    (tmp_path / "own.yaml").write_text(
+        "defaults: base.yaml\ntrainer: {total_updates: 9}\nreward: {plugins: [{name: mc_exact}]}\n"
+    )
+    own = str(tmp_path / "own.yaml")
+    assert cli.main(["inspect", "--sources", own, "run.seed=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    got = {k: (v, src) for k, v, src in (re_line(line) for line in lines[:-1])}
+    assert got["trainer.optimizer.lr"] == ("0.01", str(tmp_path / "base.yaml"))
+    assert got["trainer.total_updates"] == ("9", own)
+    assert got["run.seed"] == ("3", "<command line>")
+    assert got["trainer.grad_clip"][1] == "default"
+    assert got["reward.plugins"][1] == own and "mc_exact" in got["reward.plugins"][0]
+    assert lines[-1] == f"hash: {config_hash(load_config(own, ['run.seed=3']))}"
+
+
+def re_line(line: str) -> tuple[str, str, str]:
+    body, source = line.rsplit("  # ", 1)
+    key, value = body.rstrip().split(": ", 1)
+    return key, value, source
+
+
+def test_a_run_refuses_a_directory_that_is_not_a_run(tmp_path):
+    """`run.output_dir` may be new, empty, a unirl run, or hold only what unirl writes
+    there before a run (eval-<split>/, classifier/, generations/, codec/, tokenizer/,
+    evals/, temporaries); anything else is refused naming the key and what it holds."""
+    from unirl.config import ConfigError
+    from unirl.train.preflight import check_run_dir
+
+    out = tmp_path / "out"
+    check_run_dir(out)
+    out.mkdir()
+    for name in ("eval-test", "classifier", "generations", "codec", "tokenizer", "evals"):
+        (out / name).mkdir()
+        check_run_dir(out)
+    (out / ".config.yaml.tmp").write_text("half")
+    check_run_dir(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as info:
+        check_run_dir(out)
+    assert info.value.key == "run.output_dir" and "notes.txt" in str(info.value)
+    (out / "config.yaml").write_text("run: {}\n")  # a unirl run (its record) is resumed
+    check_run_dir(out)
+
+
+def test_config_yaml_records_absolute_paths_beside_the_given_ones(tmp_path, monkeypatch):
+    """The comment lines resolve each relative path from the working directory; the
+    record loads back to the same config (comments are ignored)."""
+    from unirl.train.run import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(
+        "run: {output_dir: runs/x}\ndata: {path: d/rows.jsonl, test_path: /abs/t.jsonl}\n"
+        "algorithm: {name: sft}\nreward: {plugins: [{name: text_exact}]}\n"
+    )
+    cfg = load_config(tmp_path / "c.yaml")
+    text = absolute_paths(cfg)
+    assert f"#   run.output_dir: runs/x -> {tmp_path / 'runs' / 'x'}\n" in text
+    assert f"#   data.path: d/rows.jsonl -> {tmp_path / 'd' / 'rows.jsonl'}\n" in text
+    assert "/abs/t.jsonl" not in text  # already absolute
+    assert all(line.startswith("#") for line in text.splitlines())
+    record = tmp_path / "config.yaml"
+    from unirl.config import to_yaml
+
+    record.write_text(to_yaml(cfg) + text)
+    assert config_hash(load_config(record)) == config_hash(cfg)

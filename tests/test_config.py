@@ -167,6 +167,12 @@ def test_override_picks_the_union_branch_from_the_given_name(tmp_path):
             "'trainer.optimizer.lr'",
         ),
         ("trainer.temperature=0.5", "trainer.temperature", "did you mean 'rollout.temperature'"),
+        # near-miss hints search every section (issue 30): a synonym, then the closest leaf,
+        # one under the same section first
+        ("trainer.learning_rate=1", "trainer.learning_rate", "did you mean 'trainer.optimizer.lr'"),
+        ("trainer.warmup=3", "trainer.warmup", "did you mean 'trainer.scheduler.warmup_steps'"),
+        ("trainer.batch_size=8", "trainer.batch_size", "did you mean 'trainer.global_batch_size'"),
+        ("rollout.lerning_rate=1", "rollout.lerning_rate", "did you mean 'trainer.optimizer.lr'"),
         ("trainer.total_updates=1.5", "trainer.total_updates", "expected int (> 0)"),
         ("trainer.precision=fp16", "trainer.precision", "one of 'fp32', 'bf16'"),
         ("algorithm.name=grp", "algorithm.name", "did you mean 'grpo'"),
@@ -470,3 +476,20 @@ def test_an_inert_setting_names_the_file_that_set_it_and_its_default_is_harmless
     with pytest.raises(ConfigError) as info:
         load_config(back, ["trainer.lora.alpha=32"])
     assert info.value.key == "trainer.lora.alpha" and info.value.source == COMMAND_LINE
+
+
+def test_a_trial_run_refused_for_the_recipes_warmup_names_both_sources(tmp_path):
+    """A 3-update trial of a recipe whose base warms up for 10 updates (issue 30): the
+    message names the warmup key and the base file that set it, the command line that
+    set total_updates, and the override that fixes it."""
+    write(tmp_path / "base.yaml", "trainer: {scheduler: {name: warmup_cosine, warmup_steps: 10}}\n")
+    path = write(tmp_path / "own.yaml", "defaults: base.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.total_updates=3"])
+    err = info.value
+    assert err.key == "trainer.scheduler.warmup_steps"
+    assert err.source == str(tmp_path / "base.yaml")
+    text = str(err)
+    assert "trainer.total_updates set in <command line>" in text
+    assert "trainer.scheduler.warmup_steps=0" in text and "\n" not in text
+    load_config(path, ["trainer.total_updates=3", "trainer.scheduler.warmup_steps=0"])

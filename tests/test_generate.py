@@ -1,6 +1,9 @@
-"""`unirl generate` on a freshly initialised tiny model writes a PNG grid and JSON."""
+"""`unirl generate` on a freshly initialised tiny model writes a PNG grid and JSON; it
+takes an input image (`--image`), scores its samples as `unirl eval` would (`--task`,
+`--answer`) and prints each image sample's PNG path."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -23,7 +26,12 @@ def test_generate_writes_a_png_a_person_can_open(tmp_path, small_vq_dir):
     assert pixels.std() > 0
     summary = json.loads((out / "generations.json").read_text())
     assert [s["finish_reason"] for s in summary["samples"]] == ["length_exact"] * 3
-    assert [s["images"] for s in summary["samples"]] == [1, 1, 1]
+    assert [len(s["images"]) for s in summary["samples"]] == [1, 1, 1]
+    for k, sample in enumerate(summary["samples"]):  # each sample's image, printed by path
+        assert sample["images"] == [str(out / f"sample-{k}-0.png")]
+        assert f"prompt/{k}: {out / f'sample-{k}-0.png'} (length_exact)" in proc.stdout
+        with Image.open(sample["images"][0]) as own:
+            assert own.size == (8 * 16 + 16, 8 * 16 + 16)  # one 8x8 digit x16, 8-pixel margins
     assert not (tmp_path / "run").exists()  # generating does not create a run directory
 
 
@@ -40,3 +48,37 @@ def test_generate_text_prompt_and_bad_n(tmp_path, small_vq_dir):
     assert len(summary["samples"]) == 2
     bad = run_cli(["generate", str(cfg), "--prompt", "x", "--n", "0", "--out", str(out)])
     assert bad.returncode == 2 and "--n" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_generate_scores_like_eval_reads_an_image_and_defaults_its_out(tmp_path, small_vq_dir):
+    """`--task/--answer` scores each sample with the task's verifier (text_exact here):
+    a second run with the same seeds and the first sample's text as the answer scores 1
+    exactly on the samples that said it, 0 elsewhere (checked against the texts, not
+    the scorer). `--image` puts the image in the prompt: the same seeds answer otherwise.
+    Without `--out`, the files go to <run.output_dir>/generations."""
+    from unirl import cli
+
+    run = tmp_path / "run"
+    cfg = tiny_config(run, small_vq_dir, reward={"plugins": [{"name": "text_exact"}]})
+    config = str(write_config(tmp_path / "g.yaml", cfg))
+    base = ["generate", config, "--prompt", "What is 3 + 4?", "--n", "6", "--random-init"]
+
+    def texts(out: Path) -> list[str]:
+        return [s["text"] for s in json.loads((out / "generations.json").read_text())["samples"]]
+
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 0
+    first = texts(tmp_path / "a")
+    answer = next(t.strip() for t in first if t.strip())
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--task", "say", "--answer", answer]) == 0
+    scored = json.loads((tmp_path / "b" / "generations.json").read_text())["samples"]
+    assert [s["text"] for s in scored] == first  # same seeds, same samples
+    assert [s["score"] for s in scored] == [float(t.strip() == answer) for t in first]
+
+    digit = np.zeros((8, 8), dtype=np.uint8)
+    digit[2:6, 3:5] = 255
+    Image.fromarray(digit).save(tmp_path / "one.png")
+    assert cli.main([*base, "--image", str(tmp_path / "one.png")]) == 0
+    out = run / "generations"  # the default --out
+    summary = json.loads((out / "generations.json").read_text())
+    assert summary["image"] == str(tmp_path / "one.png")
+    assert texts(out) != first  # the image changed what the model was asked

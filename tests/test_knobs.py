@@ -59,6 +59,7 @@ from unirl.train.run import (
     prepare_run_dir,
     run_train,
 )
+from unirl.train.state.checkpoint import checkpoint_dir
 
 EXEMPT: dict[str, str] = {
     "logging.progress_bar": "draws only on an interactive terminal (never under pytest/CI); "
@@ -409,6 +410,42 @@ def _validation(kit):
     differs(kit, val_rows, "data.val_size", 1, 2, evaluation__split="val")
     with pytest.raises(ConfigError, match="trainer.eval_every: 1 evaluates nothing"):
         config(kit, {"data.val_size": 0, "trainer.eval_every": 1})
+
+
+@probe(
+    "trainer.eval_every_epochs",
+    "checkpoint.every_epochs",
+    "checkpoint.keep_best",
+    "checkpoint.keep_best_mode",
+    "checkpoint.save_rollouts",
+)
+def _cadence(kit):
+    """Epoch-boundary evaluations and checkpoints (R = 8 rows, B = 4: epoch 1 ends with
+    update 2), the best checkpoint kept beside the newest, saved GRPO rollouts."""
+
+    def outcome(c):
+        c = config(kit, {"run.output_dir": fresh_dir(kit)}, {
+            "trainer": c.trainer.model_dump(), "checkpoint": c.checkpoint.model_dump(),
+            "data": c.data.model_dump(), "algorithm": c.algorithm.model_dump(),
+            "rollout": c.rollout.model_dump(), "reward": c.reward.model_dump()})  # fmt: skip
+        run_dir, metrics = fit_run(kit, c)
+        best = checkpoint_dir(run_dir) / "best.json"
+        return (
+            [sorted(k for k in m if k.startswith("val/")) for m in metrics],
+            sorted(p.name for p in checkpoint_dir(run_dir).glob("update-*")),
+            json.loads(best.read_text()) if best.is_file() else None,
+            sorted(p.name for p in (run_dir / "rollouts").glob("update-*")),
+        )
+
+    differs(kit, outcome, "trainer.eval_every_epochs", 0, 1, data__val_size=1)
+    differs(kit, outcome, "checkpoint.every_epochs", 0, 1)
+    best = {"data__val_size": 1, "trainer__eval_every": 1, "checkpoint__keep_last": 1}
+    differs(kit, outcome, "checkpoint.keep_best", None, "val/loss", **best)
+    differs(kit, outcome, "checkpoint.keep_best_mode", "min", "max",
+            checkpoint__keep_best="val/loss", **best)  # fmt: skip
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    differs(kit, outcome, "checkpoint.save_rollouts", False, True, grpo)
 
 
 @probe("data.test_size")
@@ -1001,6 +1038,58 @@ def _resume_mode(kit):
     saved = config(kit, {"trainer.total_updates": 2})
     observe = lambda c: resume_conflicts(saved, c)  # noqa: E731
     differs(kit, observe, "checkpoint.resume_mode", "strict", "allow_schedule_changes")
+    differs(kit, observe, "checkpoint.resume_mode", "strict", "epoch_extension")
+    capped = lambda c: resume_conflicts(saved, c)  # noqa: E731
+    differs(
+        kit, capped, "checkpoint.resume_mode", "strict", "rollout_limit_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+    differs(
+        kit, capped, "checkpoint.resume_mode", "rollout_limit_change", "execution_change",
+        rollout__max_new_tokens=32, trainer__total_updates=2,
+    )  # fmt: skip
+
+
+@probe("run.parent")
+def _run_parent(kit):
+    """A run directory with no checkpoint starts from its parent's newest checkpoint."""
+    parent = Path(fresh_dir(kit))
+    fit_run(kit, config(kit, {"run.output_dir": str(parent), "trainer.total_updates": 1}))
+    child = fresh_dir(kit)
+
+    def start(c):
+        trainer = make_trainer(c, Path(child))
+        return trainer.resume(), trainer.update
+
+    differs(
+        kit, start, "run.parent", None, str(parent),
+        run__output_dir=child, trainer__total_updates=1,
+    )  # fmt: skip
+
+
+@probe("model.initial_adapter")
+def _initial_adapter(kit):
+    """A LoRA run's adapter (written by `save_adapter`) is what the run's LoRA starts from."""
+    from unirl.train.engine.adapters import lora_targets, save_adapter
+
+    lora = {"enabled": True, "r": 2, "target_modules": r".*\.(q_proj|v_proj)$"}
+    base = {"model": {"path": str(kit.saved), "tiny": {}, "codec": {}}, "trainer": {"lora": lora}}
+    trained = config(kit, {}, base)
+    model = _prepare_model(trained, kit.root, torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    adapter = kit.root / "adapter"
+    save_adapter(model, trained, adapter, lora_targets(model))
+
+    def lora_b(c):
+        started = _prepare_model(c, kit.root, torch.device("cpu"))
+        return sum(
+            float(p.detach().abs().sum()) for n, p in started.named_parameters() if "lora_B" in n
+        )
+
+    differs(kit, lora_b, "model.initial_adapter", None, str(adapter), base)
 
 
 @probe("logging.samples_every", "logging.wandb")

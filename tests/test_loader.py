@@ -298,6 +298,6 @@ def test_cli_main(tmp_path, capsys):
     assert len(load_dataset(out / "draw_then_answer-train.jsonl")) == 4
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("unirl data export: error: ") and "not empty" in err
+    assert err.startswith("unirl: error: <command line>: --out: ") and "not empty" in err
     with pytest.raises(SystemExit):
         main(["--task", "nope", "--split", "train", "--out", str(out)])

@@ -6,10 +6,13 @@ functions and append a `Command` to `COMMANDS`. Keep `unirl --help` and `unirl i
 light: a `run` imports its implementation inside the function, and a `configure` imports
 only light modules (tests/test_cli.py checks that they load no model package and no torch).
 
-Exit codes: 0 success; 2 usage or config errors (argparse, `ConfigError`: a bad config,
-a bad file it names, a refused resume); 1 any other failure; 130 interrupted (`train` names
-the last checkpoint it saved). Errors print one line `unirl: error: ...` on stderr; `--debug`
-adds the traceback.
+Exit codes (docs/cli.md): 0 success; 2 usage or input errors (argparse, `ConfigError`: a
+bad config, a bad file it names, a refused resume; `DatasetError`: a dataset file or row,
+named with the config key that pointed at it); 1 any other failure; 130 interrupted
+(`train` names the last checkpoint it saved). Errors print one line `unirl: error: ...` on
+stderr naming the file or `<command line>` that set the culprit; `--debug` adds the
+traceback. `train`, `eval`, `probe` and `generate` check what they read before writing
+anything (`unirl.train.preflight`).
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from typing import NoReturn
 
 from unirl import __version__
 from unirl.config import (
+    COMMAND_LINE,
     ConfigError,
+    InputError,
     UnirlConfig,
     config_hash,
+    config_sources,
     key_source,
     load_config,
     to_yaml,
 )
+from unirl.data.errors import DatasetError
 
 PROG = "unirl"
 
@@ -104,11 +111,96 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     add_random_init_argument(parser)
 
 
+def configure_inspect(parser: argparse.ArgumentParser) -> None:
+    """`inspect CONFIG [key=value ...]`, or `inspect --fingerprints RUN_DIR`."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. trainer.optimizer.lr=1e-4 (typed by the schema)",
+    )
+    parser.add_argument(
+        "--fingerprints",
+        metavar="RUN_DIR",
+        help="print the input fingerprints recorded in a run's (or a checkpoint "
+        "directory's) newest checkpoint and whether each file still matches",
+    )
+    parser.add_argument(
+        "--sources",
+        action="store_true",
+        help="print one line per value: dotted key, value and the file, <command line> or "
+        "default that set it",
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    """Print the resolved config as YAML, then `hash: <sha256 hex>`. Builds nothing."""
-    cfg = load_args_config(args)
-    sys.stdout.write(to_yaml(cfg))
+    """Print the resolved config as YAML (with `--sources`: `key: value  # source` lines),
+    then `hash: <sha256 hex>`. Builds nothing. With `--fingerprints RUN_DIR`: the recorded
+    input fingerprints instead."""
+    if args.fingerprints is not None:
+        if args.config is not None:
+            raise ConfigError("give either CONFIG or --fingerprints RUN_DIR, not both")
+        return _print_fingerprints(args.fingerprints)
+    if args.config is None:
+        raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
+    if args.sources:
+        from unirl.models import check_model_config
+
+        cfg, rows = config_sources(args.config, args.overrides)
+        check_model_config(cfg.model)
+        width = min(60, max(len(f"{k}: {v}") for k, v, _ in rows))
+        for key, value, source in rows:
+            sys.stdout.write(f"{f'{key}: {value}':<{width}}  # {source}\n")
+    else:
+        cfg = load_args_config(args)
+        sys.stdout.write(to_yaml(cfg))
     sys.stdout.write(f"hash: {config_hash(cfg)}\n")
+    return 0
+
+
+def _print_fingerprints(where: str) -> int:
+    """The `fingerprints` of the newest checkpoint under `where` (a run directory, or one
+    checkpoint), by name and unverified, one line per file: key, path, size, SHA-256 and
+    whether the file now on disk still matches. Reads only (no torch)."""
+    from pathlib import Path
+
+    from unirl.config.fingerprint import changed_files, fingerprint
+
+    root = Path(where)
+    states = [root / "state.json"] if (root / "state.json").is_file() else []
+    if not states:
+        found = sorted((root / "checkpoints").glob("update-*/state.json"))
+        states = found[-1:]
+    if not states:
+        raise ConfigError(f"{root}: no checkpoint (no state.json)")
+    state = json.loads(states[0].read_text())
+    recorded = state.get("fingerprints")
+    print(f"checkpoint {states[0].parent} (update {state.get('update')})")
+    if "parent" in state:
+        parent = state["parent"]
+        print(f"parent {parent['checkpoint']} (manifest sha256 {parent['manifest_sha256']})")
+    if recorded is None:
+        print("no fingerprints recorded (a checkpoint written before they were)")
+        return 0
+    if not recorded:
+        print("no input files (a model built from the config, the built-in digits data)")
+        return 0
+    for key, record in sorted(recorded.items()):
+        path = Path(record["path"])
+        try:
+            changes = dict(changed_files(record["files"], fingerprint(path)))
+        except FileNotFoundError:
+            changes = {name: "missing" for name in record["files"]}
+        for name, fp in sorted(record["files"].items()):
+            status = changes.get(name, "ok")
+            print(
+                f"{key}  {path / name if path.is_dir() else path}  {fp['size']}  "
+                f"{fp['sha256']}  {status}"
+            )
+        for name in sorted(n for n, what in changes.items() if what == "added"):
+            print(f"{key}  {path / name}  -  -  added")
     return 0
 
 
@@ -166,30 +258,65 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--prompt", required=True, help='user text, e.g. "draw the digit 7"')
     parser.add_argument("--n", type=_positive_int, default=8, help="samples to draw (default 8)")
-    parser.add_argument("--out", required=True, help="output directory for the PNG and JSON")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory for the PNGs and JSON (default <run.output_dir>/generations)",
+    )
     parser.add_argument(
         "--image",
+        default=None,
+        metavar="PATH",
+        help="an input image shown before the prompt (image-to-text questions); read at the "
+        "model's image size as a dataset row's image is",
+    )
+    parser.add_argument(
+        "--draw",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="force text-to-image (default: on when the prompt starts with 'draw')",
+    )
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="score the samples as rows of this task, as 'unirl eval' does (its reward "
+        "plugins, else the task's default verifier)",
+    )
+    parser.add_argument(
+        "--answer", default=None, help="the reference answer the scorer compares with (--task)"
     )
     add_random_init_argument(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Validate the config (a model.path or --random-init), then sample and write
-    generations.png / generations.json."""
+    """Validate the config (a model.path or --random-init) and the inputs, then sample and
+    write generations.png / generations.json (see `unirl.generate`)."""
+    if args.answer is not None and args.task is None:
+        raise ConfigError(
+            "needs --task (the task whose verifier compares with it)",
+            key="--answer",
+            source=COMMAND_LINE,
+        )
     cfg = load_weights_config(args)
     from pathlib import Path
 
     from unirl.generate import generate
+    from unirl.train.preflight import GENERATIONS, preflight_inference
 
-    image = args.prompt.lower().startswith("draw") if args.image is None else args.image
-    summary = generate(cfg, args.prompt, args.n, Path(args.out), image)
+    preflight_inference(cfg)
+    if args.image is not None and not Path(args.image).is_file():
+        raise ConfigError(f"{args.image}: image file not found", key="--image", source=COMMAND_LINE)
+    draw = args.prompt.lower().startswith("draw") if args.draw is None else args.draw
+    out = Path(args.out) if args.out else Path(cfg.run.output_dir) / GENERATIONS
+    summary = generate(cfg, args.prompt, args.n, out, draw, args.image, args.task, args.answer)
     for record in summary["samples"]:
-        print(f"{record['id']}: {record['text']!r} ({record['finish_reason']})")
+        shown = [repr(record["text"])] if record["text"] or not record["images"] else []
+        shown += record["images"]
+        score = f" score {record['score']:.4f}" if "score" in record else ""
+        print(f"{record['id']}: {' '.join(shown)} ({record['finish_reason']}){score}")
     if summary["png"]:
         print(f"images: {summary['png']}")
+    print(f"{PROG} generate: results in {out} (generations.json)", file=sys.stderr)
     return 0
 
 
@@ -261,8 +388,10 @@ def run_eval(args: argparse.Namespace) -> int:
     `unirl.eval.runner`)."""
     cfg = load_weights_config(args)
     from unirl.eval import run_eval as evaluate
+    from unirl.train.preflight import preflight_inference
 
     e = cfg.evaluation
+    preflight_inference(cfg, (e.split,))
     try:
         out = evaluate(cfg)
     except KeyboardInterrupt:
@@ -290,7 +419,9 @@ def run_probe(args: argparse.Namespace) -> int:
     """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
     cfg = load_args_config(args)
     from unirl.train.methods.sft.probe import run_probe as probe
+    from unirl.train.preflight import preflight_inference
 
+    preflight_inference(cfg, ("val",), verify=False)  # probe scores no answers
     probe(cfg, args.n)
     return 0
 
@@ -298,8 +429,9 @@ def run_probe(args: argparse.Namespace) -> int:
 COMMANDS: list[Command] = [
     Command(
         "inspect",
-        "print the resolved config and its hash (CPU only, creates nothing)",
-        add_config_arguments,
+        "print the resolved config and its hash (--sources: who set each value), or a "
+        "run's input fingerprints (CPU only, creates nothing)",
+        configure_inspect,
         run_inspect,
     ),
     Command(
@@ -373,9 +505,10 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
         return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.handler(args)
-    except ConfigError as exc:
-        _locate(args, exc)
-        return _fail(args, str(exc), 2)
+    except (ConfigError, DatasetError) as exc:
+        error = exc if isinstance(exc, ConfigError) else InputError(str(exc), exc.key)
+        _locate(args, error)
+        return _fail(args, str(error), 2)
     except KeyboardInterrupt as exc:  # a command may say what it saved
         return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
     except Exception as exc:  # one line for people; --debug for the traceback

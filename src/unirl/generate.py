@@ -1,12 +1,23 @@
 """`unirl generate`: draw answers and images for one prompt and save them for a person.
 
-The model is `model.path` (e.g. a run's `model/` directory) or, without one, a freshly
-initialised tiny model. Each of the `n` samples uses the stateless seed
-`seed_for(run.seed, 0, 0, member)`. With `--image` (or a prompt starting "draw") the
-request forces text-to-image on the codec's grid; otherwise the model answers in text and
-may draw on its own (`generate image H W` header). Output: `generations.png` (every drawn
-image, upscaled with nearest-neighbour so the 8x8 digits are visible) and
-`generations.json` (the text of each sample and its finish reason).
+The model is `model.path` (e.g. a run's `model/` directory) or, with `--random-init`, a
+freshly initialised one. Each of the `n` samples uses the stateless seed
+`seed_for(run.seed, 0, 0, member)`. The prompt is the user's text, after the image at
+`image` when one is given (an image-to-text question: read as a dataset row's image is,
+through the model's processor at its codec's image size). With `draw` (`--draw`, or a
+prompt starting "draw" without `--no-draw`) the request forces text-to-image on the
+codec's grid; otherwise the model answers in text and may draw on its own (`generate
+image H W` header).
+
+Scoring (`task`, `answer`): the samples are scored as `unirl eval` scores a row of task
+`task` whose answer is `answer` (`unirl.rewards.evaluation_reward`: the `reward:` plugins,
+else the task's default verifier; the digits classifier of t2i from
+<run.output_dir>/classifier, fitted there on first use).
+
+Output in `out_dir`: `generations.png` (every drawn image, upscaled with nearest-neighbour
+so the 8x8 digits are visible), `sample-<m>-<k>.png` (image k of sample m, upscaled the
+same way) and `generations.json` (each sample's text, finish reason, image files and,
+when scored, its score).
 """
 
 from __future__ import annotations
@@ -17,10 +28,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unirl.config import UnirlConfig
+from unirl.config import ConfigError, UnirlConfig
+from unirl.config.errors import COMMAND_LINE
 from unirl.core.atomic import atomic_write, write_json_atomic
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
+from unirl.data.images import processor_for, read_rgb
 from unirl.rewards.plugins import build_responses, parse_response
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
@@ -40,7 +53,7 @@ def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, col
     canvas = np.ones((rows * (h * scale + pad) + pad, ncols * (w * scale + pad) + pad))
     for k, img in enumerate(images):
         r, c = divmod(k, cols)
-        big = np.kron(np.clip(img, 0.0, 1.0), np.ones((scale, scale)))
+        big = np.kron(np.clip(_grey(img), 0.0, 1.0), np.ones((scale, scale)))
         y, x = pad + r * (h * scale + pad), pad + c * (w * scale + pad)
         canvas[y : y + h * scale, x : x + w * scale] = 1.0 - big
     with atomic_write(path, "wb") as f:
@@ -48,12 +61,62 @@ def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, col
     return path
 
 
-@torch.no_grad()
-def generate(cfg: UnirlConfig, prompt: str, n: int, out_dir: Path, image: bool) -> dict:
-    """Sample `n` responses to `prompt`; write the PNG grid and JSON; return the summary."""
+def _grey(img: np.ndarray) -> np.ndarray:
+    return img.mean(axis=-1) if img.ndim == 3 else img
+
+
+def read_prompt_image(cfg: UnirlConfig, path: str, image_size: tuple[int, int]) -> ImagePart:
+    """The image at `path` (`--image`) as the model reads a dataset row's image; a
+    ConfigError naming `--image` when it is missing, unreadable or of the wrong size."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: image file not found", key="--image", source=COMMAND_LINE)
+    try:
+        rgb = read_rgb(file)
+        pixels = processor_for(cfg.model.kind, image_size, cfg.data.image_resize)(rgb, path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: {err}", key="--image", source=COMMAND_LINE) from None
+    return ImagePart(pixels=pixels)
+
+
+def scorer(cfg: UnirlConfig, task: str):
+    """The reward service `unirl eval` would score rows of `task` with (module docstring)."""
+    from unirl.eval.runner import eval_rewards
+
+    data = cfg.data.model_copy(update={"tasks": [task]})
+    return lambda model: eval_rewards(
+        cfg.model_copy(update={"data": data}),
+        model,
+        Path(cfg.run.output_dir) / "classifier",
+    )
+
+
+def generate(
+    cfg: UnirlConfig,
+    prompt: str,
+    n: int,
+    out_dir: Path,
+    draw: bool,
+    image: str | None = None,
+    task: str | None = None,
+    answer: str | None = None,
+) -> dict:
+    """Sample `n` responses to `prompt` (after the image at `image`, if any); score them
+    as task `task` with answer `answer` when `task` is given; write the PNGs and JSON;
+    return the summary (module docstring)."""
     model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
-    sample = Sample(id="prompt", parts=[TextPart(prompt)])
-    grid = tuple(model.codec.grid) if image else None
+    rewards = scorer(cfg, task)(model) if task is not None else None  # may fit a classifier
+    with torch.no_grad():
+        return _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards)
+
+
+def _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards) -> dict:
+    parts = []
+    if image is not None:
+        parts.append(read_prompt_image(cfg, image, tuple(model.codec.image_size)))
+    parts.append(TextPart(prompt))
+    sample = Sample(id="prompt", parts=parts, answer=answer, task=task)
+    grid = tuple(model.codec.grid) if draw else None
     if grid is None:
         params = sampling_params(cfg.rollout, length_semantics="cap")
     else:
@@ -67,20 +130,35 @@ def generate(cfg: UnirlConfig, prompt: str, n: int, out_dir: Path, image: bool) 
     trajs = RolloutEngine(model, model.tokenizer).generate(requests)
     parsed = [parse_response(t, model.tokenizer) for t in trajs]
     responses, _ = build_responses(parsed, model.codec.decode)
-    images, records = [], []
-    for traj, parts, response in zip(trajs, parsed, responses):
-        n_img = sum(isinstance(p, ImagePart) for p in parts or [])
-        images.extend(img.numpy() for img in response.images if img is not None)
-        records.append(
-            {
-                "id": traj.sample_id,
-                "text": response.text,
-                "images": n_img,
-                "finish_reason": traj.finish_reason,
-            }
-        )
+    scores = None
+    if rewards is not None:
+        forked = [sample.fork(m) for m in range(n)]
+        scores = rewards.score(forked, trajs, parsed, alarm=False).total.tolist()
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"prompt": prompt, "samples": records, "png": None}
+    images, records = [], []
+    for m, (traj, response) in enumerate(zip(trajs, responses)):
+        files = []
+        for k, img in enumerate(i for i in response.images if i is not None):
+            pixels = img.float().cpu().numpy()
+            images.append(pixels)
+            files.append(str(image_grid_png([pixels], out_dir / f"sample-{m}-{k}.png", cols=1)))
+        record = {
+            "id": traj.sample_id,
+            "text": response.text,
+            "images": files,
+            "finish_reason": traj.finish_reason,
+        }
+        if scores is not None:
+            record["score"] = float(scores[m])
+        records.append(record)
+    summary = {
+        "prompt": prompt,
+        "image": image,
+        "task": task,
+        "answer": answer,
+        "samples": records,
+        "png": None,
+    }
     if images:
         summary["png"] = str(image_grid_png(images, out_dir / "generations.png"))
     write_json_atomic(out_dir / "generations.json", summary, indent=2)

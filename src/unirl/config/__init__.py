@@ -17,7 +17,7 @@ from unirl.config.algorithms import (
     SFTConfig,
 )
 from unirl.config.base import StrictModel, incompatible
-from unirl.config.errors import COMMAND_LINE, ConfigError, suggest
+from unirl.config.errors import COMMAND_LINE, ConfigError, InputError, suggest
 from unirl.config.hashing import (
     canonical_json,
     config_hash,
@@ -26,7 +26,7 @@ from unirl.config.hashing import (
     short_hash,
     to_yaml,
 )
-from unirl.config.loader import key_source, load_config
+from unirl.config.loader import config_sources, key_source, load_config
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import (
     DIGITS_TASKS,
@@ -59,6 +59,7 @@ __all__ = [
     "CheckpointConfig",
     "CodecConfig",
     "ConfigError",
+    "InputError",
     "DataConfig",
     "DecoderSizes",
     "EvaluationConfig",
@@ -84,6 +85,7 @@ __all__ = [
     "apply_overrides",
     "canonical_json",
     "config_hash",
+    "config_sources",
     "diff_configs",
     "incompatible",
     "key_source",

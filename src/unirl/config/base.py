@@ -67,10 +67,14 @@ def first_changed(model: BaseModel, names: Iterable[str] | None = None) -> str |
     return next((n for n in pool if changed(model, n)), None)
 
 
-def incompatible(field: str, detail: str) -> PydanticCustomError:
+def incompatible(field: str, detail: str, also: Iterable[str] = ()) -> PydanticCustomError:
     """An error for a cross-field check, to be raised from a model validator.
 
     `field` is the dotted key (relative to the model whose validator raises) that the message
-    should name; the config loader appends it to the model's location.
+    should name; the config loader appends it to the model's location. `also`: the other
+    keys (relative likewise) the check read, whose file or `<command line>` the message
+    names too (a trial run's `total_updates` on the command line against a recipe's
+    warmup).
     """
-    return PydanticCustomError(INCOMPATIBLE, "{detail}", {"field": field, "detail": detail})
+    ctx = {"field": field, "detail": detail, "also": tuple(also)}
+    return PydanticCustomError(INCOMPATIBLE, "{detail}", ctx)

@@ -91,6 +91,22 @@ class ConfigError(ValueError):
         return self.message
 
 
+class InputError(ConfigError):
+    """A file the config names cannot be used, on one line: "FILE[:LINE]: what (KEY in
+    SOURCE)", KEY the config key that named the file, SOURCE the config file or
+    `<command line>` that set it (filled in by the CLI)."""
+
+    def __init__(self, text: str, key: str | None = None) -> None:
+        self.text = _one_line(text)
+        super().__init__(self.text, key=key)
+
+    @property
+    def message(self) -> str:
+        if not self.key:
+            return self.text
+        return f"{self.text} ({self.key}{f' in {self.source}' if self.source else ''})"
+
+
 def suggest(name: str, candidates: Iterable[str]) -> str | None:
     """The closest candidate to `name` (difflib ratio >= 0.6), also trying `KEY_SYNONYMS`.
 
@@ -98,6 +114,8 @@ def suggest(name: str, candidates: Iterable[str]) -> str | None:
     synonym ``learning_rate``, whose schema name ``lr`` is a candidate.
     """
     pool = [c for c in candidates if c != name]
+    if KEY_SYNONYMS.get(name) in pool:  # batch_size: global_batch_size, not micro_batch_size
+        return KEY_SYNONYMS[name]
     close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
     if close:
         return close[0]

@@ -24,9 +24,11 @@ SHORT_HASH_LEN = 12
 # changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (
     "run.output_dir",
+    "run.parent",
     "run.deterministic",
     "checkpoint.every_updates",
     "checkpoint.every_minutes",
+    "checkpoint.every_epochs",
     "checkpoint.keep_last",
     "checkpoint.resume_mode",
     "logging",
@@ -40,7 +42,35 @@ ALWAYS_RESUMABLE = (
     "ray",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
-SCHEDULE_KEYS = ("trainer.total_updates", "trainer.scheduler", "trainer.eval_every")
+SCHEDULE_KEYS = (
+    "trainer.total_updates",
+    "trainer.scheduler",
+    "trainer.eval_every",
+    "trainer.eval_every_epochs",
+)
+# The rollout caps (`rollout_limit_change`): how long a sampled row or image may grow.
+ROLLOUT_CAP_KEYS = ("rollout.max_new_tokens", "rollout.max_grid_side")
+# Execution-only keys beyond ALWAYS_RESUMABLE (`execution_change`): DDP's reducer flags
+# and FSDP2's resharding (how gradients are reduced and parameters gathered, not what).
+EXECUTION_KEYS = (
+    "trainer.micro_batch_size",
+    "trainer.micro_token_budget",
+    "trainer.gradient_checkpointing",
+    "trainer.ddp",
+    "trainer.fsdp.reshard_after_forward",
+)
+# checkpoint.resume_mode -> the keys it lets change on top of ALWAYS_RESUMABLE, in place
+# or against a run.parent checkpoint (the one home of these sets; docs/campaigns.md).
+# epoch_extension: a longer run on a constant learning rate (the schedule itself may not
+# change, and must be constant or warmup_constant: `check_extension`); a new run name.
+RESUME_MODES: dict[str, tuple[str, ...]] = {
+    "strict": (),
+    "allow_schedule_changes": SCHEDULE_KEYS,
+    "epoch_extension": ("trainer.total_updates", "run.name"),
+    "rollout_limit_change": ROLLOUT_CAP_KEYS,
+    "execution_change": EXECUTION_KEYS,
+}
+CONSTANT_LR_SCHEDULES = ("constant", "warmup_constant")
 
 
 def as_plain(cfg: ConfigLike) -> dict[str, Any]:
@@ -95,19 +125,39 @@ def resume_conflicts(saved: ConfigLike, current: BaseModel) -> list[str]:
 
     `checkpoint.resume_mode` of `current` decides: `strict` allows only `ALWAYS_RESUMABLE`
     keys to change (paths, checkpoint cadence, logging, execution-only settings such as
-    the micro-batch size); `allow_schedule_changes` also
-    allows `SCHEDULE_KEYS` (total_updates, the lr schedule, eval cadence).
+    the micro-batch size); every other mode also the keys `RESUME_MODES` gives it
+    (`allow_schedule_changes`: total_updates, the lr schedule, eval cadence; ...).
     """
-    allowed = ALWAYS_RESUMABLE
-    if current.checkpoint.resume_mode == "allow_schedule_changes":  # type: ignore[attr-defined]
-        allowed = ALWAYS_RESUMABLE + SCHEDULE_KEYS
+    mode = current.checkpoint.resume_mode  # type: ignore[attr-defined]
+    allowed = ALWAYS_RESUMABLE + RESUME_MODES[mode]
     return [k for k in diff_configs(saved, current) if not _under(k, allowed)]
+
+
+def check_extension(saved: ConfigLike, current: BaseModel) -> tuple[str, str] | None:
+    """Under `epoch_extension`, (key, why) when the run is not a longer constant-LR run
+    of `saved`: the schedule must be constant (or past-warmup constant) and
+    `trainer.total_updates` may only grow. None otherwise (and for every other mode)."""
+    if current.checkpoint.resume_mode != "epoch_extension":  # type: ignore[attr-defined]
+        return None
+    trainer = current.trainer  # type: ignore[attr-defined]
+    if trainer.scheduler.name not in CONSTANT_LR_SCHEDULES:
+        return (
+            "trainer.scheduler.name",
+            f"epoch_extension extends a constant learning rate; '{trainer.scheduler.name}' "
+            "depends on total_updates",
+        )
+    before = flatten(as_plain(saved)).get("trainer.total_updates")
+    if isinstance(before, int) and trainer.total_updates < before:
+        return (
+            "trainer.total_updates",
+            f"epoch_extension only lengthens a run ({before} -> {trainer.total_updates})",
+        )
+    return None
 
 
 def resumable_summary(mode: str) -> str:
     """The keys `mode` lets change on resume, for messages."""
-    keys = ALWAYS_RESUMABLE + (SCHEDULE_KEYS if mode == "allow_schedule_changes" else ())
-    return ", ".join(keys)
+    return ", ".join(ALWAYS_RESUMABLE + RESUME_MODES[mode])
 
 
 def to_yaml(cfg: ConfigLike) -> str:

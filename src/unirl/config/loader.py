@@ -6,9 +6,13 @@ config fails before any side effect.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
+from unirl.config.errors import COMMAND_LINE
+from unirl.config.hashing import as_plain
 from unirl.config.overrides import apply_overrides, parse_override
 from unirl.config.schema import UnirlConfig
 from unirl.config.validation import source_of, validate_config
@@ -36,3 +40,41 @@ def key_source(path: str | os.PathLike[str], overrides: Sequence[str], key: str)
     data, provenance = read_config_tree(path)
     apply_overrides(data, overrides, provenance)
     return source_of(key, provenance, os.path.normpath(str(path)))
+
+
+DEFAULT = "default"
+"""The source `config_sources` gives a value no file or override set."""
+
+
+def config_sources(
+    path: str | os.PathLike[str], overrides: Sequence[str] = ()
+) -> tuple[UnirlConfig, list[tuple[str, str, str]]]:
+    """The config `load_config(path, overrides)` and, for every value of it (dotted key
+    in schema order; a list is one value), `(key, value as compact JSON, source)`: the
+    file that set it, `<command line>`, or `default` (`unirl inspect --sources`)."""
+    cfg = load_config(path, overrides)
+    data, provenance = read_config_tree(path)
+    apply_overrides(data, overrides, provenance)
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value:
+            for name, child in value.items():
+                walk(child, f"{key}.{name}" if key else name)
+            return
+        rows.append((key, json.dumps(value, separators=(",", ":")), _source(key, provenance)))
+
+    walk(as_plain(cfg), "")
+    return cfg, rows
+
+
+def _source(key: str, provenance: dict[str, str]) -> str:
+    """Who set `key`: its own entry, else an override that replaced an enclosing
+    section, else the default (a section a file names does not set its other keys)."""
+    if key in provenance:
+        return provenance[key]
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        if provenance.get(".".join(parts[:n])) == COMMAND_LINE:
+            return COMMAND_LINE
+    return DEFAULT

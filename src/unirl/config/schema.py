@@ -49,6 +49,13 @@ class RunConfig(StrictModel):
     output_dir: str | None = Field(
         None, description="Run directory (created by train, never by loading); null = runs/<name>."
     )
+    parent: str | None = Field(
+        None,
+        description="Start this (new) run directory from a parent run's newest intact "
+        "checkpoint, or from the checkpoint directory named (docs/campaigns.md); the "
+        "changes allowed against it are checkpoint.resume_mode's. A retry of this run "
+        "resumes from its own newest checkpoint first.",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
     )
@@ -175,6 +182,12 @@ class ModelConfig(StrictModel):
     )
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
+    )
+    initial_adapter: str | None = Field(
+        None,
+        description="A LoRA run's adapter/ directory (peft format + unirl_adapter.json) to "
+        "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
+        "rslora and target_modules, and the base it was trained on).",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
     codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
@@ -439,11 +452,42 @@ class CheckpointConfig(StrictModel):
 
     every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0 = off).")
     every_minutes: float = Field(0.0, ge=0.0, description="Also every N minutes (0 = off).")
+    every_epochs: int = Field(
+        0,
+        ge=0,
+        description="SFT: also at every N-th exact epoch boundary, the update ceil(e*R/B) "
+        "whose batch holds the last row of epoch e (R rows, B = global_batch_size; 0 = off).",
+    )
+    keep_best: str | None = Field(
+        None,
+        pattern=r"^val/.+",
+        description="A validation metric (val/loss, val/<task>/accuracy, ...): an evaluated "
+        "update that improves it is checkpointed and kept (checkpoints/best.json) beside "
+        "the keep_last newest; null = off.",
+    )
+    keep_best_mode: Literal["min", "max"] = Field(
+        "min", description="Whether keep_best keeps the lowest (min) or highest (max) value."
+    )
+    save_rollouts: bool = Field(
+        False,
+        description="GRPO/OPD: save each update's trajectories, rewards, advantages, routing "
+        "and replay selection to rollouts/update-N.pt + .json, linked from checkpoints.",
+    )
     keep_last: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all).")
-    resume_mode: Literal["strict", "allow_schedule_changes"] = Field(
+    resume_mode: Literal[
         "strict",
-        description="strict: resume needs the same config (cadence/logging aside); "
-        "allow_schedule_changes: total_updates, scheduler and eval_every may change too.",
+        "allow_schedule_changes",
+        "epoch_extension",
+        "rollout_limit_change",
+        "execution_change",
+    ] = Field(
+        "strict",
+        description="What may change when resuming (in place or from run.parent; "
+        "unirl.config.hashing.RESUME_MODES): strict: nothing but cadence/logging/execution-"
+        "only keys; allow_schedule_changes: total_updates, scheduler, eval_every; "
+        "epoch_extension: a longer constant-LR run (total_updates, run.name); "
+        "rollout_limit_change: rollout caps; execution_change: micro-batching, gradient "
+        "checkpointing, DDP/FSDP2 execution flags.",
     )
 
 
@@ -546,6 +590,10 @@ class EvaluationConfig(StrictModel):
         return self
 
 
+VISUAL_LOSS: dict[str, str] = {"vq": "vq", "bsq": "bits"}
+"""The suffix of SFT's validation visual loss per visual head (`val/loss_image_<suffix>`)."""
+
+
 class UnirlConfig(StrictModel):
     """A complete run: what `unirl inspect` prints and the config hash covers."""
 
@@ -596,6 +644,18 @@ class UnirlConfig(StrictModel):
                     "continues from a KV cache, which gradient checkpointing drops: turn "
                     "trainer.gradient_checkpointing off",
                 )
+        if self.model.initial_adapter is not None:
+            if self.model.path is None:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "needs model.path (the base the adapter was trained on)",
+                )
+            if not self.trainer.lora.enabled:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "is trained on unmerged: it needs trainer.lora.enabled true (with the "
+                    "adapter's r, alpha and target_modules)",
+                )
         if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
             raise incompatible(
                 "reward.plugins",
@@ -621,6 +681,7 @@ class UnirlConfig(StrictModel):
         if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
         self._inert(algo)
+        self._cadence(algo)
         self._gradient_diagnostics(algo)
         return self
 
@@ -692,6 +753,61 @@ class UnirlConfig(StrictModel):
                 "logging.samples_every",
                 "acts only with rollouts in training (grpo, opd); sft logs no samples",
             )
+
+    def _cadence(self, algo: AlgorithmConfig) -> None:
+        """Epoch cadence, best-checkpoint and rollout-saving settings where they can act
+        (`unirl.train.engine.trainer`; docs/campaigns-validation.md)."""
+        sft = isinstance(algo, SFTConfig)
+        epochs = (("trainer.eval_every_epochs", self.trainer.eval_every_epochs),
+                  ("checkpoint.every_epochs", self.checkpoint.every_epochs))  # fmt: skip
+        for key, value in epochs:
+            if value > 0 and not sft:
+                raise incompatible(
+                    key,
+                    f"acts only with sft: {algo.name} draws each task's prompts from its own "
+                    "pool, so the run has no single epoch boundary",
+                )
+        if self.trainer.eval_every_epochs > 0 and self.data.val_size == 0:
+            raise incompatible(
+                "trainer.eval_every_epochs",
+                f"{self.trainer.eval_every_epochs} evaluates nothing: data.val_size is 0",
+            )
+        c = self.checkpoint
+        if c.save_rollouts and sft:
+            raise incompatible(
+                "checkpoint.save_rollouts", "acts only with grpo or opd (sft samples no rollouts)"
+            )
+        if c.keep_best is None:
+            if changed(c, "keep_best_mode"):
+                raise incompatible(
+                    "checkpoint.keep_best_mode", "acts only with checkpoint.keep_best"
+                )
+            return
+        if self.trainer.eval_every == 0 and self.trainer.eval_every_epochs == 0:
+            raise incompatible(
+                "checkpoint.keep_best",
+                f"{c.keep_best} is never measured: set trainer.eval_every or "
+                "trainer.eval_every_epochs",
+            )
+        losses = {
+            "val/loss",
+            "val/loss_text",
+            f"val/loss_image_{VISUAL_LOSS[self.model.visual_head]}",
+        }
+        task = c.keep_best.split("/")[1]
+        if c.keep_best in losses and sft:
+            return
+        if c.keep_best.startswith("val/ig/") and sft and algo.information_gain.weight > 0:
+            return
+        if task in self.data.tasks and c.keep_best.count("/") >= 2:
+            return
+        known = sorted(losses) if sft else []
+        raise incompatible(
+            "checkpoint.keep_best",
+            f"'{c.keep_best}' is not a validation metric of this run (expected "
+            f"{', '.join(known + ['val/<task>/<statistic>'])} with <task> in data.tasks"
+            f"{', or val/ig/... with information gain on' if sft else ''})",
+        )
 
     def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
         """The OPD gradient diagnostics split the gradient into the distillation and the

@@ -152,6 +152,12 @@ class TrainerConfig(StrictModel):
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the val split every N updates (0 = off)."
     )
+    eval_every_epochs: int = Field(
+        0,
+        ge=0,
+        description="SFT: also evaluate on the val split at every N-th exact epoch boundary "
+        "(the update whose batch holds the epoch's last row; 0 = off).",
+    )
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters.")
     parallel: Literal["none", "ddp", "fsdp2"] = Field(
         "none",
@@ -178,12 +184,13 @@ class TrainerConfig(StrictModel):
                 "length buckets give ranks different numbers of micro-batches; fsdp2 "
                 "needs the same all-gathers on every rank (use micro_batch_size)",
             )
-        if self.parallel == "fsdp2" and self.eval_every > 0:
-            raise incompatible(
-                "eval_every",
-                "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
-                "every rank: set eval_every 0 and run `unirl eval` on the exported model",
-            )
+        for name in ("eval_every", "eval_every_epochs"):
+            if self.parallel == "fsdp2" and getattr(self, name) > 0:
+                raise incompatible(
+                    name,
+                    "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
+                    f"every rank: set {name} 0 and run `unirl eval` on the exported model",
+                )
         for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
             name = first_changed(getattr(self, section))
             if name is not None and self.parallel != mode:
@@ -209,6 +216,10 @@ class TrainerConfig(StrictModel):
         if self.scheduler.warmup_steps > self.total_updates:
             raise incompatible(
                 "scheduler.warmup_steps",
-                f"{self.scheduler.warmup_steps} exceeds total_updates={self.total_updates}",
+                f"{self.scheduler.warmup_steps} warmup updates exceed trainer.total_updates="
+                f"{self.total_updates}; for a short trial run also set "
+                f"trainer.scheduler.warmup_steps={self.total_updates // 10} (at most "
+                f"total_updates), or raise trainer.total_updates",
+                also=("total_updates",),
             )
         return self

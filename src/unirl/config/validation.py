@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from unirl.config.base import INCOMPATIBLE
-from unirl.config.errors import ConfigError, suggest
+from unirl.config.errors import KEY_SYNONYMS, ConfigError, suggest
 from unirl.config.introspect import (
     Node,
     describe,
@@ -55,8 +55,7 @@ def unknown_key_error(
     if close is not None:
         suggestion = join_key(parent_key, close)
     else:
-        elsewhere = [k for k in dotted_keys(root) if k.rsplit(".", 1)[-1] == name]
-        suggestion = elsewhere[0] if elsewhere else None
+        suggestion = suggest_anywhere(root, parent_key, name)
     return ConfigError(
         "unknown key",
         key=join_key(parent_key, name),
@@ -64,6 +63,23 @@ def unknown_key_error(
         expected=f"a key of {parent_key or 'the top level'}: {', '.join(names)}",
         suggestion=suggestion,
     )
+
+
+def suggest_anywhere(root: type[BaseModel], parent_key: str, name: str) -> str | None:
+    """The dotted key, in any section, whose last part is `name`, its schema name
+    (`KEY_SYNONYMS`: learning_rate -> lr) or the closest to it (`suggest`); one under
+    `parent_key` first (``trainer.learning_rate`` -> ``trainer.optimizer.lr``), then the
+    first in schema order (``trainer.temperature`` -> ``rollout.temperature``)."""
+    keys = list(dict.fromkeys(dotted_keys(root)))
+    leaves = list(dict.fromkeys(k.rsplit(".", 1)[-1] for k in keys))
+    leaf = name if name in leaves else KEY_SYNONYMS.get(name)
+    if leaf not in leaves:
+        leaf = suggest(name, leaves)
+    if leaf is None:
+        return None
+    matches = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    under = [k for k in matches if parent_key and k.startswith(parent_key + ".")]
+    return (under or matches)[0]
 
 
 def literal_choices(node: Node | None) -> tuple[Any, ...]:
@@ -86,8 +102,12 @@ def from_validation_error(
     key, node = loc_to_key(root, loc)
     expected = suggestion = None
     if kind == INCOMPATIBLE:
-        key = join_key(key, ctx["field"])
+        section = key
+        key = join_key(section, ctx["field"])
         problem = ctx["detail"]
+        for other in ctx.get("also", ()):
+            other = join_key(section, other)
+            problem += f" ({other} set in {source_of(other, provenance, 'the defaults')})"
     elif kind in ("union_tag_invalid", "union_tag_not_found"):
         disc, branches = union_branches(node)  # type: ignore[misc]
         key = join_key(key, disc)

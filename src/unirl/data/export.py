@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from unirl.config.errors import COMMAND_LINE, ConfigError
 from unirl.config.schema import DIGITS_TASKS as TASKS
 from unirl.config.schema import SPLITS, Split
 
@@ -112,11 +113,20 @@ def export_task(
     return export_samples(samples, out_dir, f"{task}-{split}", overwrite=overwrite)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `unirl data export`."""
     parser.add_argument("--task", required=True, choices=TASKS, help="digits task to export")
     parser.add_argument("--split", required=True, choices=SPLITS, help="image split")
-    parser.add_argument("--n", type=int, default=100, help="number of samples (default 100)")
+    parser.add_argument(
+        "--n", type=_positive_int, default=100, help="number of samples (default 100)"
+    )
     parser.add_argument("--out", required=True, type=Path, help="output directory (new/empty)")
     parser.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
     parser.add_argument(
@@ -125,12 +135,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the export; 0 on success, 2 with one line on stderr on bad input."""
+    """Run the export; 0 on success. A bad `--out` (a file, a non-empty directory, one
+    that cannot be created) is a `ConfigError` naming `--out` on the command line (exit 2
+    under `unirl`), checked before anything is written."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory", key="--out", source=COMMAND_LINE)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ConfigError(
+            f"{out} is not empty; choose a new directory or pass --overwrite",
+            key="--out",
+            source=COMMAND_LINE,
+        )
     try:
         path = export_task(args.task, args.split, args.n, args.out, args.seed, args.overwrite)
-    except (ValueError, OSError) as err:
-        print(f"unirl data export: error: {err}", file=sys.stderr)
-        return 2
+    except OSError as err:
+        raise ConfigError(f"{out}: {err}", key="--out", source=COMMAND_LINE) from None
     print(f"wrote {args.n} {args.task} samples ({args.split}) to {path}")
     return 0
 
@@ -139,4 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`unirl data export ...` as a standalone entry point."""
     parser = argparse.ArgumentParser(prog="unirl data export", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigError as err:
+        print(f"unirl: error: {err}", file=sys.stderr)
+        return 2

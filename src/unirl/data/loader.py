@@ -47,6 +47,7 @@ import numpy as np
 from PIL import UnidentifiedImageError
 
 from unirl.core.sample import ROLES, GenerationRequest, ImagePart, Part, Sample, TextPart
+from unirl.data.errors import DatasetError
 from unirl.data.images import GreyscaleProcessor, ImageProcessor, log_summary, read_rgb
 
 ROW_FIELDS = ("id", "messages", "answer", "task", "split", "meta")
@@ -58,10 +59,6 @@ ITEM_FIELDS = {
 }
 SUFFIXES = (".jsonl", ".parquet")
 SPLITS = ("train", "val", "test")
-
-
-class DatasetError(ValueError):
-    """A dataset file or row is malformed; the message names the file, line and field."""
 
 
 def _one_line(text: str) -> str:

@@ -38,9 +38,29 @@ def split_rows(
     docstring). Raises `DatasetError` naming the file:line or the config key at fault."""
     if data.path is None:
         raise ValueError("split_rows reads data.path rows; the digits tasks are built in")
+    key = split_key(data, split)
+    try:
+        return _split_rows(data, split, key, processor, image_grid)
+    except DatasetError as err:
+        raise err.keyed(key) from None
+
+
+def split_key(data: DataConfig, split: str) -> str:
+    """The config key naming the file that holds `split`'s rows: `data.<split>_path` when
+    set (val/test), else `data.path`."""
+    dedicated = {"val": data.val_path, "test": data.test_path}.get(split)
+    return f"data.{split}_path" if dedicated else "data.path"
+
+
+def _split_rows(
+    data: DataConfig,
+    split: str,
+    key: str,
+    processor: ImageProcessor | None,
+    image_grid: tuple[int, int] | None,
+) -> Rows:
     dedicated = {"val": data.val_path, "test": data.test_path}.get(split)
     source = dedicated or data.path
-    key = f"data.{split}_path" if dedicated else "data.path"
     rows = load_rows(source, processor, image_grid, data.default_task)
     if dedicated:
         for sid, value in rows.splits.items():
@@ -61,17 +81,18 @@ def split_rows(
                 "data.default_task"
             )
     kept = [s.task in data.tasks for s in rows.samples]
+    present = {s.task for s, k in zip(rows.samples, kept) if k}
+    missing = [t for t in data.tasks if t not in present]
+    if missing and (split == "train" or not any(kept)):  # refused before any warning
+        raise DatasetError(
+            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks})",
+            key="data.tasks",
+        )
     left_out = Counter(s.task for s, k in zip(rows.samples, kept) if not k)
     if left_out:
         shown = ", ".join(f"{t}: {n}" for t, n in sorted(left_out.items()))
         logger.warning("%s (%s): left out rows of tasks not in data.tasks (%s)", key, split, shown)
     rows = rows.select(kept)
-    present = {s.task for s in rows.samples}
-    missing = [t for t in data.tasks if t not in present]
-    if missing and (split == "train" or not rows.samples):
-        raise DatasetError(
-            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks})"
-        )
     return rows
 
 
@@ -82,7 +103,10 @@ def has_split(data: DataConfig, split: str) -> bool:
         raise ValueError("has_split reads data.path rows; the digits tasks are built in")
     if split == "train" or {"val": data.val_path, "test": data.test_path}.get(split):
         return True
-    rows = load_rows(data.path, None, (1, 1), data.default_task)
+    try:
+        rows = load_rows(data.path, None, (1, 1), data.default_task)
+    except DatasetError as err:
+        raise err.keyed("data.path") from None
     return split in rows.splits.values()
 
 

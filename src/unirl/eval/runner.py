@@ -41,30 +41,34 @@ Layout of the output directory (`evaluation.output_dir`, default
 <run.output_dir>/eval-<split>; training: <run_dir>/evals/<split>-update-NNNNNN):
 results.jsonl (one record per (id, member), see `unirl.eval.records`), images/*.png,
 summary.json, index.html, config_hash (a re-run with another config refuses to mix its
-records in).
+records in) and weights_sha256 (`weights_sha256` of the model: records are reused only for
+the same weights; `unirl eval` refuses other weights, training replaces their records).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import sys
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from rich.progress import Progress
 
 from unirl.config import ConfigError, UnirlConfig, config_hash
+from unirl.core.atomic import write_text_atomic
 from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
 from unirl.data.rows import answer_image_grid
 from unirl.eval.masked import TASK as MASKED_TASK
 from unirl.eval.masked import masked_answer_scores
-from unirl.eval.records import ResultLog
+from unirl.eval.records import RESULTS, ResultLog
 from unirl.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from unirl.models.base import UnifiedModel
 from unirl.models.build import build_model, dataset_rows, resolve_device
@@ -277,6 +281,41 @@ def _check_hash(out: Path, cfg: UnirlConfig) -> None:
     path.write_text(digest + "\n")
 
 
+WEIGHTS_HASH = "weights_sha256"
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the model's state dict: each tensor's name, dtype, shape and bytes, in
+    name order (the identity of the weights an evaluation ran on)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name} {t.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_weights(out: Path, digest: str, stale: str) -> None:
+    """Records in `out` are reused only for the same weights (`weights_sha256`): records
+    of other weights — or of unknown weights, without the hash file — are refused
+    (`stale` refuse: `unirl eval`) or removed (`stale` replace: training's evaluations,
+    e.g. a validation re-run after a resume)."""
+    path = out / WEIGHTS_HASH
+    held = path.read_text().strip() if path.is_file() else None
+    has_records = (out / RESULTS).is_file()
+    if held != digest and (held is not None or has_records):
+        if stale == "refuse":
+            raise ConfigError(
+                f"{out} holds an evaluation of other weights (weights_sha256 "
+                f"{(held or 'unknown')[:12]}, this model {digest[:12]}); choose a new "
+                "evaluation.output_dir",
+                key="evaluation.output_dir",
+            )
+        shutil.rmtree(out)
+        out.mkdir(parents=True)
+    write_text_atomic(path, digest + "\n")
+
+
 def split_config(cfg: UnirlConfig, split: str) -> UnirlConfig:
     """`cfg` evaluating `split` (training's validation and test evaluations)."""
     evaluation = cfg.evaluation.model_copy(update={"split": split})
@@ -290,14 +329,17 @@ def evaluate(
     rollout: Rollout | None = None,
     per_task: int = 0,
     classifier_dir: Path | None = None,
+    stale: Literal["refuse", "replace"] = "refuse",
 ) -> dict[str, Any]:
     """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
     `per_task` > 0 keeps the first rows of each task (`eval_samples`); `classifier_dir`
-    (default <run.output_dir>/classifier) holds the digits classifier."""
+    (default <run.output_dir>/classifier) holds the digits classifier; `stale`: what to
+    do with records of other weights in `out` (`_check_weights`)."""
     reward, source = evaluation_reward(cfg)
     indexed = indexed_eval_samples(cfg, model, per_task)
     samples = [s for _, s in indexed]
     out.mkdir(parents=True, exist_ok=True)
+    _check_weights(out, weights_sha256(model), stale)
     _check_hash(out, cfg)
     log = ResultLog(out)
     classifier_dir = classifier_dir or Path(cfg.run.output_dir) / CLASSIFIER_DIR

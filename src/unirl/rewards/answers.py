@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from unirl.config.schema import RewardConfig, UnirlConfig
 from unirl.data.loader import DatasetError, Rows
-from unirl.data.rows import has_split, split_rows
+from unirl.data.rows import has_split, split_key, split_rows
 from unirl.rewards.plugins import find_plugin_class
 
 
@@ -51,4 +51,7 @@ def check_dataset_answers(cfg: UnirlConfig, splits: Sequence[str] = ("train",)) 
         return
     for split in splits:
         if has_split(cfg.data, split):
-            check_answers(cfg.reward, split_rows(cfg.data, split, image_grid=(1, 1)))
+            try:
+                check_answers(cfg.reward, split_rows(cfg.data, split, image_grid=(1, 1)))
+            except DatasetError as err:  # a row's answer: the key naming its file
+                raise err.keyed(split_key(cfg.data, split)) from None

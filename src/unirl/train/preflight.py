@@ -6,10 +6,14 @@ exit 2, one line naming the culprit) on the first problem:
 
 - the algorithm can be trained (`algorithm.name`), the model section fits its kind
   (`check_model_config`, with the kind's own config checks: e.g. UniAR's sizes);
-- `run.output_dir` is a directory or does not exist yet;
+- `run.output_dir` does not exist yet, is empty, is a unirl run, or holds only what unirl
+  writes there before a run (`check_run_dir`);
 - `model.path`, `model.codec.path` and OPD's `algorithm.teacher.path`: they exist, and the header of every safetensors
   file under them is read and its size checked against the file (a truncated file names
   its path); no weights are loaded;
+- `model.initial_adapter`: a LoRA run's adapter/ trained on the files now at
+  `model.path` with the run's rank, alpha, rslora and target modules
+  (`unirl.train.engine.adapters.check_initial_adapter`);
 - the model as its small files say (`check_model`, `inspect_model`: no weights): a
   `model.path` directory holds the kind's files and `model.visual_head`; a
   `model.codec.path` codec is of `model.visual_head`'s kind; `algorithm.share_prompt_prefix`
@@ -47,21 +51,25 @@ from pathlib import Path
 from unirl.codecs import codec_geometry
 from unirl.codecs.base import CONFIG_NAME as CODEC_CONFIG
 from unirl.config import ConfigError, UnirlConfig
+from unirl.config.errors import InputError
 from unirl.config.schema import DIGITS_IMAGE_SIZE, ModelConfig
+from unirl.core.atomic import is_temporary
 from unirl.core.sample import GenerationRequest, Sample
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError, Rows, load_rows
-from unirl.data.rows import answer_image_grid, check_targets, split_rows
+from unirl.data.rows import answer_image_grid, check_targets, has_split, split_key, split_rows
 from unirl.data.tokenizer import build_tokenizer
 from unirl.models import check_model_config
 from unirl.models.build import build_model
 from unirl.models.registry import ModelFacts, inspect_model
 from unirl.models.tiny.build import new_codec
-from unirl.rewards.answers import check_dataset_answers
-from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.answers import check_answers, check_dataset_answers
+from unirl.rewards.defaults import evaluation_reward
+from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
 from unirl.rewards.service import build_reward_service
 from unirl.rollout.config import sampling_params
 from unirl.train.dist.parallel import check_fsdp2_support
+from unirl.train.engine.adapters import check_initial_adapter
 from unirl.train.methods.grpo.job import check_prefix_sharing
 from unirl.train.methods.opd.objective import KEY as TEACHER_KEY
 from unirl.train.methods.opd.objective import compare_action_spaces
@@ -75,22 +83,17 @@ ROLLOUT_METHODS = ("grpo", "opd")
 RUN_CODEC, RUN_TOKENIZER = "codec", "tokenizer"
 """Where a run directory keeps the codec and tokenizer of a model built from the config
 (`unirl.train.run`)."""
-
-
-class InputError(ConfigError):
-    """A file the config names cannot be used, on one line: "FILE[:LINE]: what (KEY in
-    SOURCE)", KEY the config key that named the file, SOURCE the config file that set it
-    (filled in by the CLI)."""
-
-    def __init__(self, text: str, key: str | None = None) -> None:
-        self.text = " ".join(str(text).split())
-        super().__init__(self.text, key=key)
-
-    @property
-    def message(self) -> str:
-        if not self.key:
-            return self.text
-        return f"{self.text} ({self.key}{f' in {self.source}' if self.source else ''})"
+GENERATIONS = "generations"
+"""`unirl generate`'s default output directory under `run.output_dir`."""
+EVALS = "evals"
+"""Where a run keeps its evaluations (`unirl.train.run`)."""
+RUN_MARKERS = ("config.yaml", "config_hash", "checkpoints")
+"""What makes a directory a unirl run: a run writes `config.yaml` and `config_hash`
+before anything else (`unirl.train.run.prepare_run_dir`)."""
+LEFTOVERS = (CLASSIFIER_DIR, GENERATIONS, RUN_CODEC, RUN_TOKENIZER, EVALS)
+"""What unirl writes into `run.output_dir` before (or without) a run there: the digits
+classifier (`unirl eval`, `unirl generate --task`), generations, a codec or tokenizer
+fitted ahead of the run, evaluations; with `unirl eval`'s `eval-<split>` directories."""
 
 
 def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
@@ -104,10 +107,10 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
     check_model_config(cfg.model)
     if cfg.trainer.parallel == "fsdp2":
         check_fsdp2_support()
-    out = Path(cfg.run.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
+    check_run_dir(Path(cfg.run.output_dir))
     check_weights(cfg.model.path, "model.path")
+    check_weights(cfg.model.initial_adapter, "model.initial_adapter")
+    check_initial_adapter(cfg)
     teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
     if teacher is not None:
         check_weights(teacher.path, "algorithm.teacher.path")
@@ -123,6 +126,83 @@ def preflight(cfg: UnirlConfig, algorithms: Collection[str]) -> None:
         check_rewards(cfg)
     if teacher is not None:
         check_teacher(cfg)
+
+
+def check_run_dir(out: Path) -> None:
+    """`run.output_dir` does not exist, is empty, is a unirl run (it holds one of
+    `RUN_MARKERS`), or holds only what unirl writes there before a run (`LEFTOVERS`,
+    `eval-<split>` directories of `unirl eval`, temporaries of interrupted writes):
+    anything else is someone's directory, which a run must not fill."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
+    names = sorted(p.name for p in out.iterdir())
+    if any(name in RUN_MARKERS for name in names):
+        return
+    foreign = [
+        n
+        for n in names
+        if n not in LEFTOVERS and not n.startswith("eval-") and not is_temporary(out / n)
+    ]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise ConfigError(
+            f"{out} is not empty and is not a unirl run (it holds {shown}); choose a new "
+            "or empty directory",
+            key="run.output_dir",
+        )
+
+
+def preflight_inference(
+    cfg: UnirlConfig, splits: Collection[str] = (), verify: bool = True
+) -> None:
+    """`unirl eval`, `probe` and `generate`: check what the command reads before it builds
+    the model or writes anything, as `preflight` does for a run: the model section, the
+    weights at `model.path` (or the codec at `model.codec.path`), the model's files, the
+    reward plugins' paths, and every row of each of `splits` (`data.<split>_path` or the
+    split's `data.path` rows, images at the model's size) with the answers its verifiers
+    need (`check_split_rows`; `verify` False: the rows only, for a command that scores
+    nothing, `unirl probe`). Raises the same one-line `ConfigError`s; writes nothing."""
+    check_model_config(cfg.model)
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
+    check_weights(cfg.model.path, "model.path")
+    if cfg.model.path is None:
+        check_weights(cfg.model.codec.path, "model.codec.path")
+    for k, plugin in enumerate(cfg.reward.plugins):
+        check_weights(plugin.path, f"reward.plugins.{k}.path")
+    geometry = check_model(cfg)
+    if cfg.data.path is not None and splits:
+        check_split_rows(cfg, splits, geometry, verify)
+    if cfg.reward.plugins:
+        check_rewards(cfg)
+
+
+def check_split_rows(
+    cfg: UnirlConfig,
+    splits: Collection[str],
+    geometry: Geometry | None = None,
+    verify: bool = True,
+) -> None:
+    """The rows of each of `splits` as an evaluation reads them (`split_rows`, images
+    through the model's processor) and verified by the plugins that score them
+    (`evaluation_reward`: the `reward:` plugins, else the tasks' default verifiers); a
+    bad row is an InputError naming its file:line and the key naming its file."""
+    if not splits:
+        return
+    processor, grid = _processor(cfg, geometry)
+    reward = evaluation_reward(cfg)[0] if verify else None
+    for split in splits:
+        try:
+            rows = split_rows(cfg.data, split, processor, grid)
+            if reward is not None:
+                check_answers(reward, rows)
+        except DatasetError as err:
+            raise _as_input_error(err, split_key(cfg.data, split)) from None
 
 
 def check_safetensors(path: Path, key: str) -> None:
@@ -281,22 +361,24 @@ def _processor(cfg: UnirlConfig, geometry: Geometry | None):
 
 
 def _as_input_error(err: DatasetError, key: str) -> InputError:
-    return InputError(str(err), key)
+    """`err` as an InputError naming the key it carries (the file of its split, or
+    `data.tasks`), else `key`."""
+    return InputError(str(err), err.key or key)
 
 
 def _has_target(sample: Sample) -> bool:
     return any(p.role == "assistant" and not isinstance(p, GenerationRequest) for p in sample.parts)
 
 
-def _answered_splits(cfg: UnirlConfig) -> tuple[str, ...]:
-    """The splits whose rows the reward plugins verify: the training prompts of a rollout
-    method, the val rows of in-training evaluation, the test rows of the final one."""
-    splits = ["train"] if cfg.algorithm.name in ROLLOUT_METHODS else []
+def _evaluated_splits(cfg: UnirlConfig) -> tuple[str, ...]:
+    """The splits a run evaluates that have rows: the val rows of in-training evaluation,
+    the test rows of the final one."""
+    splits = []
     if cfg.data.val_size > 0 and cfg.trainer.eval_every > 0:
         splits.append("val")
     if cfg.data.test_size > 0:
         splits.append("test")
-    return tuple(splits)
+    return tuple(s for s in splits if has_split(cfg.data, s))
 
 
 def check_rows(cfg: UnirlConfig, geometry: Geometry | None = None) -> Rows:
@@ -312,10 +394,14 @@ def check_rows(cfg: UnirlConfig, geometry: Geometry | None = None) -> Rows:
         for split, path in (("val", data.val_path), ("test", data.test_path)):
             if path is not None:
                 split_rows(data, split, processor, grid)
-        # rows a verifier scores need their answers (prompt pools, evaluation)
-        check_dataset_answers(cfg, _answered_splits(cfg))
+        # the prompts a verifier scores need their answers
+        if cfg.algorithm.name in ROLLOUT_METHODS:
+            check_dataset_answers(cfg, ("train",))
+        evaluated = _evaluated_splits(cfg)
     except DatasetError as err:
         raise _as_input_error(err, "data.path") from None
+    # val/test rows: read and verified as the run's evaluations will (`unirl eval` too)
+    check_split_rows(cfg, evaluated, geometry)
     if cfg.algorithm.name in ROLLOUT_METHODS:
         check_prompts(cfg, train, codec_grid)
     if cfg.algorithm.name == "sft":

@@ -2,12 +2,14 @@
 
 Layout of a run directory::
 
-    config.yaml          the resolved config (as `unirl inspect` prints it)
+    config.yaml          the resolved config (as `unirl inspect` prints it), then comment
+                         lines giving each relative path's absolute form
     config_hash          its SHA-256
     codec/               the fitted image codec (reused on resume)
     checkpoints/         atomic checkpoints (update-NNNNNN)
     metrics.jsonl        one line per update; tensorboard/ event files
     model/               the final model (save_pretrained; LoRA merged)
+    adapter/             LoRA runs: the adapter alone, in peft's format (+ unirl_adapter.json)
     classifier/          the digits classifier, when a reward plugin or a task's default
                          verifier needs it (fitted on first use)
     evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
@@ -35,12 +37,19 @@ from pathlib import Path
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
+from unirl.config.algorithms import SFTConfig
 from unirl.data.rows import has_split
 from unirl.eval.runner import evaluate, split_config, task_metrics
 from unirl.models.base import UnifiedModel
 from unirl.rewards import evaluation_reward
 from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.engine.adapters import (
+    ADAPTER_DIR,
+    load_initial_adapter,
+    lora_targets,
+    save_adapter,
+)
 from unirl.train.engine.build import (
     adapter_state,
     apply_lora,
@@ -52,24 +61,57 @@ from unirl.train.engine.build import (
 from unirl.train.engine.faults import inject_fault
 from unirl.train.engine.metrics import plot_metrics
 from unirl.train.engine.protocols import BatchSource, Objective
-from unirl.train.engine.trainer import Trainer, check_resume
+from unirl.train.engine.trainer import Trainer, check_resume, parent_checkpoint
 from unirl.train.methods.grpo.job import build_grpo_job
 from unirl.train.methods.opd.job import build_opd_job
 from unirl.train.methods.sft.information_gain import ig_evaluation
 from unirl.train.methods.sft.job import build_sft_job
 from unirl.train.methods.sft.source import sft_trajectories
-from unirl.train.preflight import preflight
+from unirl.train.methods.sft.validation import validation_loss
+from unirl.train.preflight import EVALS, preflight
 from unirl.train.state import checkpoint as ckpt
 from unirl.train.state.checkpoint import write_text_atomic
 from unirl.train.state.sharded import full_model_state
 
 logger = logging.getLogger(__name__)
-EVALS = "evals"
 
 
 def _record(path: Path, text: str) -> None:
     if not path.is_file() or path.read_text() != text:
         write_text_atomic(path, text)
+
+
+def _path_values(value, key: str = ""):
+    """(dotted key, value) of every path the config holds: a string under a key named
+    `path`, `*_path` or `*_dir` (model.path, data.test_path, run.output_dir, ...)."""
+    if isinstance(value, dict):
+        for name, child in value.items():
+            yield from _path_values(child, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, list):
+        for k, child in enumerate(value):
+            yield from _path_values(child, f"{key}.{k}")
+    elif isinstance(value, str) and value:
+        last = key.rsplit(".", 1)[-1]
+        if last == "path" or last.endswith(("_path", "_dir")):
+            yield key, value
+
+
+def absolute_paths(cfg: UnirlConfig) -> str:
+    """Comment lines for config.yaml: each relative path of the config as given and
+    resolved against the working directory of the run's command, so the record still
+    says which files were read when it is read from elsewhere. Empty when every path is
+    absolute."""
+    lines = [
+        f"#   {key}: {value} -> {Path(value).resolve()}\n"
+        for key, value in _path_values(cfg.model_dump(mode="json"))
+        if not Path(value).is_absolute()
+    ]
+    if not lines:
+        return ""
+    return (
+        "# absolute paths (the relative ones above, resolved from the working directory):\n"
+        + "".join(lines)
+    )
 
 
 def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
@@ -80,6 +122,8 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     scan = ckpt.scan_checkpoints(run_dir)
     if scan.latest is not None:
         check_resume(scan.latest, cfg)
+    elif cfg.run.parent is not None and not scan.n_candidates:
+        check_resume(parent_checkpoint(cfg), cfg)
     elif scan.n_candidates:
         raise ConfigError(
             f"no intact checkpoint among {scan.n_candidates} in {ckpt.checkpoint_dir(run_dir)} "
@@ -90,7 +134,7 @@ def prepare_run_dir(cfg: UnirlConfig, info: DistInfo) -> Path:
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.tidy_run_dir(run_dir, scan)
-        _record(run_dir / "config.yaml", to_yaml(cfg))
+        _record(run_dir / "config.yaml", to_yaml(cfg) + absolute_paths(cfg))
         _record(run_dir / "config_hash", config_hash(cfg) + "\n")
     barrier(info)
     return run_dir
@@ -101,7 +145,9 @@ def _prepare_model(cfg: UnirlConfig, run_dir: Path, device: torch.device) -> Uni
     if cfg.trainer.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if cfg.trainer.lora.enabled:
-        apply_lora(model, cfg)
+        targets = apply_lora(model, cfg)
+        if cfg.model.initial_adapter is not None:  # base + adapter, unmerged
+            load_initial_adapter(model, cfg, targets)
     if cfg.trainer.precision == "fp64":  # float64 weights, compute and optimizer state
         model = model.to(torch.float64)
     return model.to(device).train()
@@ -116,7 +162,8 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
-    validates = cfg.trainer.eval_every > 0 and _has_rows(cfg, "val", cfg.data.val_size)
+    cadence = cfg.trainer.eval_every > 0 or cfg.trainer.eval_every_epochs > 0
+    validates = cadence and _has_rows(cfg, "val", cfg.data.val_size)
     if validates or _has_rows(cfg, "test", cfg.data.test_size):
         evaluation_reward(cfg)  # a task nothing can score: a ConfigError before anything runs
     device = resolve_device(cfg.run.device)
@@ -203,25 +250,33 @@ def evaluate_split(
         out,
         per_task=size,
         classifier_dir=run_dir / CLASSIFIER_DIR,
+        stale="replace",
     )
     return task_metrics(summary)
 
 
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
-    """The task evaluator (`_task_evaluator`) and, for SFT with Information Gain on, the
-    IG metrics `val/ig/...` of the fixed val rows (cycle index pinned to 0)."""
+    """The task evaluator (`_task_evaluator`) and, for SFT, the teacher-forced validation
+    loss `val/loss`, `val/loss_text`, `val/loss_image_<head>` of the val rows
+    (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
+    `val/ig/...` of the same rows (cycle index pinned to 0)."""
     tasks = _task_evaluator(cfg, model, run_dir)
-    ig = getattr(cfg.algorithm, "information_gain", None)
-    if ig is None or ig.weight <= 0 or cfg.data.val_size == 0:
+    if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
-    if not _rows_of(cfg, "val", cfg.data.val_size):
-        return tasks
-    rows = sft_trajectories(cfg, model, "val", cfg.data.val_size)
+    ig = cfg.algorithm.information_gain
+    pad = model.special_ids.pad
+    rows: list = []  # serialised at the first evaluation (none without an eval cadence)
 
     def evaluate_val(update: int) -> dict[str, float]:
+        if not rows:
+            rows.extend(sft_trajectories(cfg, model, "val", cfg.data.val_size))
         metrics = tasks(update) if tasks is not None else {}
-        gains = ig_evaluation(model, rows, ig, model.special_ids.pad)
-        return {**metrics, **{f"val/{k}": v for k, v in gains.items()}}
+        losses = validation_loss(cfg, model, rows, pad)
+        metrics.update({f"val/{k}": v for k, v in losses.items()})
+        if ig.weight > 0:
+            gains = ig_evaluation(model, rows, ig, pad)
+            metrics.update({f"val/{k}": v for k, v in gains.items()})
+        return metrics
 
     return evaluate_val
 
@@ -249,6 +304,9 @@ def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
         inject_fault("model_write", cfg.trainer.total_updates)
 
     ckpt.write_dir_atomic(run_dir, "model", export)
+    if cfg.trainer.lora.enabled:  # the adapter alone, in peft's format (engine.adapters)
+        targets = lora_targets(model)
+        ckpt.write_dir_atomic(run_dir, ADAPTER_DIR, lambda p: save_adapter(model, cfg, p, targets))
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if _rows_of(cfg, "test", cfg.data.test_size):
         results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates)

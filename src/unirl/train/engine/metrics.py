@@ -1,8 +1,8 @@
 """Run metrics: JSONL lines (flushed), TensorBoard scalars, Weights & Biases, rollout
 samples, a progress bar, and a PNG plot of the curves at the end of a run.
 
-On resume the JSONL file is rewritten to keep only updates at or before the checkpoint,
-so a resumed run has no duplicate and no missing update (W&B keeps its step monotonic:
+On resume the JSONL file and the TensorBoard events files are rewritten to keep only
+updates at or before the checkpoint, so a resumed run has no duplicate and no missing update (W&B keeps its step monotonic:
 the re-run updates after the checkpoint, bitwise equal on an exact resume, are dropped by
 it).
 """
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import secrets
+import struct
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,38 @@ def truncate_metrics(path: Path, last_update: int) -> None:
         return
     kept = [r for r in read_metrics(path) if r.get("update", -1) <= last_update]
     write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+
+def _tf_records(data: bytes) -> list[bytes]:
+    """The whole records of a TFRecord byte string (a TensorBoard events file): each is
+    length (uint64 LE) + its masked CRC (4) + payload + the payload's masked CRC (4). A
+    torn last record is dropped."""
+    out, pos = [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        out.append(data[pos:end])
+        pos = end
+    return out
+
+
+def truncate_tensorboard(run_dir: Path, last_update: int) -> None:
+    """Rewrite every events file under ``<run_dir>/tensorboard`` keeping only the events
+    with step <= last_update (the file-version header has step 0), record bytes unchanged,
+    each file atomically — what `truncate_metrics` does for the JSONL file."""
+    root = Path(run_dir) / TENSORBOARD
+    if not root.is_dir():
+        return
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(root.rglob("events.out.tfevents.*")):
+        records = _tf_records(path.read_bytes())
+        kept = [r for r in records if Event.FromString(r[12:-4]).step <= last_update]
+        if len(kept) != len(records) or sum(map(len, records)) != path.stat().st_size:
+            with atomic_write(path, "wb") as f:
+                f.write(b"".join(kept))
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:

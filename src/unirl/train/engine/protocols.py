@@ -43,6 +43,18 @@ class BatchSource(Protocol):
         read only when `logs_samples` is true."""
         return []
 
+    def epochs_done(self, update: int) -> int | None:
+        """Whole epochs of the training rows consumed by the batches of updates
+        0..`update`-1 (None: the source has no single epoch; the config refuses epoch
+        cadences for it)."""
+        return None
+
+    def rollout_record(self, update: int) -> tuple[list[Trajectory], dict[str, Any]] | None:
+        """Update `update`'s sampled trajectories and a JSON-able per-row record
+        (rewards, advantages, routing, replay selection) for `checkpoint.save_rollouts`;
+        None for a source that samples nothing."""
+        return None
+
     def close(self) -> None:
         """Release what the source holds beyond the run (rollout/reward workers)."""
 

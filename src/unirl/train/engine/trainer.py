@@ -14,6 +14,8 @@ lines — lives here once.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
-from unirl.config.hashing import resumable_summary
+from unirl.config.hashing import SCHEDULE_KEYS, check_extension, resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -32,11 +34,18 @@ from unirl.train.dist.comm import DistInfo, all_reduce_sum, barrier
 from unirl.train.dist.parallel import Parallel
 from unirl.train.engine.batching import pack, rank_micro_batches
 from unirl.train.engine.faults import inject_fault, perturb_for_test
-from unirl.train.engine.metrics import MetricsLogger, Progress, interactive, truncate_metrics
+from unirl.train.engine.metrics import (
+    MetricsLogger,
+    Progress,
+    interactive,
+    truncate_metrics,
+    truncate_tensorboard,
+)
 from unirl.train.engine.optim import build_scheduler
 from unirl.train.engine.protocols import BatchSource, Objective
+from unirl.train.state import artifacts, sharded
 from unirl.train.state import checkpoint as ckpt
-from unirl.train.state import sharded
+from unirl.train.state.fingerprints import FINGERPRINTS, check_fingerprints, input_fingerprints
 
 
 class TrainingError(RuntimeError):
@@ -55,18 +64,74 @@ def autocast(cfg: TrainerConfig, device: torch.device):
 
 def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
     """ConfigError (a usage error) naming the changed keys when the config `found` was
-    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`)."""
+    saved under may not be resumed under `cfg` (`unirl.config.resume_conflicts`, and
+    `check_extension` under `epoch_extension`), or naming the file when an input it
+    recorded changed since (`check_fingerprints`)."""
+    check_fingerprints(found.state.get(FINGERPRINTS), cfg, str(found.path))
     if found.state.get("config_hash") == config_hash(cfg):
         return
-    refused = resume_conflicts(found.state.get("config", {}), cfg)
+    saved = found.state.get("config", {})
+    refused = resume_conflicts(saved, cfg)
     if refused:
         mode = cfg.checkpoint.resume_mode
+        schedule = [
+            k for k in refused if any(k == p or k.startswith(p + ".") for p in SCHEDULE_KEYS)
+        ]
+        fix = "use a new run.output_dir for a new run"
+        if schedule and mode == "strict":
+            fix = (
+                f"to extend or reschedule this run ({', '.join(schedule)}), set "
+                "checkpoint.resume_mode: allow_schedule_changes "
+                f"(checkpoint.resume_mode=allow_schedule_changes on the command line); else {fix}"
+            )
         raise ConfigError(
             f"refusing to resume: the config changed at {', '.join(refused)} "
             f"(checkpoint.resume_mode={mode} allows only {resumable_summary(mode)} to "
-            "change); use a new run.output_dir for a new run",
+            f"change); {fix}",
             source=str(found.path),
         )
+    bad = check_extension(saved, cfg)
+    if bad is not None:
+        raise ConfigError(f"refusing to resume {found.path}: {bad[1]}", key=bad[0])
+
+
+def parent_checkpoint(cfg: UnirlConfig) -> ckpt.Checkpoint:
+    """The checkpoint `run.parent` names: a checkpoint directory (verified), or a run
+    directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
+    for a checkpoint inside a GRPO round (`algorithm.updates_per_batch` K > 1, update not
+    a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    root = Path(cfg.run.parent)
+    try:
+        if (root / ckpt.STATE).is_file():
+            found: ckpt.Checkpoint | None = ckpt.verify_checkpoint(root)
+        elif not ckpt.checkpoint_dir(root).is_dir():
+            raise ConfigError(f"{root}: neither a run directory nor a checkpoint", key="run.parent")
+        else:
+            found = ckpt.scan_checkpoints(root).latest
+    except ckpt.CheckpointError as exc:
+        raise ConfigError(f"{exc}", key="run.parent") from None
+    if found is None:
+        raise ConfigError(f"{root}: no intact checkpoint", key="run.parent")
+    k = getattr(cfg.algorithm, "updates_per_batch", 1)
+    if found.update % k:
+        raise ConfigError(
+            f"{found.path}: update {found.update} is inside a GRPO round "
+            f"(algorithm.updates_per_batch={k}); a child starts only at a round boundary "
+            "(a multiple of it)",
+            key="run.parent",
+        )
+    return found
+
+
+def parent_record(found: ckpt.Checkpoint) -> dict[str, str]:
+    """What a child run records of its parent checkpoint: its path and the SHA-256 of its
+    manifest (every file's size and SHA-256, canonical JSON)."""
+    manifest = json.dumps(found.state["manifest"], sort_keys=True, separators=(",", ":"))
+    return {
+        "checkpoint": str(found.path.resolve()),
+        "manifest_sha256": hashlib.sha256(manifest.encode()).hexdigest(),
+        "update": str(found.update),
+    }
 
 
 def gradient_diagnostics(
@@ -150,6 +215,11 @@ class Trainer:
         self.config_hash = config_hash(cfg)
         self.update = 0
         self.resumed_from: Path | None = None
+        self.best: dict[str, Any] | None = None  # checkpoint.keep_best (rank 0)
+        self._rollout_files: dict[str, tuple[int, str]] = {}  # checkpoint.save_rollouts
+        self.parent: dict[str, str] | None = None  # the run.parent checkpoint started from
+        self.from_parent = False  # this start loaded the parent (not an own checkpoint)
+        self._fingerprints: dict | None = None
         self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
@@ -171,7 +241,18 @@ class Trainer:
             "data_cursor": self.update,
             "optimizer_saved": bool(self.optimizer.state) or not self.parallel.distributed,
             **({"identity": self.identity} if self.identity is not None else {}),
+            **({"best": self.best} if self.best is not None else {}),
+            **({"parent": self.parent} if self.parent is not None else {}),
         }
+        if self.cfg.checkpoint.save_rollouts:
+            state["rollouts"] = {
+                "files": sorted(self._rollout_files),
+                "inventory_sha256": artifacts.inventory_sha256(self._rollout_files),
+            }
+        if self.dist.is_main:
+            if self._fingerprints is None:  # what the run reads, fingerprinted once
+                self._fingerprints = input_fingerprints(self.cfg)
+            state[FINGERPRINTS] = self._fingerprints
         if self.parallel.distributed:
             sharded.save_sharded(
                 staging, self.model, self.optimizer, self.scheduler, self._ckpt_keys, self.dist
@@ -193,17 +274,32 @@ class Trainer:
         self._last_ckpt_time = time.monotonic()
 
     def resume(self) -> bool:
-        """Load the latest intact checkpoint, if any; return whether one was found."""
+        """Load the latest intact checkpoint of the run directory, else (with `run.parent`)
+        the parent checkpoint; return whether one was loaded. Says which on stdout."""
         scan = ckpt.scan_checkpoints(self.run_dir)
-        if scan.latest is not None:
-            self._check_config(scan.latest)
+        found = scan.latest
+        parent = self.cfg.run.parent
+        if found is None and parent is not None:
+            found = parent_checkpoint(self.cfg)
+            self.from_parent = True
+        if found is not None:
+            self._check_config(found)
         barrier(self.dist)
         if self.dist.is_main:
             ckpt.tidy_run_dir(self.run_dir, scan)
         barrier(self.dist)
-        found = scan.latest
         if found is None:
             return False
+        self.parent = parent_record(found) if self.from_parent else found.state.get("parent")
+        if self.dist.is_main and parent is not None:
+            if self.from_parent:
+                print(f"starting from the parent checkpoint {found.path} (run.parent)", flush=True)
+            else:
+                print(
+                    f"resuming from this run's own checkpoint {found.path} (not the "
+                    f"run.parent {parent})",
+                    flush=True,
+                )
         if found.sharded != self.parallel.distributed:
             raise TrainingError(
                 f"{found.path}: written {'with' if found.sharded else 'without'} "
@@ -227,9 +323,32 @@ class Trainer:
             ckpt.restore_rng_states(found.rng_state(self.dist.rank))
         self.update = found.update
         self.resumed_from = found.path
+        if self.from_parent:  # a child starts without metrics, best record or rollouts
+            return True
+        if self.cfg.checkpoint.keep_best is not None:
+            self.best = found.state.get("best")
         if self.dist.is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.update)
+            truncate_tensorboard(self.run_dir, self.update)
+            if self.cfg.checkpoint.keep_best is not None:
+                artifacts.write_best(ckpt.checkpoint_dir(self.run_dir), self.best)
+            if self.cfg.checkpoint.save_rollouts:
+                self._resume_rollouts(found)
         return True
+
+    def _resume_rollouts(self, found: ckpt.Checkpoint) -> None:
+        """Delete the rollout files of updates after the checkpoint; refuse when those it
+        links no longer match its inventory (`unirl.train.state.artifacts`)."""
+        artifacts.truncate_rollouts(self.run_dir, self.update)
+        entries = artifacts.rollout_inventory(self.run_dir, self.update)
+        recorded = found.state.get("rollouts", {}).get("inventory_sha256")
+        if recorded != artifacts.inventory_sha256(entries):
+            raise TrainingError(
+                f"refusing to resume {found.path}: {self.run_dir / artifacts.ROLLOUTS} no "
+                "longer holds the rollout files this checkpoint links (missing or changed); "
+                "use a new run.output_dir"
+            )
+        self._rollout_files = entries
 
     def _load_single(self, found: ckpt.Checkpoint) -> None:
         missing, unexpected = self.model.load_state_dict(found.model_state(), strict=False)
@@ -249,9 +368,17 @@ class Trainer:
                 f"refusing to resume {found.path}: it was trained against {held}, this run "
                 f"has {self.identity}; use a new run.output_dir"
             )
-        if found.state.get("config_hash") == self.config_hash:
-            return
         check_resume(found, self.cfg)
+
+    def _remeasures(self) -> bool:
+        """A child started from its parent under `rollout_limit_change` re-measures the
+        validation metrics at the update it starts from (rank 0, when it validates)."""
+        return (
+            self.from_parent
+            and self.cfg.checkpoint.resume_mode == "rollout_limit_change"
+            and self.evaluator is not None
+            and (self.t.eval_every > 0 or self.t.eval_every_epochs > 0)
+        )
 
     # -- one update ----------------------------------------------------------------
     def accumulate(self) -> dict[str, float]:
@@ -364,11 +491,74 @@ class Trainer:
             "train/tokens_per_s": tokens / max(train_s, 1e-9),
         }
 
+    def _epoch_boundary(self, every: int) -> bool:
+        """Whether update `self.update` ends an epoch whose number is a multiple of
+        `every` (the update whose batch holds that epoch's last row; `epochs_done`)."""
+        if every <= 0:
+            return False
+        now, before = self.source.epochs_done(self.update), self.source.epochs_done(self.update - 1)
+        if now is None or before is None:
+            raise TrainingError("epoch cadences need a batch source with epochs (sft)")
+        return now // every > before // every
+
+    def _eval_due(self) -> bool:
+        """Whether update `self.update` is evaluated: every `trainer.eval_every` updates,
+        at every `trainer.eval_every_epochs`-th epoch boundary, and at the last update
+        when either is on."""
+        every, epochs = self.t.eval_every, self.t.eval_every_epochs
+        if every == 0 and epochs == 0:
+            return False
+        if self.update == self.t.total_updates:
+            return True
+        return (every > 0 and self.update % every == 0) or self._epoch_boundary(epochs)
+
+    def _track_best(self, metrics: dict[str, float], evaluated: bool) -> bool:
+        """`checkpoint.keep_best`: whether this evaluated update improves the best value
+        (rank 0 decides, every rank learns it); the new record goes into `self.best`."""
+        c = self.cfg.checkpoint
+        if c.keep_best is None or not evaluated:
+            return False
+        improved = False
+        if self.evaluator is not None:
+            if c.keep_best not in metrics:
+                found = ", ".join(sorted(k for k in metrics if k.startswith("val/")))
+                raise TrainingError(
+                    f"checkpoint.keep_best: {c.keep_best} is not among the validation "
+                    f"metrics of update {self.update} ({found})"
+                )
+            value = float(metrics[c.keep_best])
+            if math.isfinite(value) and artifacts.better(value, self.best, c.keep_best_mode):
+                name = ckpt.checkpoint_dir(self.run_dir) / f"{ckpt.PREFIX}{self.update:06d}"
+                self.best = {
+                    "metric": c.keep_best,
+                    "mode": c.keep_best_mode,
+                    "value": value,
+                    "update": self.update,
+                    "checkpoint": name.name,
+                }
+                improved = True
+        flag = all_reduce_sum(torch.tensor(float(improved)), self.dist)
+        return bool(flag.item() > 0)
+
+    def _save_rollout(self) -> None:
+        """`checkpoint.save_rollouts`: the batch of update `self.update` (1-based) to
+        rollouts/update-N.pt + .json (rank 0; `unirl.train.state.artifacts`)."""
+        if not (self.cfg.checkpoint.save_rollouts and self.dist.is_main):
+            return
+        found = self.source.rollout_record(self.update - 1)
+        if found is None:
+            raise TrainingError("checkpoint.save_rollouts: the batch source samples no rollouts")
+        trajs, record = found
+        entries = artifacts.write_rollout(self.run_dir, self.update, trajs, record)
+        self._rollout_files.update(entries)
+
     def _due(self) -> bool:
         c = self.cfg.checkpoint
         if self.update >= self.t.total_updates:
             return True
         if c.every_updates > 0 and self.update % c.every_updates == 0:
+            return True
+        if self._epoch_boundary(c.every_epochs):
             return True
         due = c.every_minutes > 0 and (
             time.monotonic() - self._last_ckpt_time >= 60.0 * c.every_minutes
@@ -397,9 +587,13 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
-        if not resumed:
+        if not resumed or self.from_parent:
             if self.dist.is_main:
                 truncate_metrics(self.run_dir / "metrics.jsonl", -1)
+                truncate_tensorboard(self.run_dir, 0)
+                artifacts.truncate_rollouts(self.run_dir, 0)
+            # the step-zero checkpoint before the first update, or a child's first
+            # checkpoint: the parent's state, in its own directory
             self.save()
         if self.dist.is_main:
             if resumed:
@@ -414,30 +608,33 @@ class Trainer:
         logger = None
         if self.dist.is_main:
             logger = MetricsLogger(self.run_dir, log, self.cfg.model_dump(mode="json"))
-        total, eval_every = self.t.total_updates, self.t.eval_every
+        total = self.t.total_updates
         main = self.dist.is_main
         progress = Progress(
             total, self.update, log.progress_bar and main, plain=main and not interactive()
         )
         start = self.update
+        if self._remeasures() and logger is not None:
+            # rollout caps changed from the parent: the validation baseline under the new caps
+            logger.log(self.update, self.evaluator(self.update), force=True)
         try:
             while self.update < total:
                 t0 = time.perf_counter()
                 metrics = self.step()
                 self.update += 1
-                if self.evaluator is not None and eval_every > 0:
-                    if self.update % eval_every == 0 or self.update == total:
-                        metrics.update(self.evaluator(self.update))
+                self._save_rollout()
+                evaluated = self._eval_due()
+                if self.evaluator is not None and evaluated:
+                    metrics.update(self.evaluator(self.update))
+                improved = self._track_best(metrics, evaluated)
                 if logger is not None:
                     last = self.update == total
-                    evaluated = self.evaluator is not None and eval_every > 0
-                    evaluated = evaluated and self.update % eval_every == 0
                     if logger.log(self.update, metrics, force=last or evaluated):
                         progress.logged(self.update, metrics)
                 self._log_samples(logger)
                 inject_fault("after_update", self.update)
                 stop = stop_after is not None and self.update - start >= stop_after
-                if self._due() or stop:
+                if self._due() or stop or improved:
                     self.save()
                 progress.advance(metrics["loss"], 1.0 / max(time.perf_counter() - t0, 1e-9))
                 yield self.update, metrics

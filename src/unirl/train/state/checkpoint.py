@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from unirl.core.atomic import apply_umask, fsync_dir, fsync_tree, is_temporary, remove
 from unirl.core.atomic import write_dir_atomic as write_dir_atomic  # re-exported
 from unirl.core.atomic import write_text_atomic as write_text_atomic  # re-exported
+from unirl.train.state.artifacts import ROLLOUTS, read_best, write_best
 
 STATE = "state.json"
 MODEL = "model.safetensors"
@@ -168,19 +169,25 @@ def seal_checkpoint(run_dir: Path, update: int, state: dict[str, Any], keep_last
     os.replace(staging, final)
     fsync_dir(final.parent)
     _verified[str(final)] = _signature(final)
+    if state.get("best") is not None:  # checkpoint.keep_best: the record, before pruning
+        write_best(checkpoint_dir(run_dir), state["best"])
     prune(run_dir, keep_last)
     return final
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
     """Keep the `keep_last` newest *verified* checkpoints (0 = all); move corrupt ones
-    met on the way to ``checkpoints/corrupt/``; delete older ones (rename, then remove)."""
+    met on the way to ``checkpoints/corrupt/``; delete older ones (rename, then remove),
+    except the best checkpoint ``checkpoints/best.json`` names (`checkpoint.keep_best`)."""
     if keep_last <= 0:
         return
     kept = 0
+    best = read_best(checkpoint_dir(run_dir))
+    protected = best.get("checkpoint") if best else None
     for path in reversed(_candidates(run_dir)):
         if kept >= keep_last:
-            _remove(path)
+            if path.name != protected:
+                _remove(path)
             continue
         try:
             verify_checkpoint(path)
@@ -289,12 +296,18 @@ def last_saved(run_dir: Path) -> Path | None:
 
 def stale_temporaries(run_dir: Path) -> list[Path]:
     """What interrupted writes leave behind: checkpoint staging directories, half-pruned
-    checkpoints, and the temporaries of atomic writes in the run directory."""
+    checkpoints, and the temporaries of atomic writes in the run directory, its
+    checkpoints/ (best.json) and rollouts/ (saved rollouts)."""
     run_dir = Path(run_dir)
     found = [p for p in run_dir.iterdir() if is_temporary(p)] if run_dir.is_dir() else []
     root = checkpoint_dir(run_dir)
     if root.is_dir():
-        found += [p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING))]
+        found += [
+            p for p in root.iterdir() if p.name.startswith((STAGING, PRUNING)) or is_temporary(p)
+        ]
+    rollouts = run_dir / ROLLOUTS
+    if rollouts.is_dir():  # checkpoint.save_rollouts
+        found += [p for p in rollouts.iterdir() if is_temporary(p)]
     return sorted(found)
 
 

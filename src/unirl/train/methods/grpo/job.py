@@ -56,5 +56,8 @@ def build_grpo_job(
             cfg.reward, decode_images=model.codec.decode, resources=resources, features=True
         )
     source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor, workers)
-    reference = Reference(model, cfg.trainer.lora.enabled) if algo.kl.type != "none" else None
+    # LoRA from scratch: the reference is the base (adapters off); from an initial adapter
+    # it is base + that adapter, a frozen copy (the initial policy either way)
+    lora_off = cfg.trainer.lora.enabled and cfg.model.initial_adapter is None
+    reference = Reference(model, lora_off) if algo.kl.type != "none" else None
     return source, GRPOObjective(algo, reference)

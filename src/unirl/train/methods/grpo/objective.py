@@ -35,8 +35,9 @@ of |Δ| over the whole global batch, whose populations `loss` keeps and `finaliz
 gathers over ranks.
 
 The reference is a frozen copy of the initial policy (the weights at job build, before
-any resume), or — with LoRA — the same model with its adapters disabled (no second
-model in memory).
+any resume), or — with LoRA from scratch — the same model with its adapters disabled (no
+second model in memory); a run started from `model.initial_adapter` has base + adapter
+as its initial policy, so its reference is a frozen copy of that.
 """
 
 from __future__ import annotations

@@ -179,6 +179,25 @@ class GRPOSource(BatchSource):
             )
         return out
 
+    def rollout_record(self, update: int) -> tuple[list[RolloutTrajectory], dict]:
+        """`update`'s trajectories and per-row record (`checkpoint.save_rollouts`): group
+        member id, dataset row, reward, advantage, finish reason; whether the update
+        reused its round's batch (`updates_per_batch` > 1)."""
+        rollout = self.rollout(update)
+        rows = [
+            {
+                "id": sample.id,
+                "source_id": sample.meta.get("source_id"),
+                "task": sample.task,
+                "reward": reward,
+                "advantage": traj.advantage,
+                "finish_reason": traj.finish_reason,
+            }
+            for sample, traj, reward in zip(rollout.samples, rollout.trajectories, rollout.rewards)
+        ]
+        round_info = {"first_update": rollout.update + 1, "reused": not self.first_of_round(update)}
+        return rollout.trajectories, {"method": "grpo", "round": round_info, "rows": rows}
+
     # -- rollouts ------------------------------------------------------------------
     def first_of_round(self, update: int) -> bool:
         """Whether `update` rolls out (the first update of its round)."""

@@ -102,6 +102,8 @@ class OPDBatch:
     update: int
     rows: list[Trajectory]
     metrics: dict[str, float]
+    sampled: list[RolloutTrajectory]
+    record: dict
 
 
 class OPDSource(BatchSource):
@@ -142,6 +144,13 @@ class OPDSource(BatchSource):
     def batch_metrics(self, update: int) -> dict[str, float]:
         return dict(self._make_cached(update).metrics)
 
+    def rollout_record(self, update: int) -> tuple[list[Trajectory], dict]:
+        """`update`'s student trajectories (every sampled row, dropped ones too) and the
+        record of each row's verification and route, and of the GT replay selection
+        (`checkpoint.save_rollouts`)."""
+        batch = self._make_cached(update)
+        return batch.sampled, batch.record
+
     def _make_cached(self, update: int) -> OPDBatch:
         if self._batch is None or self._batch.update != update:
             self._batch = None
@@ -171,8 +180,8 @@ class OPDSource(BatchSource):
             trajs = self.service.gather(local, len(samples))
             correct = [None] * len(trajs)
         t2 = time.perf_counter()
-        rows, counts = self._route(samples, trajs, correct)
-        gt = self._gt_rows(update, samples, trajs, correct)
+        rows, counts, routes = self._route(samples, trajs, correct)
+        gt, chosen = self._gt_rows(update, samples, trajs, correct)
         metrics.update(rollout_stats(trajs, t1 - t0))
         n_ok = sum(1 for c in correct if c)
         metrics.update(
@@ -184,18 +193,38 @@ class OPDSource(BatchSource):
                 "time/verify_s": t2 - t1,
             }
         )
-        return OPDBatch(update, rows + gt, metrics)
+        rewards = result.total.tolist() if self.rewards is not None else [None] * len(trajs)
+        record = {
+            "method": "opd",
+            "rows": [
+                {
+                    "id": s.id,
+                    "source_id": s.meta.get("source_id"),
+                    "task": s.task,
+                    "reward": reward,
+                    "correct": ok,
+                    "route": route,
+                    "finish_reason": t.finish_reason,
+                }
+                for s, t, reward, ok, route in zip(samples, trajs, rewards, correct, routes)
+            ],
+            "gt_replay": {"mode": self.algo.gt_replay.mode, "rows": chosen},
+        }
+        return OPDBatch(update, rows + gt, metrics, trajs, record)
 
     def _route(
         self, samples: list[Sample], trajs: list[RolloutTrajectory], correct: list[bool | None]
-    ) -> tuple[list[Trajectory], dict[str, int]]:
-        """The distilled rows with their `DistillRecord`s, and the routing counts."""
+    ) -> tuple[list[Trajectory], dict[str, int], list[str]]:
+        """The distilled rows with their `DistillRecord`s, the routing counts, and each
+        sampled row's route (plain | privileged | dropped)."""
         a = self.algo
         counts = {"n_plain": 0, "n_privileged": 0, "n_dropped": 0}
         rows: list[Trajectory] = []
+        routes: list[str] = []
         for sample, traj, ok in zip(samples, trajs, correct):
             if a.routing == "correct_only" and not ok:
                 counts["n_dropped"] += 1
+                routes.append("dropped")
                 continue
             privileged = a.teacher.privilege != "none"
             if a.routing == "privileged_correction":
@@ -204,11 +233,12 @@ class OPDSource(BatchSource):
             if privileged:
                 head = self.teacher.prompt_trajectory(privileged_sample(sample))
             counts["n_privileged" if privileged else "n_plain"] += 1
+            routes.append("privileged" if privileged else "plain")
             record = DistillRecord(**vars(traj.sampling), teacher_prompt=head)
             rows.append(
                 replace(traj, rollout_logp=None, rollout_logp_factors=None, sampling=record)
             )
-        return rows, counts
+        return rows, counts, routes
 
     def _gt_rows(
         self,
@@ -216,11 +246,12 @@ class OPDSource(BatchSource):
         samples: list[Sample],
         trajs: list[RolloutTrajectory],
         correct: list[bool | None],
-    ) -> list[Trajectory]:
-        """GT-replay rows of the update (module docstring, step 5)."""
+    ) -> tuple[list[Trajectory], list[dict]]:
+        """GT-replay rows of the update (module docstring, step 5) and which dataset rows
+        they are (row id `gt-k`, the sample's id and dataset row)."""
         mode, budget = self.algo.gt_replay.mode, self.algo.gt_replay.budget
         if mode == "none":
-            return []
+            return [], []
         rng = np.random.default_rng([self.run_seed, update, GT_STREAM])
         if mode == "uniform":
             pool = [s for t in self.prompt_sampler.tasks for s in self.prompt_sampler.pools[t]]
@@ -230,8 +261,9 @@ class OPDSource(BatchSource):
             if len(failed) > budget:
                 failed = [failed[int(k)] for k in sorted(rng.choice(len(failed), budget, False))]
             chosen = failed
-        out = []
+        out, which = [], []
         for k, s in enumerate(chosen):
             traj = self.model.prompt_trajectory(s, add_generation_prompt=False)
             out.append(replace(traj, sample_id=f"gt-{k}"))
-        return out
+            which.append({"id": f"gt-{k}", "sample_id": s.id, "source_id": s.meta.get("source_id")})
+        return out, which

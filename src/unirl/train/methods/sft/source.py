@@ -139,3 +139,8 @@ class DatasetSource(BatchSource):
 
     def batch_metrics(self, update: int) -> dict[str, float]:
         return {"epoch": update * self.batch_size / len(self.rows)}
+
+    def epochs_done(self, update: int) -> int:
+        """Epochs completed by updates 0..update-1: the cursor is at row update·B, so
+        epoch e ends with update ceil(e·R / B) (R rows, B rows per update)."""
+        return update * self.batch_size // len(self.rows)
