@@ -54,9 +54,10 @@ def test_parser_decides_what_it_can(reference, answer, expected):
 
 class Endpoint:
     """A /v1/chat/completions server whose reply depends on the candidate answer:
-    'seven'/'sept' -> "Yes.", 'eight' -> "no", 'slow' -> sleeps past the client timeout,
-    'garbage' -> not JSON, 'maybe' -> a reply that is no verdict, 'flaky' -> HTTP 500 on
-    its first request then "yes", 'wait*' -> "yes" after 0.2 s (concurrency probe)."""
+    'seven'/'sept' -> "Yes.", 'eight' -> "no", 'slow' -> sleeps 1.2 s (past the client's
+    0.5 s timeout), 'garbage' -> not JSON, 'maybe' -> a reply that is no verdict, 'flaky'
+    -> HTTP 500 on its first request then "yes", 'wait*' -> "yes" after 0.2 s
+    (concurrency probe), anything else -> "yes"."""
 
     def __init__(self) -> None:
         self.requests: list[str] = []
@@ -87,7 +88,7 @@ class Endpoint:
 
             def _reply(self, answer, first):
                 if answer == "slow":
-                    time.sleep(0.6)
+                    time.sleep(1.2)
                 if answer.startswith("wait"):
                     time.sleep(0.2)
                 if answer == "flaky" and first:
@@ -145,7 +146,7 @@ def rows(answers, reference="7"):
 
 
 def http_reward(url, on_error="zero", **kwargs):
-    kw = {"base_url": url, "model": "judge-1", "timeout": 0.3, "retries": 1, "concurrency": 4}
+    kw = {"base_url": url, "model": "judge-1", "timeout": 0.5, "retries": 1, "concurrency": 4}
     plugin = RewardPluginConfig(name="answer_judge", kwargs={**kw, **kwargs})
     return build_reward_service(RewardConfig(plugins=[plugin], on_error=on_error))
 
