@@ -11,7 +11,9 @@ from unirl.rewards.defaults import (
     headline_metrics,
     passes,
 )
+from unirl.rewards.judge import AnswerJudge
 from unirl.rewards.plugins import (
+    ENTRY_POINT_GROUP,
     PLUGINS,
     DecodeImages,
     DigitClassifierReward,
@@ -23,7 +25,9 @@ from unirl.rewards.plugins import (
     TextExact,
     build_plugin,
     build_responses,
+    installed_plugins,
     parse_response,
+    plugin_class,
     response_parts,
 )
 from unirl.rewards.service import (
@@ -36,9 +40,11 @@ from unirl.rewards.service import (
 )
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "PLUGINS",
     "TASK_VERIFIERS",
     "AllRewardsOverwrittenWarning",
+    "AnswerJudge",
     "DecodeImages",
     "DigitClassifierReward",
     "ExactAnswer",
@@ -59,7 +65,9 @@ __all__ = [
     "check_dataset_answers",
     "evaluation_reward",
     "headline_metrics",
+    "installed_plugins",
     "parse_response",
     "passes",
+    "plugin_class",
     "response_parts",
 ]

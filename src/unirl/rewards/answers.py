@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from unirl.config.schema import RewardConfig, UnirlConfig
 from unirl.data.loader import DatasetError, Rows
 from unirl.data.rows import has_split, split_key, split_rows
-from unirl.rewards.plugins import PLUGINS
+from unirl.rewards.plugins import find_plugin_class
 
 
 def check_answers(reward: RewardConfig, rows: Rows) -> None:
     """DatasetError naming the first row of `rows` a configured plugin would score against
     an answer the row lacks or the plugin cannot verify (module docstring)."""
     for k, plugin in enumerate(reward.plugins):
-        cls = PLUGINS.get(plugin.name)
+        cls = find_plugin_class(plugin.name)
         if cls is None or not cls.requires_answer:
             continue
         tasks = None if plugin.tasks is None else set(plugin.tasks)

@@ -91,6 +91,20 @@ class RewardPlugin(ABC):
         """Per-row invalid-format flags [n] (default: none)."""
         return [False] * len(samples)
 
+    def features(
+        self, samples: Sequence[Sample], responses: Sequence[Response]
+    ) -> torch.Tensor | None:
+        """The scorer's feature vector of each row's response, float [n, d], a row of NaN
+        where the response has none (e.g. no decodable image); None (the default): this
+        plugin has no features. GRPO's diversity metrics (the Vendi score) read them."""
+        return None
+
+    def pop_counts(self) -> dict[str, float]:
+        """Summable counts of what the plugin did since the last call (then reset), logged
+        as `reward/<plugin>/<name>` and, with `n_rows` among them, `<x>_frac` for each
+        `n_<x>` (e.g. answer_judge's n_judged -> judged_frac). Default: none."""
+        return {}
+
 
 def build_responses(
     responses: Sequence[Sequence[Part] | None], decode_images: DecodeImages | None

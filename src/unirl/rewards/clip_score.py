@@ -129,6 +129,28 @@ class ClipScore(RewardPlugin):
             out.append(cos.cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
+    @torch.no_grad()
+    def image_features(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+        """CLIP's projected image embeddings e_i, float32 [n, projection_dim]."""
+        out = []
+        for s in range(0, len(images), self.batch_size):
+            inputs = self.processor(
+                images=list(images[s : s + self.batch_size]), return_tensors="pt", do_rescale=False
+            ).to(self.device)
+            image = self.model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
+            out.append(image.float().cpu())
+        return torch.cat(out)
+
+    def features(self, samples: Sequence[Sample], responses: Sequence[Response]) -> torch.Tensor:
+        """CLIP's image embeddings of each row's image, float32 [n, projection_dim]; NaN
+        rows where `one_image` is None."""
+        images = [one_image(r) for r in responses]
+        out = torch.full((len(samples), self.model.config.projection_dim), float("nan"))
+        valid = [i for i, img in enumerate(images) if img is not None]
+        if valid:
+            out[valid] = self.image_features([images[i] for i in valid])
+        return out
+
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> torch.Tensor:
         images = [one_image(r) for r in responses]
         out = torch.zeros(len(samples), dtype=torch.float32)

@@ -118,6 +118,15 @@ class DigitClassifier:
         with torch.no_grad():
             return self.net(x)
 
+    def features(self, pixels: ArrayLike) -> torch.Tensor:
+        """The input of the last linear layer (the ReLU'd hidden activations), float32
+        [N, hidden] (eval mode, no gradients): the classifier's image features."""
+        self._check_fitted()
+        x = as_pixels(pixels).unsqueeze(1)
+        self.net.eval()
+        with torch.no_grad():
+            return self.net[:-1](x)
+
     def predict_proba(self, pixels: ArrayLike) -> torch.Tensor:
         """softmax(logits): float32 [N, 10], rows sum to 1."""
         return self.logits(pixels).softmax(dim=-1)

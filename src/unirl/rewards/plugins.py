@@ -20,9 +20,20 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
 - `clip_score` (alias `pickscore`; t2i on real images): CLIP / PickScore-style
   text-image score from a local `CLIPModel` directory (`unirl.rewards.clip_score`;
   kwargs device, mode, batch_size). Invalid: not exactly one decodable image.
+- `answer_judge` (open answers): a deterministic parser (letters, numbers, normalised
+  text), then a judge — a local causal LM (`path`) or an OpenAI-compatible endpoint
+  (kwargs base_url, model, timeout, retries, concurrency, api_key_env) — for the rows it
+  leaves unresolved (`unirl.rewards.judge`). Invalid: an empty or unparsable response.
 
 A plugin class with a `from_config(cfg, key, resources)` classmethod and a
 `config_kwargs` set builds itself from its config entry.
+
+Plugins from other packages: a distribution that declares an entry point in the group
+`unirl.rewards` (`ENTRY_POINT_GROUP`; name = the config name, value = a `RewardPlugin`
+subclass, `module:Class`) is found by `plugin_class` after the built-ins (a built-in
+name always means the built-in). Such a class builds with `from_config` when it has
+one, else as `cls(**kwargs)` with kwargs checked against its `config_kwargs` (and no
+`path`). docs/rewards.md and examples/reward_plugin/ show a complete package.
 
 The target digit is meta["digit"] (else the answer). A sample a plugin cannot verify
 (e.g. mc_exact on an answer that is not a letter) raises: restrict the plugin to its
@@ -32,6 +43,7 @@ tasks with `tasks:` in its config.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import torch
@@ -43,6 +55,7 @@ from unirl.data.template import parse_response, response_parts
 from unirl.rewards.base import DecodeImages, Response, RewardPlugin, build_responses
 from unirl.rewards.clip_score import ClipScore
 from unirl.rewards.digit_classifier import DigitClassifier
+from unirl.rewards.judge import AnswerJudge
 
 __all__ = [
     "PLUGINS",
@@ -55,6 +68,8 @@ __all__ = [
     "RewardPlugin",
     "TextExact",
     "build_plugin",
+    "installed_plugins",
+    "plugin_class",
     "build_responses",
     "parse_response",
     "response_parts",
@@ -205,6 +220,16 @@ class DigitClassifierReward(RewardPlugin):
     ) -> list[bool]:
         return [single_image(r) is None for r in responses]
 
+    def features(self, samples: Sequence[Sample], responses: Sequence[Response]) -> torch.Tensor:
+        """The classifier's penultimate activations (`DigitClassifier.features`) of each
+        row's image, float32 [n, hidden]; NaN rows where `single_image` is None."""
+        images = [single_image(r) for r in responses]
+        out = torch.full((len(samples), self.classifier.hidden), float("nan"))
+        valid = [i for i, img in enumerate(images) if img is not None]
+        if valid:
+            out[valid] = self.classifier.features(torch.stack([images[i] for i in valid]))
+        return out
+
 
 class ExactAnswer(RewardPlugin):
     """Draw-then-answer: 1 if the text after the (only) image, stripped, equals the answer.
@@ -263,6 +288,7 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "text_exact": TextExact,
     "clip_score": ClipScore,
     "pickscore": ClipScore,
+    "answer_judge": AnswerJudge,
 }
 """Plugin name (config `reward.plugins.N.name`) -> class."""
 
@@ -287,6 +313,86 @@ def _classifier(cfg: RewardPluginConfig, key: str, resources: Mapping[str, Any])
     return given
 
 
+ENTRY_POINT_GROUP = "unirl.rewards"
+"""The entry-point group other packages declare reward plugins in (module docstring)."""
+
+
+def installed_plugins() -> dict[str, list[EntryPoint]]:
+    """Entry-point name -> the entry points of that name in `ENTRY_POINT_GROUP`, from every
+    installed distribution (read now: a package installed after import is seen)."""
+    found: dict[str, list[EntryPoint]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if all(ep.value != other.value for other in found.get(ep.name, [])):
+            found.setdefault(ep.name, []).append(ep)
+    return found
+
+
+def known_plugin_names() -> str:
+    """The names `plugin_class` resolves, for error messages: built-ins, then installed."""
+    installed = sorted(set(installed_plugins()) - set(PLUGINS))
+    text = "built-in " + ", ".join(sorted(PLUGINS))
+    return text + ("; installed " + ", ".join(installed) if installed else "; none installed")
+
+
+def _entry_point_name(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} (from {dist.name})" if dist is not None else ep.value
+
+
+def plugin_class(name: str, key: str = "reward.plugins.0.name") -> type[RewardPlugin]:
+    """The plugin class of config name `name`: a built-in (`PLUGINS`), else the class an
+    installed `unirl.rewards` entry point of that name loads. ConfigError at `key` for an
+    unknown name (listing the known ones), two packages claiming the name, an entry point
+    that fails to import, or one that is not a `RewardPlugin` subclass."""
+    cls = PLUGINS.get(name)
+    if cls is not None:
+        return cls
+    installed = installed_plugins()
+    eps = installed.get(name, [])
+    if not eps:
+        names = sorted(set(PLUGINS) | set(installed))
+        raise ConfigError(
+            f"unknown reward plugin '{name}'",
+            key=key,
+            expected=f"a registered name ({known_plugin_names()}; packages add names "
+            f"with '{ENTRY_POINT_GROUP}' entry points)",
+            suggestion=suggest(name, names),
+        )
+    if len(eps) > 1:
+        claims = ", ".join(_entry_point_name(ep) for ep in eps)
+        raise ConfigError(
+            f"reward plugin '{name}' is declared by several '{ENTRY_POINT_GROUP}' entry "
+            f"points: {claims}",
+            key=key,
+            expected="one installed package per plugin name",
+        )
+    try:
+        loaded = eps[0].load()
+    except Exception as err:  # an installed package may fail in any way on import
+        raise ConfigError(
+            f"reward plugin '{name}' (entry point {_entry_point_name(eps[0])}) failed to "
+            f"load: {type(err).__name__}: {err}",
+            key=key,
+        ) from err
+    if not (isinstance(loaded, type) and issubclass(loaded, RewardPlugin)):
+        raise ConfigError(
+            f"reward plugin '{name}' (entry point {_entry_point_name(eps[0])}) is "
+            f"{loaded!r}, not a RewardPlugin subclass",
+            key=key,
+            expected="an entry point value 'module:Class' naming a unirl RewardPlugin subclass",
+        )
+    return loaded
+
+
+def find_plugin_class(name: str) -> type[RewardPlugin] | None:
+    """`plugin_class(name)`, or None where it would raise (callers that only ask what a
+    plugin needs; building the plugin reports the problem)."""
+    try:
+        return plugin_class(name)
+    except ConfigError:
+        return None
+
+
 def build_plugin(
     cfg: RewardPluginConfig,
     key: str = "reward.plugins.0",
@@ -295,17 +401,11 @@ def build_plugin(
     """The plugin named by `cfg`; `key` is its dotted config key (for errors).
 
     `resources["digit_classifier"]` passes a `DigitClassifier` directly when `cfg.path`
-    is null. Unknown names, kwargs, or a path a plugin does not use raise ConfigError.
+    is null. Unknown names (`plugin_class`), kwargs, or a path a plugin does not use
+    raise ConfigError.
     """
     resources = resources or {}
-    cls = PLUGINS.get(cfg.name)
-    if cls is None:
-        raise ConfigError(
-            f"unknown reward plugin '{cfg.name}'",
-            key=f"{key}.name",
-            expected=" | ".join(sorted(PLUGINS)),
-            suggestion=suggest(cfg.name, PLUGINS),
-        )
+    cls = plugin_class(cfg.name, f"{key}.name")
     allowed = getattr(cls, "config_kwargs", _KWARGS.get(cls, frozenset()))
     for name in cfg.kwargs:
         if name not in allowed:
@@ -332,4 +432,9 @@ def build_plugin(
         return cls(require, _classifier(cfg, key, resources) if require else None)
     if cfg.path is not None:
         raise ConfigError(f"plugin '{cfg.name}' does not load a model", key=f"{key}.path")
-    return cls()
+    if cls in PLUGINS.values():
+        return cls()
+    try:  # an installed plugin: its config_kwargs are its constructor's keyword arguments
+        return cls(**cfg.kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"plugin '{cfg.name}': {err}", key=f"{key}.kwargs") from err

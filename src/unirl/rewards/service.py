@@ -19,6 +19,10 @@ Contract of `RewardService.score(samples, trajectories, responses)`, row i:
   context or cycle (`TRUNCATED_REASONS`) get total 0 — never `length_exact`, `eos` or
   `invalid` rows. Every shaped row counts as overwritten (whatever its reward was);
   when all rows are overwritten the service warns loudly: 100% is an alarm.
+- Features (`features=True`, GRPO's diversity metrics): the first plugin whose
+  `RewardPlugin.features` gives any (digit_classifier, clip_score) describes each row it
+  scored without error, `RewardResult.features` float [N, d] (NaN rows elsewhere);
+  its failure follows on_error like a score's.
 """
 
 from __future__ import annotations
@@ -100,6 +104,12 @@ class RewardResult:
     sample_ids: list[str] = field(default_factory=list)
     tasks: list[str | None] = field(default_factory=list)
     n_undecodable_images: int = 0
+    counts: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per plugin label, its `RewardPlugin.pop_counts` of this batch (summable)."""
+    features: torch.Tensor | None = None
+    """float32 [N, d] scorer features of each row (NaN rows: none), or None (module
+    docstring, Features); `feature_source` names the plugin that gave them."""
+    feature_source: str = ""
 
     @property
     def n_errors(self) -> int:
@@ -133,6 +143,12 @@ class RewardResult:
             out[f"reward/{key}/std"] = _std(scores[applied])
             out[f"reward/{key}/invalid_frac"] = _mean(self.invalid[key][applied].double())
             out[f"reward/{key}/n_errors"] = float(self.errors[key].sum())
+        for key, counts in self.counts.items():
+            rows = counts.get("n_rows", 0.0)
+            for name, value in counts.items():
+                out[f"reward/{key}/{name}"] = float(value)
+                if name.startswith("n_") and name != "n_rows" and "n_rows" in counts:
+                    out[f"reward/{key}/{name[2:]}_frac"] = float(value) / rows if rows else 0.0
         for task in sorted({t for t in self.tasks if t is not None}):
             rows = torch.tensor([t == task for t in self.tasks])
             out[f"reward/task/{task}/mean"] = _mean(self.total[rows])
@@ -177,6 +193,7 @@ class RewardService:
         truncated_reward: Literal["zero", "keep"] = "zero",
         on_error: Literal["raise", "zero"] = "raise",
         decode_images: DecodeImages | None = None,
+        features: bool = False,
     ) -> None:
         if not plugins:
             raise ValueError("RewardService needs at least one plugin")
@@ -199,6 +216,7 @@ class RewardService:
         self.truncated_reward = truncated_reward
         self.on_error = on_error
         self.decode_images = decode_images
+        self.with_features = bool(features)
 
     def score(
         self,
@@ -236,18 +254,25 @@ class RewardService:
         reads_images = any(spec.plugin.needs_images for spec in self.plugins)
         decode = self.decode_images if reads_images else None
         rows_responses, n_bad = build_responses(responses, decode)
-        per_plugin, applied, invalid, errors = {}, {}, {}, {}
+        per_plugin, applied, invalid, errors, counts = {}, {}, {}, {}, {}
         raw_total = torch.zeros(n, dtype=torch.float64)
         for spec in self.plugins:
             key = spec.label
             rows = [i for i in range(n) if spec.applies(samples[i])]
+            spec.plugin.pop_counts()  # drop what an earlier, failed call left
             scores, bad_format, failed = self._run(spec, samples, rows_responses, rows)
+            plugin_counts = spec.plugin.pop_counts()
+            if plugin_counts:
+                counts[key] = {k: float(v) for k, v in plugin_counts.items()}
             applied[key] = torch.zeros(n, dtype=torch.bool)
             applied[key][rows] = True
             per_plugin[key], invalid[key], errors[key] = scores, bad_format, failed
             raw_total += spec.weight * scores
         overwritten = truncated if self.truncated_reward == "zero" else torch.zeros_like(truncated)
         total = torch.where(overwritten, torch.zeros_like(raw_total), raw_total)
+        features, source = None, ""
+        if self.with_features:
+            features, source = self._features(samples, rows_responses, applied, errors)
         result = RewardResult(
             total=total.float(),
             raw_total=raw_total.float(),
@@ -260,6 +285,9 @@ class RewardService:
             sample_ids=ids,
             tasks=[s.task for s in samples],
             n_undecodable_images=n_bad,
+            counts=counts,
+            features=features,
+            feature_source=source,
         )
         if alarm and n and bool(overwritten.all()):
             msg = (
@@ -271,6 +299,39 @@ class RewardService:
             logger.warning(msg)
             warnings.warn(msg, AllRewardsOverwrittenWarning, stacklevel=2)
         return result
+
+    def _features(
+        self,
+        samples: Sequence[Sample],
+        responses: Sequence[Response],
+        applied: dict[str, torch.Tensor],
+        errors: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, str]:
+        """(features [N, d] or None, the plugin's label) of the first plugin that has
+        features, on the rows it scored without error (module docstring)."""
+        n = len(samples)
+        for spec in self.plugins:
+            key = spec.label
+            rows = [i for i in range(n) if applied[key][i] and not errors[key][i]]
+            if type(spec.plugin).features is RewardPlugin.features or not rows:
+                continue
+            try:
+                out = spec.plugin.features([samples[i] for i in rows], [responses[i] for i in rows])
+                if out is None:
+                    continue
+                out = torch.as_tensor(out).detach().float().cpu()
+                if out.dim() != 2 or out.shape[0] != len(rows):
+                    raise ValueError(f"features of shape {list(out.shape)} for {len(rows)} rows")
+            except Exception as err:  # a plugin may raise anything
+                msg = f"reward plugin {key!r} failed to give features: {type(err).__name__}: {err}"
+                if self.on_error == "raise":
+                    raise RewardError(msg, key, [samples[i].id for i in rows]) from err
+                logger.warning("%s; no diversity features (reward.on_error=zero)", msg)
+                return None, ""
+            full = torch.full((n, out.shape[1]), float("nan"))
+            full[rows] = out
+            return full, key
+        return None, ""
 
     @staticmethod
     def _truncated(
@@ -367,12 +428,14 @@ def build_reward_service(
     *,
     decode_images: DecodeImages | None = None,
     resources: Mapping[str, Any] | None = None,
+    features: bool = False,
 ) -> RewardService:
     """The `RewardService` of the `reward:` section.
 
     Plugin k is logged under its name (or `<name>_<k>` when a name repeats) and scores
     only its `tasks` (null = all). `decode_images` (the model's codec.decode) is required
-    when a plugin reads images.
+    when a plugin reads images; `features`: results carry the scorer's features
+    (`RewardService`, GRPO's diversity metrics).
     """
     names = [p.name for p in cfg.plugins]
     specs = []
@@ -387,4 +450,4 @@ def build_reward_service(
             "reads images but no decode_images (codec) was given",
             key=f"reward.plugins.{key}.name",
         )
-    return RewardService(specs, cfg.truncated_reward, cfg.on_error, decode_images)
+    return RewardService(specs, cfg.truncated_reward, cfg.on_error, decode_images, features)

@@ -87,7 +87,10 @@ class RewardWorker:
         self, cfg: RewardConfig, decode_images: Any, resources: dict[str, Any], threads: int
     ) -> None:
         torch.set_num_threads(threads)
-        self.service = build_reward_service(cfg, decode_images=decode_images, resources=resources)
+        # GRPO's reward actors: results carry the scorer's features (diversity metrics)
+        self.service = build_reward_service(
+            cfg, decode_images=decode_images, resources=resources, features=True
+        )
 
     def ready(self) -> int:
         return os.getpid()

@@ -45,6 +45,14 @@ def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
     def cat_dict(name: str) -> dict[str, torch.Tensor]:
         return {k: cat([getattr(p, name)[k] for p in parts]) for k in getattr(parts[0], name)}
 
+    dims = {p.features.shape[1] for p in parts if p.features is not None}
+    if len(dims) > 1:
+        raise ValueError(f"reward shards gave features of different widths {sorted(dims)}")
+    features = None
+    if dims:
+        (d,) = dims
+        blank = [torch.full((n, d), float("nan")) for n in sizes]
+        features = cat([p.features if p.features is not None else b for p, b in zip(parts, blank)])
     return RewardResult(
         total=cat([p.total for p in parts]),
         raw_total=cat([p.raw_total for p in parts]),
@@ -57,7 +65,24 @@ def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
         sample_ids=interleave([p.sample_ids for p in parts]),
         tasks=interleave([p.tasks for p in parts]),
         n_undecodable_images=sum(p.n_undecodable_images for p in parts),
+        counts={
+            key: {name: sum(p.counts.get(key, {}).get(name, 0.0) for p in parts) for name in names}
+            for key, names in _count_names(parts).items()
+        },
+        features=features,
+        feature_source=next((p.feature_source for p in parts if p.feature_source), ""),
     )
+
+
+def _count_names(parts: Sequence[RewardResult]) -> dict[str, list[str]]:
+    """Plugin label -> the count names any part reports, in first-seen order."""
+    names: dict[str, list[str]] = {}
+    for part in parts:
+        for key, counts in part.counts.items():
+            for name in counts:
+                if name not in names.setdefault(key, []):
+                    names[key].append(name)
+    return names
 
 
 def first_failure(

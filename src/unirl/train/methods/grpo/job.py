@@ -53,7 +53,7 @@ def build_grpo_job(
         rewards = workers.rewards
     else:
         rewards = build_reward_service(
-            cfg.reward, decode_images=model.codec.decode, resources=resources
+            cfg.reward, decode_images=model.codec.decode, resources=resources, features=True
         )
     source = GRPOSource(model, sampler, rewards, cfg, info, run_dir, anchor, workers)
     # LoRA from scratch: the reference is the base (adapters off); from an initial adapter

@@ -16,7 +16,9 @@ at its first update; see `GRPOSource`):
    an image of that grid (with `rollout.length_semantics: exact` such a row ends
    `length_exact` and is never shaped).
 3. Rewards: the reward service scores every row (truncation shaping from finish_reason;
-   invalid, wrong and truncated rows stay in their group).
+   invalid, wrong and truncated rows stay in their group). The groups' diversity
+   (`unirl.train.rollouts.diversity`: code distance and Vendi score of image samples,
+   distinct answers of text samples) is logged as `diversity/<task>/...`.
 4. Advantages: `group_advantages` with the `algorithm` settings (scope group | global,
    over the whole global batch).
 
@@ -62,6 +64,7 @@ from unirl.rollout.config import sampling_params
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.faults import inject_fault
 from unirl.train.engine.protocols import BatchSource
+from unirl.train.rollouts.diversity import diversity_metrics
 from unirl.train.rollouts.prompts import PromptSampler, check_exact_length, rollout_request
 from unirl.train.rollouts.scoring import score_sharded
 from unirl.train.rollouts.stats import rollout_stats, task_accuracy
@@ -258,9 +261,11 @@ class GRPOSource(BatchSource):
         )
         for traj, value in zip(trajs, adv.tolist()):
             traj.advantage = value
+        responses = [self.model.parse_response(t) for t in trajs]
         t2 = time.perf_counter()
         metrics = {
             **result.metrics(),
+            **diversity_metrics(samples, responses, result.features),
             **task_accuracy(result, self.pass_threshold),
             **{f"adv/{k}": v for k, v in adv_stats.items()},
             **rollout_stats(trajs, t1 - t0),
