@@ -87,15 +87,35 @@ def _config(run_dir: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
-def _parent(cfg: dict[str, Any]) -> dict[str, str] | None:
-    path = (cfg.get("model") or {}).get("path")
-    if not path:
-        return None
-    parent = {"model_path": str(path)}
+def _run_of(path: str) -> tuple[str, str] | None:
+    """(run directory, config hash) when `path` (a `model/` or `adapter/`) sits in a run."""
     hash_file = Path(path).parent / "config_hash"
     if hash_file.is_file():
-        parent["run_dir"] = str(Path(path).parent)
-        parent["config_hash"] = hash_file.read_text().strip()
+        return str(Path(path).parent), hash_file.read_text().strip()
+    return None
+
+
+def _parent(cfg: dict[str, Any]) -> dict[str, str] | None:
+    """Where the run started from: `model.path` (and the run it came from), the
+    `model.initial_adapter` (and its run) and `run.parent` (docs/campaigns.md)."""
+    model = cfg.get("model") or {}
+    path, adapter = model.get("path"), model.get("initial_adapter")
+    run_parent = (cfg.get("run") or {}).get("parent")
+    if not path and not run_parent:
+        return None
+    parent: dict[str, str] = {}
+    if path:
+        parent["model_path"] = str(path)
+        found = _run_of(path)
+        if found is not None:
+            parent["run_dir"], parent["config_hash"] = found
+    if adapter:
+        parent["initial_adapter"] = str(adapter)
+        found = _run_of(adapter)
+        if found is not None:
+            parent["adapter_run_dir"], parent["adapter_config_hash"] = found
+    if run_parent:
+        parent["run_parent"] = str(run_parent)
     return parent
 
 
@@ -254,10 +274,22 @@ def _head_lines(data: dict[str, Any]) -> list[str]:
     parent = data["parent"]
     if parent is None:
         ptext = "none (initialised from run.seed)"
-    elif "config_hash" in parent:
-        ptext = f"{parent['run_dir']} (config hash {parent['config_hash'][:12]})"
     else:
-        ptext = parent["model_path"]
+        bits = []
+        if "config_hash" in parent:
+            bits.append(f"{parent['run_dir']} (config hash {parent['config_hash'][:12]})")
+        elif "model_path" in parent:
+            bits.append(parent["model_path"])
+        if "adapter_config_hash" in parent:
+            bits.append(
+                f"+ adapter of {parent['adapter_run_dir']} "
+                f"(config hash {parent['adapter_config_hash'][:12]})"
+            )
+        elif "initial_adapter" in parent:
+            bits.append(f"+ adapter {parent['initial_adapter']}")
+        if "run_parent" in parent:
+            bits.append(f"(run.parent {parent['run_parent']})")
+        ptext = " ".join(bits)
     state = "finished" if data["done"] else f"in progress ({data['updates']} updates logged)"
     return [
         f"run `{data['run_dir']}` ({data['algorithm']}, {data['updates']}/"
@@ -375,6 +407,7 @@ _CSS = (
     "vertical-align:top;font-size:13px}th{background:#eee}.alarm{color:#a00}"
     ".improved{color:#070}.worse{color:#a00;font-weight:bold}img{image-rendering:pixelated;"
     "margin:1px}pre{white-space:pre-wrap;max-width:28em;margin:0}"
+    "p>img{max-width:100%}"
 )
 
 
