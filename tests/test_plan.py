@@ -11,7 +11,7 @@ import torch
 
 from unirl import cli
 from unirl.config.trainer import LoRAConfig
-from unirl.plan import GIB, Setup, Shapes, account, layer_activation_elems, path_shapes
+from unirl.plan import GIB, Setup, Shapes, account, layer_activation_bytes, path_shapes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,9 +97,13 @@ def test_accounting_equals_a_hand_computation():
     a = account(SHAPES, st, "ddp", lora=False)
     assert a["params"] == 10_000 * 4 and a["grads"] == 8_000 * 4 and a["optim"] == 8_000 * 8
     tokens = 2 * 16 * 2  # micro-batch x (prompt + new) x CFG rows
-    # per token: fp32 residual 4h, bf16 2h + (h + kv*d) + (h + 2 kv*d) + h + 4I, lse 4 heads
-    per_token = 4 * 64 * 4 + (2 * 64 + (64 + 32) + (64 + 64) + 64 + 4 * 160) * 2 + 4 * 4
-    assert layer_activation_elems(SHAPES, tokens, 4, 2) == tokens * per_token
+    # per token: two norms x (input, normalised, 1/rms) fp32; 5 autocast projection-input
+    # copies, q, k, v, attention output and 4 MLP tensors in bf16; log-sum-exp fp32 per head
+    per_token = 2 * (64 + 64 + 1) * 4 + (5 * 64 + 64 + 32 + 32 + 64 + 4 * 160) * 2 + 4 * 4
+    assert layer_activation_bytes(SHAPES, tokens, 4, 2, True) == tokens * per_token
+    # fp32: the norm's output saved once per norm, not once per projection (2h, not 5h)
+    fp32 = 2 * (64 + 64 + 1) * 4 + (2 * 64 + 64 + 32 + 32 + 64 + 4 * 160) * 4 + 4 * 4
+    assert layer_activation_bytes(SHAPES, tokens, 4, 4, False) == tokens * fp32
     assert a["act_full"] == 3 * tokens * per_token
     assert a["act_ckpt"] == 3 * tokens * 64 * 4 + tokens * per_token
     assert a["logits"] == 2 * 8 * 1000 * (2 + 8)

@@ -221,18 +221,22 @@ def path_shapes(kind: str, path: str, lora: Any) -> Shapes:
 # ---- the accounting -------------------------------------------------------------------
 
 
-def layer_activation_elems(s: Shapes, tokens: int, residual_bytes: int, compute_bytes: int):
-    """Bytes one Llama-style decoder layer keeps for backward over `tokens` positions
-    (docs/plan.md derives each term): residual-stream tensors (both RMSNorm inputs and
-    their fp32 normalised values: 4h) in `residual_bytes`; in `compute_bytes`: the two
-    normed outputs feeding the projections (2h), q and k before RoPE (h + kv*d), q, k, v
-    after it as the attention saves them (h + 2 kv*d), the attention output feeding o_proj
-    (h), gate and up projections, silu(gate) and their product feeding down_proj (4I);
-    the attention's log-sum-exp (heads, fp32). Flash/memory-efficient attention: no T^2."""
+def layer_activation_bytes(s: Shapes, tokens: int, residual_bytes: int, compute_bytes: int,
+                           autocast: bool) -> int:
+    """Bytes one Llama-style decoder layer keeps for backward over `tokens` positions, as
+    transformers' Llama/Qwen3 layers save them (docs/plan.md derives each term). Per token:
+    each of the two RMSNorms keeps its input, its fp32 normalised value and the 1/rms
+    scalar (2h + 1, residual dtype); the projections keep their input: the norm's output
+    once in fp32 (q/k/v and gate/up share it), or one autocast copy per projection in bf16
+    (q, k, v, gate, up: 5h); the attention (SDPA, flash or memory-efficient: no T^2 term)
+    keeps q (h), k and v (kv heads x head_dim each), its output (h, also o_proj's input)
+    and the fp32 log-sum-exp (one per head); the MLP keeps gate, up, silu(gate) and
+    their product (down_proj's input): 4I."""
     h, kvd, inter = s.hidden, s.kv_heads * s.head_dim, s.intermediate
-    res = 4 * h * residual_bytes
-    comp = (2 * h + (h + kvd) + (h + 2 * kvd) + h + 4 * inter) * compute_bytes
-    return tokens * (res + comp + 4 * s.heads)
+    res = 2 * (2 * h + 1) * residual_bytes
+    inputs = (5 if autocast else 2) * h * compute_bytes
+    attn = (2 * h + 2 * kvd) * compute_bytes + 4 * s.heads
+    return tokens * (res + inputs + attn + 4 * inter * compute_bytes)
 
 
 @dataclass
@@ -267,8 +271,9 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     optim = 2 * trainable * wbytes // n  # Adam exp_avg + exp_avg_sq, fp32 (fp64)
     ref = total * wbytes // n if (st.kl_copy and not lora) else 0
     tokens = st.micro_batch * (st.prompt_tokens + st.new_tokens) * (2 if st.cfg else 1)
-    per_layer = layer_activation_elems(s, tokens, 4 if cbytes < wbytes else cbytes, cbytes)
-    boundary = tokens * s.hidden * 4 * s.layers  # each layer's input (residual, fp32)
+    autocast = st.precision == "bf16"
+    per_layer = layer_activation_bytes(s, tokens, wbytes, cbytes, autocast)
+    boundary = tokens * s.hidden * wbytes * s.layers  # each layer's input (residual stream)
     full_act = s.layers * per_layer
     ckpt_act = boundary + per_layer
     width = max(s.vocab, s.visual_outputs)
