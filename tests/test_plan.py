@@ -104,8 +104,10 @@ def test_accounting_equals_a_hand_computation():
     # fp32: the norm's output saved once per norm, not once per projection (2h, not 5h)
     fp32 = 2 * (64 + 64 + 1) * 4 + (2 * 64 + 64 + 32 + 32 + 64 + 4 * 160) * 4 + 4 * 4
     assert layer_activation_bytes(SHAPES, tokens, 4, 4, False) == tokens * fp32
-    assert a["act_full"] == 3 * tokens * per_token
-    assert a["act_ckpt"] == 3 * tokens * 64 * 4 + tokens * per_token
+    # + bf16 weight copies of each kept layer (2 B x 1,000), + backward workspace 3I in bf16
+    workspace = 3 * tokens * 160 * 2
+    assert a["act_full"] == 3 * (tokens * per_token + 2 * 1_000) + workspace
+    assert a["act_ckpt"] == 3 * tokens * 64 * 4 + tokens * per_token + 2 * 1_000 + workspace
     assert a["logits"] == 2 * 8 * 1000 * (2 + 8)
     assert a["kv"] == 10 * 16 * 3 * 2 * 2 * 16 * 2  # rows x T x layers x (k, v) x kv x d x 2B
     static = a["params"] + a["grads"] + a["optim"]

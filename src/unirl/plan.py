@@ -274,8 +274,13 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     autocast = st.precision == "bf16"
     per_layer = layer_activation_bytes(s, tokens, wbytes, cbytes, autocast)
     boundary = tokens * s.hidden * wbytes * s.layers  # each layer's input (residual stream)
-    full_act = s.layers * per_layer
-    ckpt_act = boundary + per_layer
+    # bf16 autocast: each Linear saves its bf16 weight copy for backward (all layers' when
+    # every layer's activations are kept, one layer's when recomputed)
+    copies = 2 * s.layer_params if autocast else 0
+    # backward of one layer: the gradients of down_proj's input and of gate and up (3I)
+    workspace = 3 * tokens * s.intermediate * cbytes
+    full_act = s.layers * (per_layer + copies) + workspace
+    ckpt_act = boundary + per_layer + copies + workspace
     width = max(s.vocab, s.visual_outputs)
     # logits in compute dtype, log-softmax and its gradient in fp32, per chunk row
     logits = (2 if st.cfg else 1) * st.chunk * width * (cbytes + 8)
