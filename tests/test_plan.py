@@ -45,9 +45,7 @@ def _state_bytes(model) -> tuple[int, int, int]:
     sum(p.square().sum() for p in trainable).backward()
     opt.step()
     grads = sum(p.grad.nbytes for p in trainable)
-    state = sum(
-        t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step"
-    )
+    state = sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step")
     return sum(p.nbytes for p in params), grads, state
 
 
@@ -124,8 +122,14 @@ def test_fsdp2_shards_params_grads_and_adam_by_n_ddp_replicates(lora):
     assert ddp1 == ddp8 == fsdp1  # replicated, or one shard
     for key in ("grads", "optim"):
         assert fsdp8[key] == ddp8[key] // 8
-    # params: a 1/8 shard plus the two gathered decoder layers in flight
-    assert fsdp8["params"] == ddp8["params"] // 8 + 2 * SHAPES.layer_params * 4
+    # params: a 1/8 shard, plus gathered copies: the root unit (all but the 3 layers) and
+    # two decoder layers in flight; all 3 layers without reshard_after_forward
+    total = 10_000 + (400 if lora else 0)
+    root = total - 3 * 1_000
+    assert fsdp8["params"] == total * 4 // 8 + (root + 2 * 1_000) * 4
+    keep = account(SHAPES, Setup(gpus=8, precision="fp32", reshard=False, gather_bytes=2),
+                   "fsdp2", lora)  # fmt: skip
+    assert keep["params"] == total * 4 // 8 + (root + 3 * 1_000) * 2
     for key in ("act_full", "act_ckpt", "logits", "kv"):
         assert fsdp8[key] == ddp8[key]  # per-rank data: not sharded
 

@@ -140,7 +140,7 @@ def count(module, frozen: tuple[str, ...], lora: Any = None) -> dict[str, int]:
         if not name.startswith(frozen):
             trainable += p.numel()
     layer = 0
-    for name, m in module.named_modules():
+    for m in module.modules():
         if type(m).__name__.endswith("DecoderLayer"):
             layer = max(layer, sum(p.numel() for p in m.parameters()))
     adapters = targets = 0
@@ -161,9 +161,10 @@ def shapes_for(kind: str, config: Any, name: str, lora: Any, uniar=None, grid=No
     heads = int(t.num_attention_heads)
     head_dim = int(getattr(t, "head_dim", None) or int(t.hidden_size) // heads)
     if kind == "janus_pro":
-        visual, image_tokens = int(config.vq_config.num_embeddings), int(
-            config.vq_config.num_patches
-        ) ** 2
+        visual, image_tokens = (
+            int(config.vq_config.num_embeddings),
+            int(config.vq_config.num_patches) ** 2,
+        )
     else:
         visual, image_tokens = uniar[0], grid[0] * grid[1]
     return Shapes(
@@ -221,8 +222,9 @@ def path_shapes(kind: str, path: str, lora: Any) -> Shapes:
 # ---- the accounting -------------------------------------------------------------------
 
 
-def layer_activation_bytes(s: Shapes, tokens: int, residual_bytes: int, compute_bytes: int,
-                           autocast: bool) -> int:
+def layer_activation_bytes(
+    s: Shapes, tokens: int, residual_bytes: int, compute_bytes: int, autocast: bool
+) -> int:
     """Bytes one Llama-style decoder layer keeps for backward over `tokens` positions, as
     transformers' Llama/Qwen3 layers save them (docs/plan.md derives each term). Per token:
     each of the two RMSNorms keeps its input, its fp32 normalised value and the 1/rms
@@ -255,6 +257,9 @@ class Setup:
     new_tokens: int = 576
     chunk: int = 128
     kl_copy: bool = False  # GRPO with a KL term: full FT keeps a frozen reference copy
+    gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
+    reshard: bool = True  # trainer.fsdp.reshard_after_forward
+    chosen: tuple[str, bool] | None = None  # the config's own (parallel, LoRA) row
 
 
 def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
@@ -265,8 +270,13 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     trainable = s.lora_params if lora else s.trainable_params
     total = s.total_params + (s.lora_params if lora else 0)
     params = total * wbytes // n
-    if parallel == "fsdp2" and n > 1:  # two layers gathered at a time (prefetch)
-        params += 2 * s.layer_params * wbytes
+    if parallel == "fsdp2" and n > 1:
+        # gathered copies in trainer.fsdp.param_dtype: the root unit (embeddings, heads,
+        # frozen towers) for the whole step; decoder layers two at a time (the running
+        # one and the prefetched one), or all of them without reshard_after_forward
+        root = total - s.layers * s.layer_params
+        gathered = 2 if st.reshard else s.layers
+        params += (root + gathered * s.layer_params) * st.gather_bytes
     grads = trainable * wbytes // n
     optim = 2 * trainable * wbytes // n  # Adam exp_avg + exp_avg_sq, fp32 (fp64)
     ref = total * wbytes // n if (st.kl_copy and not lora) else 0
@@ -314,11 +324,23 @@ def table(s: Shapes, st: Setup) -> str:
             fits = "yes" if a["peak"] <= st.gpu_mem_gib * GIB else "NO"
             cells = "".join(
                 gib(a[k])
-                for k in ("params", "grads", "optim", "reference", "act_full", "act_ckpt",
-                          "logits", "kv", "peak")  # fmt: skip
+                for k in (
+                    "params",
+                    "grads",
+                    "optim",
+                    "reference",
+                    "act_full",
+                    "act_ckpt",
+                    "logits",
+                    "kv",
+                    "peak",
+                )  # fmt: skip
             )
-            label = f"{parallel} {'LoRA' if lora else 'full'}"
+            mark = " *" if st.chosen == (parallel, lora) else ""
+            label = f"{parallel} {'LoRA' if lora else 'full'}{mark}"
             lines.append(f"{label:<14}{cells}  {fits}")
+    if st.chosen is not None:
+        lines.append("* the config's own row (trainer.parallel, trainer.lora.enabled)")
     return "\n".join(lines)
 
 
@@ -341,6 +363,9 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
         new_tokens=new,
         chunk=getattr(algo, "chunk_size", 128),
         kl_copy=algo.name == "grpo" and kl is not None and kl.coef > 0,
+        gather_bytes={"fp32": 4, "bf16": 2, "fp64": 8}[trainer.fsdp.param_dtype],
+        reshard=trainer.fsdp.reshard_after_forward,
+        chosen=("fsdp2" if trainer.parallel == "fsdp2" else "ddp", trainer.lora.enabled),
     )
 
 
