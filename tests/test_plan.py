@@ -108,8 +108,15 @@ def test_accounting_equals_a_hand_computation():
     assert a["act_ckpt"] == 3 * tokens * 64 * 4 + tokens * per_token + 2 * 1_000 + workspace
     assert a["logits"] == 2 * 8 * 1000 * (2 + 8)
     assert a["kv"] == 10 * 16 * 3 * 2 * 2 * 16 * 2  # rows x T x layers x (k, v) x kv x d x 2B
-    static = a["params"] + a["grads"] + a["optim"]
-    assert a["peak"] == static + max(a["act_ckpt"] + a["logits"], a["kv"] + 10 * 1000 * 4)
+    static = a["params"] + a["optim"]  # gradients exist only in the update, not the rollout
+    update = a["grads"] + a["act_ckpt"] + a["logits"]
+    assert a["peak"] == static + max(update, a["kv"] + 10 * 1000 * 4)
+    assert a["reference"] == 0
+    kl = account(SHAPES, Setup(precision="fp32", kl_copy=True), "ddp", lora=False)
+    assert kl["reference"] == 10_000 * 4  # a frozen copy of every parameter
+    assert account(SHAPES, Setup(kl_copy=True), "ddp", lora=True)["reference"] == 0
+    adapter = Setup(kl_copy=True, ref_copy_with_lora=True)
+    assert account(SHAPES, adapter, "ddp", lora=True)["reference"] == 10_400 * 4
     lora = account(SHAPES, st, "ddp", lora=True)
     assert (lora["params"], lora["grads"], lora["optim"]) == (10_400 * 4, 400 * 4, 400 * 8)
 

@@ -256,7 +256,8 @@ class Setup:
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     new_tokens: int = 576
     chunk: int = 128
-    kl_copy: bool = False  # GRPO with a KL term: full FT keeps a frozen reference copy
+    kl_copy: bool = False  # GRPO with a KL term (algorithm.kl.type != none)
+    ref_copy_with_lora: bool = False  # LoRA from model.initial_adapter: the copy is kept too
     gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
     reshard: bool = True  # trainer.fsdp.reshard_after_forward
     chosen: tuple[str, bool] | None = None  # the config's own (parallel, LoRA) row
@@ -279,7 +280,9 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
         params += (root + gathered * s.layer_params) * st.gather_bytes
     grads = trainable * wbytes // n
     optim = 2 * trainable * wbytes // n  # Adam exp_avg + exp_avg_sq, fp32 (fp64)
-    ref = total * wbytes // n if (st.kl_copy and not lora) else 0
+    # the GRPO reference: a frozen copy of the policy (sharded with it under FSDP2), or,
+    # for LoRA started from scratch, the same weights with the adapters off (no copy)
+    ref = total * wbytes // n if st.kl_copy and (st.ref_copy_with_lora or not lora) else 0
     tokens = st.micro_batch * (st.prompt_tokens + st.new_tokens) * (2 if st.cfg else 1)
     autocast = st.precision == "bf16"
     per_layer = layer_activation_bytes(s, tokens, wbytes, cbytes, autocast)
@@ -299,8 +302,10 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     kv = rows * (st.prompt_tokens + st.new_tokens) * s.layers * 2 * s.kv_heads * s.head_dim
     kv *= kv_bytes
     act = ckpt_act if st.checkpointing else full_act
-    static = params + grads + optim + ref
-    peak = static + max(act + logits, kv + rows * width * 4)
+    # gradients are freed after each update (zero_grad(set_to_none=True)): the rollout,
+    # which holds the KV cache and one step's logits per row, never meets them
+    static = params + optim + ref
+    peak = static + max(grads + act + logits, kv + rows * width * 4)
     return {"params": params, "grads": grads, "optim": optim, "reference": ref,
             "act_full": full_act, "act_ckpt": ckpt_act, "logits": logits, "kv": kv,
             "peak": peak}  # fmt: skip
@@ -362,7 +367,8 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
         prompt_tokens=prompt_tokens,
         new_tokens=new,
         chunk=getattr(algo, "chunk_size", 128),
-        kl_copy=algo.name == "grpo" and kl is not None and kl.coef > 0,
+        kl_copy=algo.name == "grpo" and kl is not None and kl.type != "none",
+        ref_copy_with_lora=cfg.model.initial_adapter is not None,
         gather_bytes={"fp32": 4, "bf16": 2, "fp64": 8}[trainer.fsdp.param_dtype],
         reshard=trainer.fsdp.reshard_after_forward,
         chosen=("fsdp2" if trainer.parallel == "fsdp2" else "ddp", trainer.lora.enabled),
