@@ -153,4 +153,18 @@ def test_plan_cli_reads_a_checkpoint_and_refuses_bad_input(janus_dir, capsys):
     assert cli.main(["plan", JANUS_RECIPE]) == 2  # no model.path and no preset
     assert "model.path" in capsys.readouterr().err
     assert cli.main(["plan", JANUS_RECIPE, "model.path=/nonexistent"]) == 2
+    assert "/nonexistent" in capsys.readouterr().err
+    both = ["plan", JANUS_RECIPE, f"model.path={janus_dir}", "--preset", "janus-pro-1b"]
+    assert cli.main(both) == 2
+    assert "model.path" in capsys.readouterr().err
+    assert cli.main(["plan", "recipes/examples/sft_tiny.yaml", "--preset", "janus-pro-1b"]) == 2
+    assert "model.kind" in capsys.readouterr().err
+
+
+def test_micro_token_budget_caps_the_activation_tokens():
+    free = account(SHAPES, Setup(micro_batch=4, prompt_tokens=10, new_tokens=6), "ddp", False)
+    capped = Setup(micro_batch=4, prompt_tokens=10, new_tokens=6, token_budget=32)
+    half = account(SHAPES, Setup(micro_batch=2, prompt_tokens=10, new_tokens=6), "ddp", False)
+    assert account(SHAPES, capped, "ddp", False)["act_full"] == half["act_full"]
+    assert half["act_full"] < free["act_full"]
     assert GIB == 2**30

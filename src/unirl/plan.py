@@ -256,6 +256,7 @@ class Setup:
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     new_tokens: int = 576
     chunk: int = 128
+    token_budget: int | None = None  # trainer.micro_token_budget
     kl_copy: bool = False  # GRPO with a KL term (algorithm.kl.type != none)
     ref_copy_with_lora: bool = False  # LoRA from model.initial_adapter: the copy is kept too
     gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
@@ -283,7 +284,10 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     # the GRPO reference: a frozen copy of the policy (sharded with it under FSDP2), or,
     # for LoRA started from scratch, the same weights with the adapters off (no copy)
     ref = total * wbytes // n if st.kl_copy and (st.ref_copy_with_lora or not lora) else 0
-    tokens = st.micro_batch * (st.prompt_tokens + st.new_tokens) * (2 if st.cfg else 1)
+    tokens = st.micro_batch * (st.prompt_tokens + st.new_tokens)
+    if st.token_budget is not None:  # trainer.micro_token_budget caps rows x longest row
+        tokens = min(tokens, st.token_budget)
+    tokens *= 2 if st.cfg else 1
     autocast = st.precision == "bf16"
     per_layer = layer_activation_bytes(s, tokens, wbytes, cbytes, autocast)
     boundary = tokens * s.hidden * wbytes * s.layers  # each layer's input (residual stream)
@@ -361,6 +365,7 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
         precision=trainer.precision,
         checkpointing=trainer.gradient_checkpointing,
         micro_batch=trainer.micro_batch_size,
+        token_budget=trainer.micro_token_budget,
         rollout_rows=rollout.batch_size if samples else 0,
         rollout_bf16=rollout.precision == "bf16",
         cfg=samples and rollout.guidance != 1.0,
@@ -382,7 +387,20 @@ def run(args: Any) -> int:
 
     cfg = load_config(args.config, args.overrides)
     lora = cfg.trainer.lora if cfg.trainer.lora.enabled else LoRAConfig(enabled=True)
+    if cfg.model.kind not in ("janus_pro", "uniar"):
+        raise ConfigError(
+            f"{cfg.model.kind}: 'unirl plan' plans janus_pro and uniar models",
+            key="model.kind",
+            source=args.config,
+        )
     if args.preset is not None:
+        if cfg.model.path is not None:
+            raise ConfigError(
+                f"set, and --preset {args.preset} was given: plan either the checkpoint's "
+                "sizes or the preset's (drop one)",
+                key="model.path",
+                source=args.config,
+            )
         if PRESETS[args.preset]["kind"] != cfg.model.kind:
             raise ConfigError(
                 f"--preset {args.preset} is a {PRESETS[args.preset]['kind']} model but the "
@@ -396,12 +414,6 @@ def run(args: Any) -> int:
             "not set: 'unirl plan' reads the sizes from the model directory's config.json; "
             f"set it or pass --preset ({' | '.join(PRESETS)})",
             key="model.path",
-            source=args.config,
-        )
-    elif cfg.model.kind not in ("janus_pro", "uniar"):
-        raise ConfigError(
-            f"{cfg.model.kind}: 'unirl plan' plans janus_pro and uniar models",
-            key="model.kind",
             source=args.config,
         )
     else:
