@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
     "cli": 6,
     "demo": 6,
     "generate": 6,
+    "plan": 6,
     "report": 6,
     "__main__": 6,
 }

@@ -395,6 +395,31 @@ def run_data(args: argparse.Namespace) -> int:
     return export.run(args)
 
 
+def configure_plan(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--gpus", type=_positive_int, default=1, help="GPUs (ranks), default 1")
+    parser.add_argument(
+        "--gpu-mem", type=float, default=80.0, metavar="GIB", help="memory per GPU (GiB)"
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("janus-pro-1b", "janus-pro-7b", "qwen3-vl-2b", "qwen3-vl-8b"),
+        help="published architecture sizes instead of model.path's config.json",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=256,
+        help="prompt tokens per row (the config does not bound them), default 256",
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from unirl.plan import run
+
+    return run(args)
+
+
 def configure_config(parser: argparse.ArgumentParser) -> None:
     """`unirl config describe [KEY] [--markdown]`: the config reference (from the schema)."""
     sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -493,6 +518,13 @@ COMMANDS: list[Command] = [
         "print Information Gain full / blind / gain scores on val rows (CPU, writes nothing)",
         configure_probe,
         run_probe,
+    ),
+    Command(
+        "plan",
+        "per-rank GPU memory of a config (DDP/FSDP2, full FT/LoRA) from a meta-device "
+        "build of the model; writes nothing",
+        configure_plan,
+        run_plan,
     ),
     Command(
         "config",
