@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,10 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     import traceback
 
     os.chdir(cwd)
+    # a fresh `python -m unirl` turns SIGINT into KeyboardInterrupt; a forkserver child
+    # inherits whatever disposition its server was started with (a full CI run once had
+    # SIGINT ignored there: the Ctrl-C test's run finished with exit 0 instead of 130)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
