@@ -161,8 +161,10 @@ def _cfg(tmp_path, **algorithm):
     [
         ({"bitflip": {"partition": "half"}}, "algorithm.bitflip.partition"),
         ({"bitflip": {"probability": 0.0, "partition": "half"}}, "algorithm.bitflip.partition"),
-        ({"head": "vq", "bitflip": {"probability": P, "partition": "half"}},
-         "algorithm.bitflip.probability"),  # fmt: skip
+        (
+            {"head": "vq", "bitflip": {"probability": P, "partition": "half"}},
+            "algorithm.bitflip.probability",
+        ),  # fmt: skip
     ],
 )
 def test_half_is_refused_where_it_cannot_act(tmp_path, algorithm, key):
