@@ -543,12 +543,18 @@ def _lambda_visual(kit):
     differs(kit, steps, "algorithm.lambda_visual", 1.0, 0.25, trainer__total_updates=1)
 
 
-@probe("algorithm[sft].bitflip.probability", "algorithm[sft].bitflip.probability_mode")
+@probe(
+    "algorithm[sft].bitflip.probability",
+    "algorithm[sft].bitflip.probability_mode",
+    "algorithm[sft].bitflip.partition",
+)
 def _bitflip(kit):
     bsq = {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq), "data__tasks": ["t2i"],
            "trainer__total_updates": 1}  # fmt: skip
     differs(kit, steps, "algorithm.bitflip.probability", 0.0, 0.3, **bsq)
     differs(kit, steps, "algorithm.bitflip.probability_mode", "fixed", "uniform",
+            algorithm__bitflip__probability=0.3, **bsq)  # fmt: skip
+    differs(kit, steps, "algorithm.bitflip.partition", "all", "half",
             algorithm__bitflip__probability=0.3, **bsq)  # fmt: skip
 
 
@@ -1466,6 +1472,11 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
                                     "algorithm": {"name": "sft",
                                                   "bitflip": {"probability_mode": "uniform"}}},
      "algorithm.bitflip.probability_mode", "acts only with bitflip.probability > 0",
+     {"algorithm": {"bitflip": {"probability": 0.1}}}),
+    ("bitflip_partition_without_flips", {"model": {"visual_head": "bsq"},
+                                         "algorithm": {"name": "sft",
+                                                       "bitflip": {"partition": "half"}}},
+     "algorithm.bitflip.partition", "acts only with bitflip.probability > 0",
      {"algorithm": {"bitflip": {"probability": 0.1}}}),
     ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
      "rollout.guidance_logprob", "acts only with rollout.guidance != 1",

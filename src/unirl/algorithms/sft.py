@@ -96,3 +96,14 @@ def bitflip_rates(
     if mode == "fixed":
         return torch.full_like(uniforms, probability)
     return uniforms * probability
+
+
+def half_partition(seeds: Sequence[int]) -> frozenset[int]:
+    """The row seeds BitFlip `partition: half` noises, out of the seeds of one update's
+    *global* batch: its distinct seeds in ascending order, those at even positions
+    (0, 2, 4, …), so ceil(D/2) of D distinct rows. Row seeds are blake2b hashes of (run
+    seed, update, sample id), so the order is a fresh pseudo-random one each update; the
+    choice depends only on the set of seeds, not on the order, the micro-batches or the
+    ranks. A row drawn twice in one update has one seed and one input, so its copies are
+    noised together or not at all."""
+    return frozenset(sorted(set(seeds))[0::2])

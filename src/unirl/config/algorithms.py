@@ -24,13 +24,21 @@ class BitflipConfig(StrictModel):
         "fixed",
         description="fixed: every sample uses `probability`; uniform: per sample ~ U(0, probability).",
     )
+    partition: Literal["all", "half"] = Field(
+        "all",
+        description="all: every row of the batch is noised; half: the rows at even positions "
+        "of the update's distinct row seeds in ascending order are noised, the rest stay "
+        "clean (docs/numerics.md §2 BitFlip).",
+    )
 
     @model_validator(mode="after")
     def _mode_needs_noise(self) -> BitflipConfig:
-        if self.probability == 0 and changed(self, "probability_mode"):
-            raise incompatible(
-                "probability_mode", "acts only with bitflip.probability > 0 (no bits are flipped)"
-            )
+        if self.probability == 0:
+            name = first_changed(self, ("probability_mode", "partition"))
+            if name is not None:
+                raise incompatible(
+                    name, "acts only with bitflip.probability > 0 (no bits are flipped)"
+                )
         return self
 
 

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from unirl.algorithms.sft import SFTTerms, bitflip, bitflip_rates, sft_loss, text_ce, visual_ce
+from unirl.algorithms.sft import (
+    SFTTerms,
+    bitflip,
+    bitflip_rates,
+    half_partition,
+    sft_loss,
+    text_ce,
+    visual_ce,
+)
 from unirl.config.algorithms import SFTConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.forward import forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
-from unirl.train.dist.comm import DistInfo, all_reduce_sum
+from unirl.train.dist.comm import DistInfo, all_gather_objects, all_reduce_sum
 from unirl.train.engine.protocols import Objective
 from unirl.train.methods.sft.information_gain import (
     contributing_rows,
@@ -39,6 +47,10 @@ class SFTObjective(Objective):
     trajectory-first mean over the *global* batch's contributing rows and the cycle index
     is the update number, both set by `begin_update` (the trainer calls it before the
     micro-batches), so neither depends on the split of the batch nor on a resume.
+
+    BitFlip `partition: half`: `begin_update` gathers the global batch's row seeds (all
+    ranks) and keeps the set `half_partition` chooses; a chosen row gets exactly the noise
+    it would get under `all` (same generator, same draws), every other row stays clean.
     """
 
     def __init__(self, cfg: SFTConfig) -> None:
@@ -46,10 +58,19 @@ class SFTObjective(Objective):
         self.ig = cfg.information_gain
         self.cycle_index = 0
         self.ig_rows_global = 0
+        self.half = cfg.bitflip.probability > 0 and cfg.bitflip.partition == "half"
+        self.noised_seeds: frozenset[int] | None = None
+        self.batch_seeds: frozenset[int] = frozenset()
 
     def begin_update(self, update: int, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
-        """Cycle index = `update`; the global count of rows contributing IG events."""
+        """Cycle index = `update`; the global count of rows contributing IG events; under
+        BitFlip `partition: half`, the seeds of the noised rows of the global batch."""
         self.cycle_index = update
+        if self.half:
+            local = [s for m in micros for s in _row_seeds(m)]
+            every = [s for part in all_gather_objects(local, dist) for s in part]
+            self.batch_seeds = frozenset(every)
+            self.noised_seeds = half_partition(every)
         if self.ig.weight <= 0:
             return
         local = sum(contributing_rows(m, self.ig, update) for m in micros)
@@ -63,12 +84,27 @@ class SFTObjective(Objective):
         p = self.cfg.bitflip.probability
         if p <= 0:
             return None
-        if batch.seeds is None or any(s is None for s in batch.seeds):
-            raise ValueError("BitFlip noise needs every row's seed (DatasetSource sets them)")
-        gens = [torch.Generator().manual_seed(s) for s in batch.seeds]
+        seeds = _row_seeds(batch)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
         uniforms = torch.stack([torch.rand((), generator=g) for g in gens])
         rates = bitflip_rates(p, self.cfg.bitflip.probability_mode, uniforms)
+        if self.half:
+            chosen = self.noised_rows(batch)
+            if not any(chosen):
+                return None
+            rates = rates * torch.tensor(chosen, dtype=rates.dtype)  # rate 0: no draw flips
         return bitflip(batch.visual_codes, batch.visual_mask, rates, model.n_visual_outputs, gens)
+
+    def noised_rows(self, batch: TrajectoryBatch) -> list[bool]:
+        """Which rows of `batch` BitFlip noises (all of them under `partition: all`)."""
+        if self.cfg.bitflip.probability <= 0:
+            return [False] * len(batch.sample_ids)
+        if not self.half:
+            return [True] * len(batch.sample_ids)
+        seeds = _row_seeds(batch)
+        if self.noised_seeds is None or not set(seeds) <= self.batch_seeds:
+            raise RuntimeError("bitflip partition half: begin_update was not called this update")
+        return [s in self.noised_seeds for s in seeds]
 
     def loss(
         self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
@@ -112,3 +148,9 @@ class SFTObjective(Objective):
         if self.ig.weight > 0:
             out.update(finalize_sums(sums))
         return out
+
+
+def _row_seeds(batch: TrajectoryBatch) -> list[int]:
+    if batch.seeds is None or any(s is None for s in batch.seeds):
+        raise ValueError("BitFlip noise needs every row's seed (DatasetSource sets them)")
+    return [int(s) for s in batch.seeds]
