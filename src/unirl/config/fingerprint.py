@@ -43,7 +43,9 @@ def cache_path() -> Path:
     return base / "unirl" / CACHE_FILE
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 hex digest of a file's bytes, read in 1 MiB blocks (the one file hash:
+    fingerprints, checkpoint manifests, rollout inventories)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -83,7 +85,7 @@ class _Cache:
         entry = self.entries.get(key)
         if isinstance(entry, dict) and entry.get("stamp") == stamp and "sha256" in entry:
             return str(entry["sha256"])
-        value = _sha256(path)
+        value = file_sha256(path)
         self.entries[key] = {"stamp": stamp, "sha256": value}
         self.dirty = True
         return value

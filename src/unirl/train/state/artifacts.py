@@ -26,20 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from unirl.config.fingerprint import file_sha256 as file_sha256  # re-exported
 from unirl.core.atomic import write_text_atomic
 from unirl.core.trajectory import Trajectory, save_trajectories
 
 ROLLOUTS = "rollouts"
 BEST = "best.json"
 _ROLLOUT_FILE = re.compile(r"^update-(\d{6,})\.(pt|json)$")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- rollouts ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ checkpoint writes and the temporaries of interrupted atomic file and directory w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from unirl.config.fingerprint import file_sha256
 from unirl.core.atomic import apply_umask, fsync_dir, fsync_tree, is_temporary, remove
 from unirl.core.atomic import write_dir_atomic as write_dir_atomic  # re-exported
 from unirl.core.atomic import write_text_atomic as write_text_atomic  # re-exported
@@ -75,14 +75,6 @@ class Checkpoint:
 
     def rng_state(self, rank: int) -> dict[str, Any]:
         return torch.load(self.path / f"rng-rank{rank}.pt", weights_only=False)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -156,7 +148,7 @@ def seal_checkpoint(run_dir: Path, update: int, state: dict[str, Any], keep_last
         str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file() and p.name != STATE
     )
     manifest = {
-        name: {"size": (staging / name).stat().st_size, "sha256": _sha256(staging / name)}
+        name: {"size": (staging / name).stat().st_size, "sha256": file_sha256(staging / name)}
         for name in files
     }
     full_state = {**state, "update": update, "manifest": manifest}
@@ -251,7 +243,7 @@ def verify_checkpoint(path: Path) -> Checkpoint:
         file = path / name
         if not file.is_file() or file.stat().st_size != entry["size"]:
             raise CheckpointError(f"{path}: {name} is missing or truncated")
-        if _sha256(file) != entry["sha256"]:
+        if file_sha256(file) != entry["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its checksum")
     _verified[str(path)] = _signature(path)
     return Checkpoint(path=path, update=update, state=state)
