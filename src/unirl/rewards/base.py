@@ -8,9 +8,11 @@ Built-in plugins live in `unirl.rewards.plugins` (and modules such as
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -149,3 +151,20 @@ def build_responses(
         images = tuple(pixels[(i, k)] for k, p in enumerate(parts) if isinstance(p, ImagePart))
         out.append(Response(tuple(parts), images))
     return out, n_bad
+
+
+def local_model_dir(path: str | Path, device: str, what: str) -> torch.device:
+    """Check a reward model's local transformers directory before loading it (the CLIP
+    scorer, the local judge): `device` is cpu or cuda (cuda available), `path` holds a
+    config.json, and the config asks for no remote code (`auto_map`). The torch device;
+    ValueError / FileNotFoundError naming `what` otherwise."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{what} device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} device 'cuda' requested but CUDA is not available")
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path}: not a {what} model directory (missing config.json)")
+    if "auto_map" in json.loads(config.read_text()):
+        raise ValueError(f"{config}: asks for remote code (auto_map); refusing to run it")
+    return torch.device(device)

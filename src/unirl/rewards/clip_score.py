@@ -18,7 +18,6 @@ decodable image is invalid (score 0). The model is loaded from a local directory
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -29,11 +28,10 @@ import torch
 from unirl.config.errors import ConfigError
 from unirl.config.schema import RewardPluginConfig
 from unirl.core.sample import Sample, TextPart
-from unirl.rewards.base import Response, RewardPlugin
+from unirl.rewards.base import Response, RewardPlugin, local_model_dir
 
 Mode = Literal["pickscore", "clipscore"]
 MODES: tuple[str, ...] = ("pickscore", "clipscore")
-DEVICES: tuple[str, ...] = ("cpu", "cuda")
 CLIPSCORE_WEIGHT = 2.5
 
 
@@ -69,20 +67,11 @@ class ClipScore(RewardPlugin):
         path = Path(path)
         if mode not in MODES:
             raise ValueError(f"clip_score mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if device not in DEVICES:
-            raise ValueError(f"clip_score device must be cpu or cuda, got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("clip_score device 'cuda' requested but CUDA is not available")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"clip_score batch_size must be >= 1, got {batch_size}")
-        config = path / "config.json"
-        if not config.is_file():
-            raise FileNotFoundError(f"{path}: not a CLIP model directory (missing config.json)")
-        if "auto_map" in json.loads(config.read_text()):
-            raise ValueError(f"{config}: asks for remote code (auto_map); refusing to run it")
+        self.device = local_model_dir(path, device, "clip_score")
         from transformers import CLIPModel, CLIPProcessor
 
-        self.device = torch.device(device)
         self.model = CLIPModel.from_pretrained(str(path)).to(self.device).eval()
         self.model.requires_grad_(False)
         self.processor = CLIPProcessor.from_pretrained(str(path))

@@ -59,7 +59,7 @@ import torch
 from unirl.config.errors import ConfigError
 from unirl.config.schema import RewardPluginConfig
 from unirl.core.sample import Sample, TextPart
-from unirl.rewards.base import Response, RewardPlugin
+from unirl.rewards.base import Response, RewardPlugin, local_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -245,18 +245,9 @@ class LocalJudge:
 
     def __init__(self, path: str | Path, device: str = "cpu") -> None:
         path = Path(path)
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but CUDA is not available")
-        config = path / "config.json"
-        if not config.is_file():
-            raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
-        if "auto_map" in json.loads(config.read_text()):
-            raise ValueError(f"{config}: asks for remote code (auto_map); refusing to run it")
+        self.device = local_model_dir(path, device, "answer_judge")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForCausalLM.from_pretrained(str(path)).to(self.device).eval()
         self.model.requires_grad_(False)
