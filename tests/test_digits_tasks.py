@@ -187,6 +187,38 @@ def test_i2t_open():
     assert len({s.answer for s in samples}) > 5
 
 
+def test_i2t_hint_names_the_digit_seventy_percent_of_the_time():
+    from unirl.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    n = 2000
+    samples = make_task_samples("i2t_hint", "train", n, seed=3)
+    for s in samples:
+        image, question, answer = s.parts
+        assert isinstance(image, ImagePart) and image.role == "user"
+        hint = int(
+            re.fullmatch(
+                r"The digit is (\d)\. Which digit is shown\? Answer with the "
+                r"digit only\.",
+                question.text,
+            ).group(1)
+        )
+        assert hint == s.meta["hint"] and s.meta["hint_correct"] == (hint == s.meta["digit"])
+        assert answer.text == s.answer == str(s.meta["digit"])
+    assert tok.unk_token_id not in tok(samples[0].parts[1].text)["input_ids"]
+    share = np.mean([s.meta["hint_correct"] for s in samples])
+    # Binomial(2000, 0.7): SE = sqrt(0.7 * 0.3 / 2000) = 0.0102; 4 SE = 0.041.
+    assert abs(share - 0.7) < 0.041
+    wrong = [s.meta["hint"] for s in samples if not s.meta["hint_correct"]]
+    assert len(set(wrong)) == 10  # the wrong hint is drawn over the other digits
+
+
+def test_i2t_hint_wrong_never_names_the_digit():
+    samples = make_task_samples("i2t_hint_wrong", "test", 300, seed=0)
+    assert not any(s.meta["hint_correct"] or s.meta["hint"] == s.meta["digit"] for s in samples)
+    assert {s.parts[1].text[:13] for s in samples} == {"The digit is "[:13]}
+
+
 def test_permute_quadrants_against_explicit_blocks():
     image = np.zeros((8, 8), dtype=np.float32)
     for q, (r, c) in enumerate([(0, 0), (0, 4), (4, 0), (4, 4)]):

@@ -30,6 +30,8 @@ DIGITS_TASKS: tuple[str, ...] = (
     "mc_lookup",
     "i2t_pick",
     "i2t_mc_first",
+    "i2t_hint",
+    "i2t_hint_wrong",
 )
 """The built-in digits data provider's tasks (`unirl.data.digits.TASKS` is this tuple)."""
 IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})

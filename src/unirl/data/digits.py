@@ -42,6 +42,15 @@ Tasks (parts are user prompt parts followed by assistant target parts):
 - `i2t_mc_first` (i2t_mc with the options before the image): "A) 3 B) 7 C) 1 D) 9." +
   ImagePart + "Which digit is shown? Answer with the letter only." -> "B"; the text after
   the image is as short as i2t_open's, so the answer position sees the image as closely.
+- `i2t_hint` (a task with a strong text prior, for Information Gain / Necessity studies):
+  ImagePart + "The digit is 7. Which digit is shown? Answer with the digit only." -> the
+  shown digit. The hint names the shown digit with probability `HINT_CORRECT` (0.7) and
+  otherwise a uniformly drawn other digit, so a model can score 0.7 without looking at
+  the image. meta "hint" (the hinted digit) and "hint_correct".
+- `i2t_hint_wrong` (evaluation of i2t_hint models): the same prompt with the hint always
+  wrong (a uniformly drawn other digit), so only the image names the answer; a model that
+  follows the hint scores 0. Train on `i2t_hint`, evaluate this task with `unirl eval
+  ... data.tasks=[i2t_hint_wrong]`. Its words are all in the digits vocabulary already.
 - `draw_then_answer`: ImagePart (a digit d) + "Draw the digit that comes after this one
   (9 is followed by 0), then state it." -> "The next digit is drawn below." + ImagePart (a
   real image of (d + 1) mod 10 from the same split) + "(d + 1) mod 10". Every stage is one
@@ -75,6 +84,8 @@ JIGSAW_PROMPT = (
 LOOKUP_PROMPT = "Which option is {digit}? {options}. Answer with the letter only."
 I2T_OPEN_PROMPT = "Which digit is shown? Answer with the digit only."
 I2T_FIRST_PROMPT = "Which digit is shown? Answer with the letter only."
+HINT_PROMPT = "The digit is {hint}. " + I2T_OPEN_PROMPT
+HINT_CORRECT = 0.7
 I2T_SAY_PROMPT = "Which digit is shown? {options}. Answer with the digit and the letter."
 NEXT_PROMPT = "Draw the digit that comes after this one (9 is followed by 0), then state it."
 NEXT_RESPONSE = "The next digit is drawn below."
@@ -204,6 +215,32 @@ def _i2t_open(
     return parts, str(digit), {}
 
 
+def _hinted(image: np.ndarray, digit: int, hint: int) -> tuple[list, str, dict]:
+    parts = [
+        ImagePart(pixels=image, role="user"),
+        TextPart(HINT_PROMPT.format(hint=hint), "user"),
+        TextPart(str(digit), "assistant"),
+    ]
+    return parts, str(digit), {"hint": hint, "hint_correct": hint == digit}
+
+
+def _other_digit(rng: np.random.Generator, digit: int) -> int:
+    return int(rng.choice([d for d in range(10) if d != digit]))
+
+
+def _i2t_hint(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    correct = bool(rng.random() < HINT_CORRECT)
+    return _hinted(image, digit, digit if correct else _other_digit(rng, digit))
+
+
+def _i2t_hint_wrong(
+    rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
+) -> tuple[list, str, dict]:
+    return _hinted(image, digit, _other_digit(rng, digit))
+
+
 def _i2t_mc_say(
     rng: np.random.Generator, image: np.ndarray, digit: int, data: DigitImages
 ) -> tuple[list, str, dict]:
@@ -302,6 +339,8 @@ _BUILDERS = {
     "mc_lookup": _mc_lookup,
     "i2t_pick": _i2t_pick,
     "i2t_mc_first": _i2t_mc_first,
+    "i2t_hint": _i2t_hint,
+    "i2t_hint_wrong": _i2t_hint_wrong,
 }
 
 
@@ -356,6 +395,7 @@ def vocabulary_texts() -> list[str]:
     texts.append(JIGSAW_PROMPT.format(options=format_options(_PERMUTATIONS[:4])))
     texts += [NEXT_PROMPT, NEXT_RESPONSE]
     texts.append(I2T_OPEN_PROMPT)
+    texts.append(HINT_PROMPT.format(hint=0))
     texts.append(I2T_SAY_PROMPT.format(options=format_options([0, 1, 2, 3])))
     texts.append(LOOKUP_PROMPT.format(digit=0, options=format_options([0, 1, 2, 3])))
     texts += list(LETTERS) + [str(d) for d in range(10)]

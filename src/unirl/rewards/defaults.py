@@ -9,7 +9,7 @@ metric in an evaluation summary (`<task>/accuracy`, `t2i/score`,
 |---|---|---|
 | i2t_mc, mc_lookup, i2t_pick, i2t_mc_first | mc_exact (strict A-D letter) | accuracy |
 | jigsaw_mc | jigsaw (the chosen option's permutation) | accuracy |
-| i2t_open, i2t_mc_say | text_exact | accuracy |
+| i2t_open, i2t_mc_say, i2t_hint, i2t_hint_wrong | text_exact | accuracy |
 | t2i | digit_classifier: p(the asked digit) of the decoded image | score |
 | draw_then_answer | exact_answer (the text after the drawn image) | exact_match |
 
@@ -53,6 +53,8 @@ TASK_VERIFIERS: dict[str, TaskVerifier] = {
     "jigsaw_mc": TaskVerifier("jigsaw", "accuracy"),
     "i2t_open": _TEXT,
     "i2t_mc_say": _TEXT,
+    "i2t_hint": _TEXT,
+    "i2t_hint_wrong": _TEXT,
     "t2i": TaskVerifier("digit_classifier", "score"),
     "draw_then_answer": TaskVerifier("exact_answer", "exact_match"),
 }
