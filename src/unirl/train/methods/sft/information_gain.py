@@ -72,14 +72,23 @@ def weights_of(cfg: InformationGainConfig) -> dict[str, float]:
     }
 
 
-def scored_events(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> list[Event]:
-    """The selected events of every row of `batch` (`event_selection`, cycle index) in
-    the directions whose weight is not 0 (a direction weighted 0 is not scored at all:
-    no blind views, no metrics, its rows do not count as contributing)."""
+def scored_events(
+    batch: TrajectoryBatch,
+    cfg: InformationGainConfig,
+    cycle: int,
+    rows: Sequence[int] | None = None,
+) -> list[Event]:
+    """The selected events of every row of `batch` (or of `rows` only: BitFlip
+    `partition: half` scores the clean rows) (`event_selection`, cycle index) in the
+    directions whose weight is not 0 (a direction weighted 0 is not scored at all: no
+    blind views, no metrics, its rows do not count as contributing)."""
     scored = batch.policy_mask.clone()
     scored[:, 0] = False
     visual = batch.modality == Modality.VISUAL
     per_row = batch_events(visual.cpu(), scored.cpu(), batch.lengths.cpu())
+    if rows is not None:
+        keep = set(rows)
+        per_row = [row if r in keep else [] for r, row in enumerate(per_row)]
     weights = weights_of(cfg)
     kept = [[e for e in row if weights[e.direction] > 0] for row in per_row]
     return [e for row in kept for e in select_events(row, cfg.event_selection, cycle)]
@@ -174,10 +183,12 @@ def ig_terms(
     logp: torch.Tensor,
     cfg: InformationGainConfig,
     cycle: int,
+    rows: Sequence[int] | None = None,
 ) -> IGTerms:
-    """The IG terms of `batch` whose full-view per-position log-probs are `logp` [B, T]
-    (clean inputs, no dropout; with gradient), at cycle index `cycle`."""
-    events = scored_events(batch, cfg, cycle)
+    """The IG terms of `batch` (or of its `rows` only) whose full-view per-position
+    log-probs are `logp` [B, T] (clean inputs, no dropout; with gradient; only the
+    scored rows' values are read), at cycle index `cycle`."""
+    events = scored_events(batch, cfg, cycle, rows)
     full = unit_scores(logp, events)
     blind, calls = blind_scores(model, batch, events, cfg.blind_view_chunk_size)
     el = event_losses(full, blind.to(full.dtype), cfg.formulation, cfg.temperature, cfg.eps)
@@ -218,7 +229,8 @@ def finalize_sums(sums: dict[str, float]) -> dict[str, float]:
     """Means of the summed IG statistics: per direction `full`, `blind`, `gain`,
     `margin`, `gate` (means over events), `saturation` (share of events with gate < 0.05
     or > 0.95), `gate_low`/`gate_high` shares, `events`; and `ig/loss` (trajectory-first),
-    `ig/rows`, `ig/blind_calls`."""
+    `ig/rows`, `ig/blind_calls` and, in training, `ig/full_calls` (backbone forwards
+    taken for the full view apart from the SFT forward: 0 when it is shared)."""
     out: dict[str, float] = {}
     for d in DIRECTIONS:
         n = sums.get(f"ig/{d}/events", 0.0)
@@ -233,12 +245,20 @@ def finalize_sums(sums: dict[str, float]) -> dict[str, float]:
     out["ig/loss"] = sums.get("ig/loss_sum", 0.0) / max(sums.get("ig/rows", 0.0), 1.0)
     out["ig/rows"] = sums.get("ig/rows", 0.0)
     out["ig/blind_calls"] = sums.get("ig/blind_calls", 0.0)
+    if "ig/full_calls" in sums:
+        out["ig/full_calls"] = sums["ig/full_calls"]
     return out
 
 
-def contributing_rows(batch: TrajectoryBatch, cfg: InformationGainConfig, cycle: int) -> int:
-    """Rows of `batch` with at least one selected event (the trajectory-first count)."""
-    return len({e.row for e in scored_events(batch, cfg, cycle)})
+def contributing_rows(
+    batch: TrajectoryBatch,
+    cfg: InformationGainConfig,
+    cycle: int,
+    rows: Sequence[int] | None = None,
+) -> int:
+    """Rows of `batch` (of `rows`) with at least one selected event (the
+    trajectory-first count)."""
+    return len({e.row for e in scored_events(batch, cfg, cycle, rows)})
 
 
 @torch.no_grad()
