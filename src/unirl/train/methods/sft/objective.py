@@ -201,12 +201,12 @@ class SFTObjective(Objective):
             ig = ig_terms(model, micro, logp, self.ig, self.cycle_index, rows)
             ig.sums["ig/full_calls"] = 0.0
             return ig
-        batch = micro if rows is None else micro[rows]
-        if not len(batch.sample_ids):  # sequential, every row noised: nothing to score
+        if rows is not None and not rows:  # sequential, every row noised: nothing to score
             ig = ig_terms(model, micro, text_pos.new_zeros(out.visual_mask.shape),
                           self.ig, self.cycle_index, [])  # fmt: skip
             ig.sums["ig/full_calls"] = 0.0
             return ig
+        batch = micro if rows is None else micro[rows]
         with eval_mode(model):
             view = forward_interleaved(model, batch)
         text = text_ce(view.text_logits, view.text_targets)
