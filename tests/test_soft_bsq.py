@@ -199,3 +199,29 @@ def test_dataset_rows_without_an_image_answer_are_refused_by_preflight(tmp_path)
         run_train(cfg)
     assert err.value.key == "algorithm.soft_bsq.weight" and "image" in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_soft_bsq_is_invariant_to_sequence_packing():
+    """`trainer.packing` (not refused): the packed batch gives the same Soft-BSQ loss and
+    gradients as the padded one — float64 weights, float32 internals: 1e-6 as for
+    packing's own test (tests/test_packing.py)."""
+    from unirl.train.engine.batching import pack
+
+    model = tiny_model("bsq", init=0.3).to(torch.float64)
+    rows = _rows(model, 3) + _rows(model, 2, "draw_then_answer")
+    pad = model.special_ids.pad
+    plain, packed = TrajectoryBatch.collate(rows, pad), pack(rows, pad)
+    assert len(packed.sample_ids) < len(plain.sample_ids)
+    results = []
+    for batch in (plain, packed):
+        obj = SFTObjective(SFTConfig(soft_bsq={"weight": LAMBDA}))
+        obj.begin_update(0, [batch], DistInfo())
+        model.zero_grad()
+        loss, stats = obj.loss(model, batch, obj.count(batch))
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((float(loss.detach()), stats["soft_bsq_sum"], grads, obj.visual_global))
+    (l0, s0, g0, n0), (l1, s1, g1, n1) = results
+    assert n0 == n1 and l0 == pytest.approx(l1, abs=1e-6) and s0 == pytest.approx(s1, rel=1e-6)
+    for k in g0:
+        assert (g0[k] - g1[k]).abs().max() <= 1e-6, k

@@ -23,7 +23,8 @@ exit 2, one line naming the culprit) on the first problem:
   `data.test_path`) through the same loaders training uses (`unirl.data.rows`), images
   included, at the model's image size (from its codec or checkpoint files, any kind):
   the first bad row names its `file:line`; for SFT every training row has an
-  assistant turn to learn; with the digits word tokenizer, every target maps to known ids;
+  assistant turn to learn (and, with `algorithm.soft_bsq.weight` > 0, some training row
+  has an image in an assistant turn); with the digits word tokenizer, every target maps to known ids;
   every row a reward plugin verifies (GRPO, OPD; evaluated splits) has its answer; for
   GRPO and OPD every training row is one the rollout engine takes (an image answer under
   `exact`, forced grids within `rollout.min_grid_side`..`max_grid_side`) and, for a
