@@ -225,3 +225,31 @@ def test_soft_bsq_is_invariant_to_sequence_packing():
     assert n0 == n1 and l0 == pytest.approx(l1, abs=1e-6) and s0 == pytest.approx(s1, rel=1e-6)
     for k in g0:
         assert (g0[k] - g1[k]).abs().max() <= 1e-6, k
+
+
+def test_uniar_composite_positions():
+    """UniAR (Qwen3-VL body) with a 2×2-grouped BSQ codec (composite positions of 4 cells of 8 bits):
+    the objective's Soft-BSQ term equals the numpy value on the same logits, F applied per
+    cell with the codec's `decoder[0]`. float32 forward: 1e-6 relative."""
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
+
+    from unirl.models.uniar import build_tiny_uniar
+
+    codec = random_bsq_codec(8, 2, 2)
+    model = build_tiny_uniar(codec, UNIAR_SIZES, seed=0).eval()
+    assert model.n_visual_outputs == 4 * 8
+    samples = make_task_samples("t2i", "val", 2, seed=2)
+    trajs = [model.prompt_trajectory(s, add_generation_prompt=False) for s in samples]
+    batch = TrajectoryBatch.collate(trajs, model.special_ids.pad)
+    on, off = (SFTObjective(SFTConfig(**kw)) for kw in ({"soft_bsq": {"weight": LAMBDA}}, {}))
+    n = on.count(batch)
+    for obj in (on, off):
+        obj.begin_update(0, [batch], DistInfo())
+    with torch.no_grad():
+        diff = on.loss(model, batch, n)[0] - off.loss(model, batch, n)[0]
+        out = forward_interleaved(model, batch)
+    weight, bias = codec.feature_projection()
+    value, _ = _reference(out.visual_logits, out.visual_targets, weight, bias, 8, LAMBDA,
+                          len(out.visual_targets))  # fmt: skip
+    assert len(out.visual_targets) > 0
+    assert float(diff) == pytest.approx(value, rel=1e-6)
