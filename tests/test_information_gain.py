@@ -341,8 +341,8 @@ def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_pat
     model = build_model(cfg)
     rows = sft_trajectories(cfg, model, "val", 2)
     ig = cfg.algorithm.information_gain
-    first = ig_evaluation(model, rows, ig, model.special_ids.pad)
-    assert first == ig_evaluation(model, rows, ig, model.special_ids.pad)
+    first, _ = ig_evaluation(model, rows, ig, model.special_ids.pad)
+    assert first == ig_evaluation(model, rows, ig, model.special_ids.pad)[0]
     assert first["ig/visual_to_text/events"] == 2 and first["ig/text_to_visual/events"] == 2
     before = sorted(tmp_path.rglob("*"))
     out = io.StringIO()

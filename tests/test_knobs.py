@@ -558,20 +558,31 @@ def _bitflip(kit):
             algorithm__bitflip__probability=0.3, **bsq)  # fmt: skip
 
 
+@probe("algorithm[sft].soft_bsq.weight")
+def _soft_bsq(kit):
+    bsq = {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq), "data__tasks": ["t2i"],
+           "trainer__total_updates": 1}  # fmt: skip
+    differs(kit, steps, "algorithm.soft_bsq.weight", 0.0, 0.5, **bsq)
+    with pytest.raises(ConfigError, match="soft_bsq.weight: acts only with model.visual_head bsq"):
+        config(kit, {"algorithm.soft_bsq.weight": 0.5})
+
+
 IG = "algorithm.information_gain."
 
 
 def ig_step(cfg: UnirlConfig) -> tuple[float, ...]:
     """The first update's loss and IG metrics on the interleaved task."""
     m = make_trainer(cfg).step()
-    keys = ("loss", "ig/loss", "ig/rows", "ig/blind_calls", "ig/visual_to_text/events",
+    keys = ("loss", "ig/loss", "ig/rows", "ig/blind_calls", "ig/full_calls",
+            "ig/visual_to_text/events",
             "ig/visual_to_text/blind", "ig/visual_to_text/gate")  # fmt: skip
     return tuple(m.get(k, float("nan")) for k in keys)
 
 
 @probe(*(f"algorithm[sft].information_gain.{k}" for k in (
     "weight", "formulation", "temperature", "eps", "text_to_visual_weight",
-    "visual_to_text_weight", "event_selection", "blind_view_chunk_size")))  # fmt: skip
+    "visual_to_text_weight", "event_selection", "blind_view_chunk_size",
+    "student_full_view")))  # fmt: skip
 def _information_gain(kit):
     on = {"data__tasks": ["draw_then_answer"], "trainer__total_updates": 1,
           IG.replace(".", "__") + "weight": 1.0}  # fmt: skip
@@ -585,6 +596,10 @@ def _information_gain(kit):
     differs(kit, ig_step, IG + "visual_to_text_weight", 1.0, 0.0, **on)
     differs(kit, ig_step, IG + "event_selection", "cycle", "all", **on)
     differs(kit, ig_step, IG + "blind_view_chunk_size", 8, 1, **on)
+    half = {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq),
+            "algorithm__bitflip__probability": 0.3, "algorithm__bitflip__partition": "half",
+            **on}  # fmt: skip
+    differs(kit, ig_step, IG + "student_full_view", "fused", "sequential", **half)
     with pytest.raises(ConfigError, match="information_gain.weight: .* both direction weights 0"):
         config(kit, {IG + "weight": 1.0, IG + "text_to_visual_weight": 0.0,
                      IG + "visual_to_text_weight": 0.0})  # fmt: skip
@@ -1478,6 +1493,15 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
                                                        "bitflip": {"partition": "half"}}},
      "algorithm.bitflip.partition", "acts only with bitflip.probability > 0",
      {"algorithm": {"bitflip": {"probability": 0.1}}}),
+    ("full_view_without_half", {"model": {"visual_head": "bsq"}, "algorithm": {
+        "name": "sft", "bitflip": {"probability": 0.1},
+        "information_gain": {"weight": 1.0, "student_full_view": "sequential"}}},
+     "algorithm.information_gain.student_full_view",
+     "acts only with bitflip.probability > 0 and bitflip.partition half",
+     {"algorithm": {"bitflip": {"partition": "half"}}}),
+    ("soft_bsq_with_vq", {"algorithm": {"name": "sft", "soft_bsq": {"weight": 0.5}}},
+     "algorithm.soft_bsq.weight", "acts only with model.visual_head bsq",
+     {"model": {"visual_head": "bsq"}}),
     ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
      "rollout.guidance_logprob", "acts only with rollout.guidance != 1",
      {"rollout": {"guidance": 2.0}}),

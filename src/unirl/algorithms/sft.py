@@ -13,6 +13,7 @@ micro-batches and ranks — so every position weighs the same however the batch 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -107,3 +108,37 @@ def half_partition(seeds: Sequence[int]) -> frozenset[int]:
     ranks. A row drawn twice in one update has one seed and one input, so its copies are
     noised together or not at all."""
     return frozenset(sorted(set(seeds))[0::2])
+
+
+def soft_codes(logits: torch.Tensor, latent_dim: int) -> torch.Tensor:
+    """ĉ = (2σ(z) − 1)/√L [N, k²L]: the expected code under the predicted Bernoulli bits
+    (E[2b − 1] = 2σ(z) − 1 per bit), differentiable in the bit logits z."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return (2.0 * torch.sigmoid(z) - 1.0) / math.sqrt(latent_dim)
+
+
+def code_features(
+    codes: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, latent_dim: int
+) -> torch.Tensor:
+    """F(codes) [N, k²·h]: each of a composite position's k² cells ([N, k²L] in (dy, dx,
+    bit) order) through the cell projection x ↦ W x + b (W [h, L], b [h]), concatenated in
+    cell order — the codecs have no cross-cell merger, so F is block diagonal."""
+    n = codes.shape[0]
+    cells = codes.reshape(n, -1, latent_dim)
+    return (cells @ weight.T.to(cells) + bias.to(cells)).reshape(n, -1)
+
+
+def soft_bsq_distances(
+    logits: torch.Tensor,
+    bits: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    latent_dim: int,
+) -> torch.Tensor:
+    """Per visual position ‖F(ĉ) − sg F(c)‖² [N]: ĉ the soft code of the bit logits
+    [N, k²L], c = (2b − 1)/√L the hard code of the target bits, F = `code_features`.
+    The Soft-BSQ loss is λ · Σ_p d_p / N_visual (docs/numerics.md §2)."""
+    soft = code_features(soft_codes(logits, latent_dim), weight, bias, latent_dim)
+    hard = (2.0 * bits.to(soft.dtype) - 1.0) / math.sqrt(latent_dim)
+    target = code_features(hard, weight, bias, latent_dim).detach()
+    return (soft - target).pow(2).sum(-1)

@@ -129,6 +129,15 @@ def quantize(u: torch.Tensor) -> torch.Tensor:
     return u + (c - u).detach()
 
 
+def conv1x1_affine(conv: nn.Conv2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1x1 conv as (weight [out, in], bias [out]): detached float32 copies."""
+    if tuple(conv.kernel_size) != (1, 1):
+        raise ValueError(f"expected a 1x1 conv, got kernel {tuple(conv.kernel_size)}")
+    weight = conv.weight.detach()[:, :, 0, 0].float().clone()
+    bias = conv.bias.detach().float().clone() if conv.bias is not None else None
+    return weight, bias if bias is not None else weight.new_zeros(weight.shape[0])
+
+
 class BSQCodec(ImageCodec):
     """BSQ autoencoder codec; codes are float {0,1} bits [N, gh, gw, bits_per_position]."""
 
@@ -272,6 +281,14 @@ class BSQCodec(ImageCodec):
         c = ((2.0 * bits - 1.0) / math.sqrt(self.latent_dim)).permute(0, 3, 1, 2)
         with torch.no_grad():
             return self.net.decode(c.contiguous())
+
+    def feature_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight [hidden, L], bias [hidden]) of the decoder's first layer, the 1x1 conv
+        that maps one cell's code vector to features: the code -> feature projection F
+        of the Soft-BSQ loss (docs/numerics.md §2). Detached float32 copies."""
+        self._check_fitted()
+        conv = self.net.decoder[0]
+        return conv1x1_affine(conv)
 
     def with_group(self, group: int) -> BSQCodec:
         """The same fitted autoencoder viewed with a different k x k position grouping."""

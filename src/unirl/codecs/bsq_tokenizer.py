@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from unirl.codecs.base import ArrayLike, as_tensor
-from unirl.codecs.bsq import bits_to_code_vectors, group_bits, ungroup_bits
+from unirl.codecs.bsq import bits_to_code_vectors, conv1x1_affine, group_bits, ungroup_bits
 
 KIND = "bsq_tokenizer"
 CONFIG_FILE = "config.json"
@@ -236,6 +236,12 @@ class BSQTokenizer:
         x = self.net.decode(c.permute(0, 3, 1, 2).contiguous().to(self._device()))
         x = x.permute(0, 2, 3, 1).float().cpu()
         return x[..., 0] if self.cfg.num_channels == 1 else x
+
+    def feature_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight [hidden_size, L], bias [hidden_size]) of `post_quant_embed`, the 1x1 conv
+        from one cell's code vector to decoder features: the code -> feature projection F
+        of the Soft-BSQ loss (docs/numerics.md §2). Detached float32 copies."""
+        return conv1x1_affine(self.net.post_quant_embed)
 
     def reconstruct(self, pixels: ArrayLike) -> torch.Tensor:
         """decode(encode(pixels))."""

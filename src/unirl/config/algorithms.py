@@ -75,6 +75,12 @@ class InformationGainConfig(StrictModel):
     blind_view_chunk_size: int = Field(
         8, gt=0, description="Blind views (events) per forward of the detached blind pass."
     )
+    student_full_view: Literal["fused", "sequential"] = Field(
+        "fused",
+        description="With bitflip.partition half, IG scores the clean rows. fused: their "
+        "full view is the SFT forward itself (one backbone call for the noisy SFT rows and "
+        "the clean IG rows); sequential: a separate eval-mode forward of the clean rows.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> InformationGainConfig:
@@ -90,6 +96,19 @@ class InformationGainConfig(StrictModel):
         return self
 
 
+class SoftBSQConfig(StrictModel):
+    """Soft-BSQ feature loss (BSQ heads): the expected code of the predicted bits and the
+    target's hard code, both through the frozen codec's code -> feature projection,
+    compared by squared distance (docs/numerics.md §2 "Soft-BSQ")."""
+
+    weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="lambda of the Soft-BSQ feature loss, averaged over the global batch's "
+        "scored visual positions (0 = off; needs model.visual_head bsq).",
+    )
+
+
 class SFTConfig(StrictModel):
     """Supervised fine-tuning: cross-entropy on policy-owned target positions."""
 
@@ -103,6 +122,22 @@ class SFTConfig(StrictModel):
     information_gain: InformationGainConfig = Field(
         default_factory=InformationGainConfig, description="Information Gain auxiliary loss."
     )
+    soft_bsq: SoftBSQConfig = Field(
+        default_factory=SoftBSQConfig, description="Soft-BSQ feature loss (BSQ heads)."
+    )
+
+    @model_validator(mode="after")
+    def _full_view_needs_half(self) -> SFTConfig:
+        ig, flip = self.information_gain, self.bitflip
+        if changed(ig, "student_full_view") and not (
+            flip.probability > 0 and flip.partition == "half"
+        ):
+            raise incompatible(
+                "information_gain.student_full_view",
+                "acts only with bitflip.probability > 0 and bitflip.partition half (IG "
+                "then scores the clean half; otherwise its full view is fixed)",
+            )
+        return self
 
 
 class KLConfig(StrictModel):

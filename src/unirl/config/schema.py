@@ -743,6 +743,8 @@ class UnirlConfig(StrictModel):
                 raise incompatible(
                     "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
                 )
+        if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0:
+            self._soft_bsq(tasks)
         if self.data.path is None:
             self._digits_rollout(tasks)
         self._reward_routes(tasks)
@@ -905,6 +907,24 @@ class UnirlConfig(StrictModel):
             raise incompatible(
                 key,
                 f"is built for one process (trainer.parallel none), not {self.trainer.parallel}",
+            )
+
+    def _soft_bsq(self, tasks: set[str]) -> None:
+        """Soft-BSQ compares expected and target BSQ codes: it needs BSQ bit heads and,
+        for the digits tasks, a task whose answers hold an image (dataset rows: checked
+        by `unirl.train.preflight.check_rows`)."""
+        key = "algorithm.soft_bsq.weight"
+        if self.model.visual_head != "bsq":
+            raise incompatible(
+                key,
+                f"acts only with model.visual_head bsq (a {self.model.visual_head} head "
+                "predicts no bits to take the expected code of)",
+            )
+        if self.data.path is None and not tasks & IMAGE_GENERATION_TASKS:
+            raise incompatible(
+                key,
+                f"acts only on image answers: tasks {sorted(tasks)} are text-only (add one "
+                f"of {', '.join(sorted(IMAGE_GENERATION_TASKS))})",
             )
 
     def _packing(self, algo: AlgorithmConfig) -> None:

@@ -23,7 +23,8 @@ exit 2, one line naming the culprit) on the first problem:
   `data.test_path`) through the same loaders training uses (`unirl.data.rows`), images
   included, at the model's image size (from its codec or checkpoint files, any kind):
   the first bad row names its `file:line`; for SFT every training row has an
-  assistant turn to learn; with the digits word tokenizer, every target maps to known ids;
+  assistant turn to learn (and, with `algorithm.soft_bsq.weight` > 0, some training row
+  has an image in an assistant turn); with the digits word tokenizer, every target maps to known ids;
   every row a reward plugin verifies (GRPO, OPD; evaluated splits) has its answer; for
   GRPO and OPD every training row is one the rollout engine takes (an image answer under
   `exact`, forced grids within `rollout.min_grid_side`..`max_grid_side`) and, for a
@@ -54,7 +55,7 @@ from unirl.config import ConfigError, UnirlConfig
 from unirl.config.errors import InputError
 from unirl.config.schema import DIGITS_IMAGE_SIZE, ModelConfig
 from unirl.core.atomic import is_temporary
-from unirl.core.sample import GenerationRequest, Sample
+from unirl.core.sample import GenerationRequest, ImagePart, Sample
 from unirl.data.images import processor_for
 from unirl.data.loader import DatasetError, Rows, load_rows
 from unirl.data.rows import answer_image_grid, check_targets, has_split, split_key, split_rows
@@ -370,6 +371,10 @@ def _has_target(sample: Sample) -> bool:
     return any(p.role == "assistant" and not isinstance(p, GenerationRequest) for p in sample.parts)
 
 
+def _has_image_target(sample: Sample) -> bool:
+    return any(p.role == "assistant" and isinstance(p, ImagePart) for p in sample.parts)
+
+
 def _evaluated_splits(cfg: UnirlConfig) -> tuple[str, ...]:
     """The splits a run evaluates that have rows: the val rows of in-training evaluation,
     the test rows of the final one."""
@@ -412,6 +417,13 @@ def check_rows(cfg: UnirlConfig, geometry: Geometry | None = None) -> Rows:
                     "to learn (SFT trains on the assistant's answer)",
                     "data.path",
                 )
+        soft_bsq = cfg.algorithm.soft_bsq.weight > 0
+        if soft_bsq and not any(map(_has_image_target, train.samples)):
+            raise ConfigError(
+                "acts only on image answers: no training row of data.path has an image "
+                "in an assistant turn",
+                key="algorithm.soft_bsq.weight",
+            )
     if cfg.model.path is None and cfg.model.kind == "tiny" and not data.uses_bpe:
         try:
             check_targets(train, build_tokenizer())

@@ -15,6 +15,8 @@ Layout of a run directory::
     evals/<split>-update-NNNNNN/   the evaluator's records, summary and page of every
                          validation (val), of the final test evaluation (test) and, with
                          health.baseline_eval, of the starting model (update 000000)
+    evals/ig-val-update-NNNNNN.json   SFT with Information Gain: the IG validation
+                         report of each validation (distributions and per-event values)
     eval.json, curves.png
     report.md, report.html, report.json   the run report (`unirl.eval.run_report`,
                          docs/reports.md), rewritten after every evaluation and at the end
@@ -42,6 +44,7 @@ import torch
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.config.algorithms import SFTConfig
+from unirl.core.atomic import write_json_atomic
 from unirl.data.rows import has_split
 from unirl.eval.health import HealthMonitor
 from unirl.eval.run_report import write_report
@@ -270,7 +273,9 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     """The task evaluator (`_task_evaluator`) and, for SFT, the teacher-forced validation
     loss `val/loss`, `val/loss_text`, `val/loss_image_<head>` of the val rows
     (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
-    `val/ig/...` of the same rows (cycle index pinned to 0)."""
+    `val/ig/...` of the same rows (cycle index pinned to 0): means, and the quantiles and
+    saturation rates of `ig_distributions`, whose whole report (per-event values
+    included) goes atomically to `evals/ig-val-update-NNNNNN.json` (`ig_report_path`)."""
     tasks = _task_evaluator(cfg, model, run_dir)
     if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
@@ -285,11 +290,18 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
         losses = validation_loss(cfg, model, rows, pad)
         metrics.update({f"val/{k}": v for k, v in losses.items()})
         if ig.weight > 0:
-            gains = ig_evaluation(model, rows, ig, pad)
+            gains, report = ig_evaluation(model, rows, ig, pad)
             metrics.update({f"val/{k}": v for k, v in gains.items()})
+            (run_dir / EVALS).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(ig_report_path(run_dir, update), report, indent=1)
         return metrics
 
     return evaluate_val
+
+
+def ig_report_path(run_dir: Path, update: int) -> Path:
+    """Where the IG validation report of update `update` is written (`ig_distributions`)."""
+    return run_dir / EVALS / f"ig-val-update-{update:06d}.json"
 
 
 def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):

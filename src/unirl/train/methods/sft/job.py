@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unirl.config import UnirlConfig
+from unirl.config import ConfigError, UnirlConfig
 from unirl.data.digits_images import load_split
 from unirl.models.base import UnifiedModel
 from unirl.train.dist.comm import DistInfo
@@ -25,4 +25,10 @@ def build_sft_job(
     source = DatasetSource(
         trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
     )
-    return source, SFTObjective(cfg.algorithm)
+    objective = SFTObjective(cfg.algorithm)
+    if cfg.algorithm.soft_bsq.weight > 0:
+        try:
+            objective.projection(model)
+        except ValueError as err:
+            raise ConfigError(str(err), key="algorithm.soft_bsq.weight") from None
+    return source, objective

@@ -16,16 +16,18 @@ from unirl.algorithms.sft import (
     bitflip_rates,
     half_partition,
     sft_loss,
+    soft_bsq_distances,
     text_ce,
     visual_ce,
 )
 from unirl.config.algorithms import SFTConfig
 from unirl.core.trajectory import TrajectoryBatch
-from unirl.forward import forward_interleaved, scored_indices
+from unirl.forward import ForwardOutput, forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.train.dist.comm import DistInfo, all_gather_objects, all_reduce_sum
 from unirl.train.engine.protocols import Objective
 from unirl.train.methods.sft.information_gain import (
+    IGTerms,
     contributing_rows,
     eval_mode,
     finalize_sums,
@@ -51,6 +53,14 @@ class SFTObjective(Objective):
     BitFlip `partition: half`: `begin_update` gathers the global batch's row seeds (all
     ranks) and keeps the set `half_partition` chooses; a chosen row gets exactly the noise
     it would get under `all` (same generator, same draws), every other row stays clean.
+    With IG on, IG scores the clean rows only; `student_full_view` fused takes their full
+    view from the SFT forward (one backbone call for noisy SFT rows and clean IG rows),
+    sequential runs a separate eval-mode forward of the clean rows.
+
+    Soft-BSQ (`soft_bsq.weight` λ > 0): + λ · Σ_p ‖F(ĉ_p) − sg F(c_p)‖² / N_visual over
+    the SFT forward's scored visual positions (`unirl.algorithms.sft.soft_bsq_distances`),
+    N_visual the global batch's count (`begin_update`), F the codec's frozen
+    `feature_projection`.
     """
 
     def __init__(self, cfg: SFTConfig) -> None:
@@ -61,6 +71,9 @@ class SFTObjective(Objective):
         self.half = cfg.bitflip.probability > 0 and cfg.bitflip.partition == "half"
         self.noised_seeds: frozenset[int] | None = None
         self.batch_seeds: frozenset[int] = frozenset()
+        self.soft_bsq = cfg.soft_bsq.weight
+        self.visual_global = 0
+        self._projection: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def begin_update(self, update: int, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
         """Cycle index = `update`; the global count of rows contributing IG events; under
@@ -71,10 +84,27 @@ class SFTObjective(Objective):
             every = [s for part in all_gather_objects(local, dist) for s in part]
             self.batch_seeds = frozenset(every)
             self.noised_seeds = half_partition(every)
+        if self.soft_bsq > 0:
+            local = sum(len(scored_indices(m)[1]) for m in micros)
+            self.visual_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
         if self.ig.weight <= 0:
             return
-        local = sum(contributing_rows(m, self.ig, update) for m in micros)
+        local = sum(contributing_rows(m, self.ig, update, self.ig_rows(m)) for m in micros)
         self.ig_rows_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+
+    def ig_rows(self, batch: TrajectoryBatch) -> list[int] | None:
+        """The rows IG scores: the clean ones under BitFlip `partition: half`, else every
+        row (None)."""
+        if not self.half:
+            return None
+        return [b for b, noised in enumerate(self.noised_rows(batch)) if not noised]
+
+    def projection(self, model: UnifiedModel) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(W, b, L) of the model codec's frozen code -> feature projection, on the
+        model's device (read once)."""
+        if self._projection is None:
+            self._projection = soft_bsq_projection(model)
+        return self._projection
 
     def count(self, batch: TrajectoryBatch) -> int:
         text, visual = scored_indices(batch)
@@ -121,20 +151,69 @@ class SFTObjective(Objective):
             "n_text": float(terms.n_text),
             "n_visual": float(terms.n_visual),
         }
+        if self.soft_bsq > 0:
+            loss = loss + self._soft_bsq_term(model, out, stats)
         if self.ig.weight > 0:
-            if noisy is not None or (model.training and has_dropout(model)):
-                with eval_mode(model):
-                    out = forward_interleaved(model, micro)
-                text_pos = text_ce(out.text_logits, out.text_targets)
-                visual_pos = visual_ce(out.visual_logits, out.visual_targets)
-            logp = full_logp(out, text_pos, visual_pos)
-            ig = ig_terms(model, micro, logp, self.ig, self.cycle_index)
+            ig = self._ig(model, micro, out, noisy is not None, text_pos, visual_pos)
             if ig.n_rows and self.ig_rows_global <= 0:
                 raise RuntimeError("information gain: begin_update was not called this update")
             if ig.n_rows:
                 loss = loss + self.ig.weight * ig.loss_sum / self.ig_rows_global
             stats.update(ig.sums)
         return loss, stats
+
+    def _soft_bsq_term(
+        self, model: UnifiedModel, out: ForwardOutput, stats: dict[str, float]
+    ) -> torch.Tensor:
+        """λ · Σ_p d_p / N_visual of this micro-batch's scored visual positions."""
+        weight, bias, latent_dim = self.projection(model)
+        d = soft_bsq_distances(out.visual_logits, out.visual_targets, weight, bias, latent_dim)
+        stats["soft_bsq_sum"] = float(d.detach().sum())
+        if not len(d):
+            return d.sum()
+        if self.visual_global <= 0:
+            raise RuntimeError("soft-BSQ: begin_update was not called this update")
+        return self.soft_bsq * d.sum() / self.visual_global
+
+    def _ig(
+        self,
+        model: UnifiedModel,
+        micro: TrajectoryBatch,
+        out: ForwardOutput,
+        noisy: bool,
+        text_pos: torch.Tensor,
+        visual_pos: torch.Tensor,
+    ) -> IGTerms:
+        """IG terms of the micro-batch. The full view is the SFT forward when it is clean
+        for the scored rows (no BitFlip, or `partition: half` fused: IG scores the clean
+        rows only) and no dropout is active; otherwise a separate clean eval-mode forward
+        of the scored rows."""
+        rows = self.ig_rows(micro)
+        dropout = model.training and has_dropout(model)
+        fused = self.ig.student_full_view == "fused"
+        if self.half and fused and dropout:
+            raise RuntimeError(
+                "information_gain.student_full_view fused: the model has active dropout, so "
+                "the SFT forward is not a clean full view; use student_full_view sequential"
+            )
+        if (self.half and fused) or not (noisy or dropout or self.half):
+            logp = full_logp(out, text_pos, visual_pos)
+            ig = ig_terms(model, micro, logp, self.ig, self.cycle_index, rows)
+            ig.sums["ig/full_calls"] = 0.0
+            return ig
+        if rows is not None and not rows:  # sequential, every row noised: nothing to score
+            ig = ig_terms(model, micro, text_pos.new_zeros(out.visual_mask.shape),
+                          self.ig, self.cycle_index, [])  # fmt: skip
+            ig.sums["ig/full_calls"] = 0.0
+            return ig
+        batch = micro if rows is None else micro[rows]
+        with eval_mode(model):
+            view = forward_interleaved(model, batch)
+        text = text_ce(view.text_logits, view.text_targets)
+        visual = visual_ce(view.visual_logits, view.visual_targets)
+        ig = ig_terms(model, batch, full_logp(view, text, visual), self.ig, self.cycle_index)
+        ig.sums["ig/full_calls"] = 1.0
+        return ig
 
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
         """The summed cross-entropies and counts, the mean CE per modality, and with IG
@@ -145,9 +224,28 @@ class SFTObjective(Objective):
             "text_ce": sums["text_ce_sum"] / max(sums["n_text"], 1.0),
             "visual_ce": sums["visual_ce_sum"] / max(sums["n_visual"], 1.0),
         }
+        if self.soft_bsq > 0:
+            out["soft_bsq"] = sums["soft_bsq_sum"] / max(sums["n_visual"], 1.0)
         if self.ig.weight > 0:
             out.update(finalize_sums(sums))
         return out
+
+
+def soft_bsq_projection(model: UnifiedModel) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(W [h, L], b [h], L) of `model.codec.feature_projection()` on the model's device;
+    ValueError for a codec without one (a VQ codec, a plugin codec)."""
+    codec = model.codec
+    if model.visual_head != "bsq" or not hasattr(codec, "feature_projection"):
+        raise ValueError(
+            f"soft-BSQ needs a BSQ codec with a code -> feature projection, got "
+            f"{type(codec).__name__} ({model.visual_head} head)"
+        )
+    weight, bias = codec.feature_projection()
+    if weight.shape[1] != codec.latent_dim:
+        raise ValueError(
+            f"soft-BSQ: the codec projection takes {weight.shape[1]} dims, not L={codec.latent_dim}"
+        )
+    return weight.to(model.device), bias.to(model.device), int(codec.latent_dim)
 
 
 def _row_seeds(batch: TrajectoryBatch) -> list[int]:
