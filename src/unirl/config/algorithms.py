@@ -109,6 +109,60 @@ class SoftBSQConfig(StrictModel):
     )
 
 
+class NecessityDistillationConfig(StrictModel):
+    """EMA Necessity distillation (docs/numerics.md §3 "Necessity"): an EMA shadow of the
+    trainable parameters scores the necessity of each answer position's source block
+    (full view vs source blinded, one fused no-grad batch) and, at the selected carriers,
+    is the teacher of a generalised JSD on the clean student."""
+
+    weight: float = Field(
+        0.0, ge=0.0, description="lambda of the distillation loss (0 = off: no EMA, no views)."
+    )
+    ema_decay: float = Field(
+        0.99,
+        ge=0.0,
+        lt=1.0,
+        description="mu of the EMA shadow: theta_bar <- mu*theta_bar + (1-mu)*theta after "
+        "every optimizer step (theta_bar_0 = theta at the run's start).",
+    )
+    selection: Literal["min_necessity", "fraction"] = Field(
+        "min_necessity",
+        description="Carriers: min_necessity, the positions with n_p >= min_necessity; "
+        "fraction, the top carrier_fraction of each row's positions by n_p.",
+    )
+    min_necessity: float = Field(
+        0.0,
+        description="Threshold on n_p = log pi(y|full) - log pi(y|source blinded) under the "
+        "EMA (selection min_necessity).",
+    )
+    carrier_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Share of each row's scored positions kept, ceil(f*n) (selection fraction).",
+    )
+    beta: float = Field(
+        0.5, ge=0.0, le=1.0, description="beta of the generalised JSD (0.5: symmetric JSD)."
+    )
+    chunk_size: int = Field(
+        16, gt=0, description="View rows (11 and 10 of each event) per no-grad EMA forward."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> NecessityDistillationConfig:
+        if self.weight == 0:
+            name = first_changed(self)
+            if name is not None:
+                raise incompatible(
+                    name, "acts only with necessity_distillation.weight > 0 (it is off)"
+                )
+        if self.selection == "min_necessity" and changed(self, "carrier_fraction"):
+            raise incompatible("carrier_fraction", "acts only with selection fraction")
+        if self.selection == "fraction" and changed(self, "min_necessity"):
+            raise incompatible("min_necessity", "acts only with selection min_necessity")
+        return self
+
+
 class SFTConfig(StrictModel):
     """Supervised fine-tuning: cross-entropy on policy-owned target positions."""
 
@@ -124,6 +178,10 @@ class SFTConfig(StrictModel):
     )
     soft_bsq: SoftBSQConfig = Field(
         default_factory=SoftBSQConfig, description="Soft-BSQ feature loss (BSQ heads)."
+    )
+    necessity_distillation: NecessityDistillationConfig = Field(
+        default_factory=NecessityDistillationConfig,
+        description="EMA Necessity distillation auxiliary loss.",
     )
 
     @model_validator(mode="after")

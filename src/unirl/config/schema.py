@@ -745,6 +745,13 @@ class UnirlConfig(StrictModel):
                 )
         if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0:
             self._soft_bsq(tasks)
+        if isinstance(algo, SFTConfig) and algo.necessity_distillation.weight > 0:
+            if self.trainer.parallel != "none":
+                raise incompatible(
+                    "algorithm.necessity_distillation.weight",
+                    "is built for one process (trainer.parallel none): its EMA shadow is not "
+                    f"sharded or checkpointed under {self.trainer.parallel}",
+                )
         if self.data.path is None:
             self._digits_rollout(tasks)
         self._reward_routes(tasks)
@@ -943,6 +950,11 @@ class UnirlConfig(StrictModel):
         if algo.information_gain.weight != 0:
             raise incompatible(
                 "trainer.packing", "packing with Information Gain (blind-view masks) is not built"
+            )
+        if algo.necessity_distillation.weight != 0:
+            raise incompatible(
+                "trainer.packing",
+                "packing with necessity distillation (blind-view masks) is not built",
             )
 
     def _digits_rollout(self, tasks: set[str]) -> None:

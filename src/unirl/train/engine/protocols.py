@@ -94,6 +94,20 @@ class Objective(Protocol):
         rank's micro-batches): an objective whose loss needs the update number or a
         global count besides `count` (SFT with Information Gain) sets them here."""
 
+    def after_step(self) -> None:
+        """Called after every optimizer step (SFT's EMA Necessity distillation updates its
+        EMA shadow here)."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """State the objective carries across updates that a checkpoint must hold to
+        resume exactly (None: nothing; SFT's EMA shadow)."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore `state_dict` from a checkpoint (None: the checkpoint held none)."""
+        if state is not None:
+            raise ValueError(f"{type(self).__name__} keeps no state, the checkpoint has one")
+
     def frozen_models(self) -> list[nn.Module]:
         """Models the loss reads but never trains (a reference, a teacher), which a
         sharded data-parallel wrapper shards too."""

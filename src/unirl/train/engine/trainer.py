@@ -268,6 +268,9 @@ class Trainer:
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
                 }
+                objective_state = self.objective.state_dict()
+                if objective_state is not None:  # e.g. SFT's EMA shadow
+                    opt["objective"] = objective_state
                 model_state = self._trainable_state()
                 ckpt.commit_checkpoint(self.run_dir, self.update, model_state, opt, state, keep)
         barrier(self.dist)
@@ -360,6 +363,8 @@ class Trainer:
         opt = found.optimizer_state()
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
+        if not self.from_parent:  # a child run starts its objective state afresh
+            self.objective.load_state_dict(opt.get("objective"))
 
     def _check_config(self, found: ckpt.Checkpoint) -> None:
         held = found.state.get("identity")
@@ -474,6 +479,7 @@ class Trainer:
             raise TrainingError(f"non-finite gradient norm at update {self.update + 1}; stopping")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.objective.after_step()
         self.scheduler.step()
         seconds = time.perf_counter() - t0
         train_s = seconds - self._batch_seconds

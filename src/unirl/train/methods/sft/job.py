@@ -25,7 +25,7 @@ def build_sft_job(
     source = DatasetSource(
         trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
     )
-    objective = SFTObjective(cfg.algorithm)
+    objective = SFTObjective(cfg.algorithm, model)
     if cfg.algorithm.soft_bsq.weight > 0:
         try:
             objective.projection(model)

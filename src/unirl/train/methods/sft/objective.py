@@ -25,6 +25,7 @@ from unirl.core.trajectory import TrajectoryBatch
 from unirl.forward import ForwardOutput, forward_interleaved, scored_indices
 from unirl.models.base import UnifiedModel
 from unirl.train.dist.comm import DistInfo, all_gather_objects, all_reduce_sum
+from unirl.train.engine.ema import EMA
 from unirl.train.engine.protocols import Objective
 from unirl.train.methods.sft.information_gain import (
     IGTerms,
@@ -35,6 +36,7 @@ from unirl.train.methods.sft.information_gain import (
     has_dropout,
     ig_terms,
 )
+from unirl.train.methods.sft.necessity import Carriers, finalize_nd, nd_terms, teacher_carriers
 
 
 class SFTObjective(Objective):
@@ -61,9 +63,17 @@ class SFTObjective(Objective):
     the SFT forward's scored visual positions (`unirl.algorithms.sft.soft_bsq_distances`),
     N_visual the global batch's count (`begin_update`), F the codec's frozen
     `feature_projection`.
+
+    EMA Necessity distillation (`necessity_distillation.weight` λ > 0;
+    `train.methods.sft.necessity`): `begin_update` scores every micro-batch with the EMA
+    shadow (fused 11/10 views, no grad), keeps its carriers and teacher logits, and counts
+    the global batch's rows with carriers; `loss` adds λ · Σ_i mean_{p ∈ C_i} D_p / that
+    count; `after_step` moves the shadow; `state_dict` carries it through checkpoints.
+    The shadow starts as the parameters at the first update of the run (after a resume's
+    or a parent's weights are loaded).
     """
 
-    def __init__(self, cfg: SFTConfig) -> None:
+    def __init__(self, cfg: SFTConfig, model: UnifiedModel | None = None) -> None:
         self.cfg = cfg
         self.ig = cfg.information_gain
         self.cycle_index = 0
@@ -74,6 +84,13 @@ class SFTObjective(Objective):
         self.soft_bsq = cfg.soft_bsq.weight
         self.visual_global = 0
         self._projection: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.nd = cfg.necessity_distillation
+        self.model = model
+        self.ema = EMA(self.nd.ema_decay) if self.nd.weight > 0 else None
+        if self.ema is not None and model is None:
+            raise ValueError("necessity distillation: SFTObjective needs the trained model")
+        self._carriers: list[Carriers] = []
+        self.nd_rows_global = 0
 
     def begin_update(self, update: int, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
         """Cycle index = `update`; the global count of rows contributing IG events; under
@@ -87,10 +104,39 @@ class SFTObjective(Objective):
         if self.soft_bsq > 0:
             local = sum(len(scored_indices(m)[1]) for m in micros)
             self.visual_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+        if self.ema is not None:
+            self._score_carriers(micros, dist)
         if self.ig.weight <= 0:
             return
         local = sum(contributing_rows(m, self.ig, update, self.ig_rows(m)) for m in micros)
         self.ig_rows_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+
+    def _score_carriers(self, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
+        assert self.ema is not None and self.model is not None
+        if not self.ema.ready:
+            self.ema.attach(self.model)
+        self._carriers = [teacher_carriers(self.model, self.ema, m, self.nd) for m in micros]
+        local = sum(c.n_rows for c in self._carriers)
+        self.nd_rows_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+
+    def after_step(self) -> None:
+        """θ̄ ← μ·θ̄ + (1 − μ)·θ (necessity distillation on)."""
+        if self.ema is not None:
+            if not self.ema.ready:
+                raise RuntimeError("necessity distillation: the EMA was never attached")
+            self.ema.update()
+
+    def state_dict(self) -> dict | None:
+        return None if self.ema is None else {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.ema is None:
+            if state is not None:
+                raise ValueError("the checkpoint holds an EMA shadow this run does not use")
+            return
+        if state is None or "ema" not in state:
+            raise ValueError("necessity distillation: the checkpoint holds no EMA shadow")
+        self.ema.load_state_dict(state["ema"])
 
     def ig_rows(self, batch: TrajectoryBatch) -> list[int] | None:
         """The rows IG scores: the clean ones under BitFlip `partition: half`, else every
@@ -160,7 +206,28 @@ class SFTObjective(Objective):
             if ig.n_rows:
                 loss = loss + self.ig.weight * ig.loss_sum / self.ig_rows_global
             stats.update(ig.sums)
+        if self.ema is not None:
+            loss = loss + self._nd_term(model, micro, out, noisy is not None, stats)
         return loss, stats
+
+    def _nd_term(
+        self,
+        model: UnifiedModel,
+        micro: TrajectoryBatch,
+        out: ForwardOutput,
+        noisy: bool,
+        stats: dict[str, float],
+    ) -> torch.Tensor:
+        """λ · Σ_i mean_{p ∈ C_i} D_p / (global rows with carriers) of this micro-batch."""
+        if not self._carriers:
+            raise RuntimeError("necessity distillation: begin_update was not called this update")
+        car = self._carriers.pop(0)
+        clean = not noisy and not (model.training and has_dropout(model))
+        loss_sum, n_rows, sums = nd_terms(model, micro, car, self.nd, out if clean else None)
+        stats.update(sums)
+        if n_rows == 0:
+            return loss_sum
+        return self.nd.weight * loss_sum / self.nd_rows_global
 
     def _soft_bsq_term(
         self, model: UnifiedModel, out: ForwardOutput, stats: dict[str, float]
@@ -218,7 +285,7 @@ class SFTObjective(Objective):
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
         """The summed cross-entropies and counts, the mean CE per modality, and with IG
         on its per-direction means (`train.information_gain.finalize_sums`)."""
-        ce = {k: v for k, v in sums.items() if not k.startswith("ig/")}
+        ce = {k: v for k, v in sums.items() if not k.startswith(("ig/", "nd/"))}
         out = {
             **ce,
             "text_ce": sums["text_ce_sum"] / max(sums["n_text"], 1.0),
@@ -228,6 +295,8 @@ class SFTObjective(Objective):
             out["soft_bsq"] = sums["soft_bsq_sum"] / max(sums["n_visual"], 1.0)
         if self.ig.weight > 0:
             out.update(finalize_sums(sums))
+        if self.ema is not None:
+            out.update(finalize_nd(sums))
         return out
 
 

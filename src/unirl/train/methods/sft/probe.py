@@ -11,39 +11,19 @@ hidden), S_00 (both), and the necessity of v, S_11 − S_10. CPU only; nothing i
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Callable
 from typing import TextIO
 
 import torch
 
-from unirl.algorithms.information_gain import DIRECTIONS, Block, Event, blocks
-from unirl.algorithms.sft import text_ce, visual_ce
+from unirl.algorithms.information_gain import DIRECTIONS
+from unirl.algorithms.necessity import ALL_VIEWS, answer_events, fused_views
 from unirl.config import UnirlConfig
-from unirl.config.algorithms import InformationGainConfig
 from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.forward import forward_interleaved
 from unirl.models.base import UnifiedModel
 from unirl.train.engine.build import build_model
-from unirl.train.methods.sft.information_gain import (
-    blind_scores,
-    eval_mode,
-    full_logp,
-    scored_events,
-    unit_scores,
-)
 from unirl.train.methods.sft.source import sft_trajectories
-
-ALL_EVENTS = InformationGainConfig(weight=1.0, event_selection="all")
-
-
-def _previous(batch: TrajectoryBatch, e: Event) -> Block | None:
-    """q: the block just before e's source block, if any."""
-    n = int(batch.lengths[e.row])
-    visual = (batch.modality[e.row, :n] == Modality.VISUAL).tolist()
-    before = [b for b in blocks(visual) if b.end == e.source.start]
-    return before[0] if before else None
 
 
 @torch.no_grad()
@@ -51,39 +31,25 @@ def probe_rows(
     model: UnifiedModel, batch: TrajectoryBatch, chunk: int = 16
 ) -> list[dict[str, object]]:
     """One record per event of `batch`: ids, direction, blocks, full / blind / gain, and
-    for two-source targets s11 / s10 / s01 / s00."""
-    with eval_mode(model):
-        events = scored_events(batch, ALL_EVENTS, 0)
-        out = forward_interleaved(model, batch)
-        text = text_ce(out.text_logits, out.text_targets)
-        logp = full_logp(out, text, visual_ce(out.visual_logits, out.visual_targets))
-        full = unit_scores(logp, events)
-        blind, _ = blind_scores(model, batch, events, chunk)
-        two = [(k, e, _previous(batch, e)) for k, e in enumerate(events)]
-        two = [(k, e, q) for k, e, q in two if q is not None]
-
-        def views(hide: Callable[[Event], list[Block]]) -> torch.Tensor:
-            return blind_scores(model, batch, [e for _, e, _ in two], chunk, hide)[0]
-
-        qs = {id(e): q for _, e, q in two}
-        s01 = views(lambda e: [qs[id(e)]])
-        s00 = views(lambda e: [qs[id(e)], e.source])
+    for two-source targets s11 / s10 / s01 / s00 — all four views of every event from one
+    fused no-grad virtual batch (`unirl.algorithms.necessity.fused_views`)."""
+    events = answer_events(batch)
+    views = fused_views(model, batch, events, ALL_VIEWS, chunk)
+    s = {v: views.scores[v].tolist() for v in ALL_VIEWS}
     records = []
     for k, e in enumerate(events):
-        records.append(
-            {
-                "id": batch.sample_ids[e.row],
-                "direction": e.direction,
-                "source": (e.source.start, e.source.end),
-                "target": (e.target.start, e.target.end),
-                "full": float(full[k]),
-                "blind": float(blind[k]),
-                "gain": float(full[k] - blind[k]),
-            }
-        )
-    for j, (k, _, _) in enumerate(two):
-        r = records[k]
-        r.update(s11=r["full"], s10=r["blind"], s01=float(s01[j]), s00=float(s00[j]))
+        r: dict[str, object] = {
+            "id": batch.sample_ids[e.row],
+            "direction": e.direction,
+            "source": (e.source.start, e.source.end),
+            "target": (e.target.start, e.target.end),
+            "full": s["11"][k],
+            "blind": s["10"][k],
+            "gain": s["11"][k] - s["10"][k],
+        }
+        if not math.isnan(s["01"][k]):
+            r.update(s11=s["11"][k], s10=s["10"][k], s01=s["01"][k], s00=s["00"][k])
+        records.append(r)
     return records
 
 
