@@ -605,6 +605,39 @@ def _information_gain(kit):
                      IG + "visual_to_text_weight": 0.0})  # fmt: skip
 
 
+ND = "algorithm.necessity_distillation."
+
+
+def nd_steps(cfg: UnirlConfig) -> list[tuple[float, ...]]:
+    """Each update's loss and necessity-distillation metrics (update 1's EMA is the
+    model itself, so the decay shows from update 2 on)."""
+    trainer = make_trainer(cfg)
+    keys = ("loss", "nd/loss", "nd/carrier_share", "nd/teacher_calls", "nd/divergence")
+    out = []
+    for _ in range(cfg.trainer.total_updates):
+        m = trainer.step()
+        trainer.update += 1
+        out.append(tuple(m.get(k, float("nan")) for k in keys))
+    return out
+
+
+@probe(*(f"algorithm[sft].necessity_distillation.{k}" for k in (
+    "weight", "ema_decay", "selection", "min_necessity", "carrier_fraction", "beta",
+    "chunk_size")))  # fmt: skip
+def _necessity_distillation(kit):
+    on = {"data__tasks": ["draw_then_answer"], "trainer__total_updates": 2,
+          ND.replace(".", "__") + "weight": 1.0}  # fmt: skip
+    off = {k: v for k, v in on.items() if "weight" not in k}
+    differs(kit, nd_steps, ND + "weight", 0.0, 1.0, **off)
+    differs(kit, nd_steps, ND + "ema_decay", 0.99, 0.0, **on)
+    differs(kit, nd_steps, ND + "selection", "min_necessity", "fraction", **on)
+    differs(kit, nd_steps, ND + "min_necessity", 0.0, -100.0, **on)
+    frac = {**on, ND.replace(".", "__") + "selection": "fraction"}
+    differs(kit, nd_steps, ND + "carrier_fraction", 0.5, 1.0, **frac)
+    differs(kit, nd_steps, ND + "beta", 0.5, 0.1, **on)
+    differs(kit, nd_steps, ND + "chunk_size", 16, 1, **on)
+
+
 def _opd_base(kit) -> dict:
     """One OPD update on t2i + i2t_mc rows (images end with an eos text segment) against
     the kit's saved model as teacher, verified by the classifier and mc_exact."""
@@ -1502,6 +1535,23 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("soft_bsq_with_vq", {"algorithm": {"name": "sft", "soft_bsq": {"weight": 0.5}}},
      "algorithm.soft_bsq.weight", "acts only with model.visual_head bsq",
      {"model": {"visual_head": "bsq"}}),
+    ("nd_decay_when_off", {"algorithm": {"name": "sft", "necessity_distillation": {
+        "ema_decay": 0.9}}}, "algorithm.necessity_distillation.ema_decay",
+     "acts only with necessity_distillation.weight > 0",
+     {"algorithm": {"necessity_distillation": {"weight": 1.0}}}),
+    ("nd_fraction_with_threshold_selection", {"algorithm": {"name": "sft",
+        "necessity_distillation": {"weight": 1.0, "carrier_fraction": 0.3}}},
+     "algorithm.necessity_distillation.carrier_fraction", "acts only with selection fraction",
+     {"algorithm": {"necessity_distillation": {"selection": "fraction"}}}),
+    ("nd_threshold_with_fraction_selection", {"algorithm": {"name": "sft",
+        "necessity_distillation": {"weight": 1.0, "selection": "fraction",
+                                   "min_necessity": 0.1}}},
+     "algorithm.necessity_distillation.min_necessity", "acts only with selection min_necessity",
+     {"algorithm": {"necessity_distillation": {"selection": "min_necessity"}}}),
+    ("nd_under_ddp", {"algorithm": {"name": "sft", "necessity_distillation": {"weight": 1.0}},
+                      "trainer": {"parallel": "ddp"}},
+     "algorithm.necessity_distillation.weight", "is built for one process",
+     {"trainer": {"parallel": "none"}}),
     ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
      "rollout.guidance_logprob", "acts only with rollout.guidance != 1",
      {"rollout": {"guidance": 2.0}}),

@@ -220,15 +220,19 @@ def carriers(
 
 
 def nd_text(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
-    """D_p [n] = JSD_β(softmax(z_S) ‖ sg softmax(z_T)) of categorical logits [n, V]."""
-    logp = torch.log_softmax(student.float(), -1)
-    logq = torch.log_softmax(teacher.detach().float(), -1)
+    """D_p [n] = JSD_β(softmax(z_S) ‖ sg softmax(z_T)) of categorical logits [n, V]
+    (float32 at least; float64 stays float64)."""
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    logp = torch.log_softmax(student.to(dtype), -1)
+    logq = torch.log_softmax(teacher.detach().to(dtype), -1)
     return generalized_jsd(logp, logq, beta)
 
 
 def nd_bits(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
     """D_p [n]: the Bernoulli JSD_β per factor of bit logits [n, L], mean over L."""
-    return bernoulli_jsd(bit_pairs(student.float()), bit_pairs(teacher.detach().float()), beta)
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    pairs_t = bit_pairs(teacher.detach().to(dtype))
+    return bernoulli_jsd(bit_pairs(student.to(dtype)), pairs_t, beta)
 
 
 def trajectory_sum(values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -139,7 +139,8 @@ def nd_terms(
         finally:
             model.train(was)
         sums["nd/student_calls"] = 1.0
-    d = torch.zeros(len(car.rows), device=s_text.device)
+    dtype = torch.promote_types(s_text.dtype, torch.float32)
+    d = torch.zeros(len(car.rows), device=s_text.device, dtype=dtype)
     if bool(tv.any()):
         d = d.index_put(
             (tv.nonzero(as_tuple=True)[0],), nd_text(s_text, car.teacher_text, cfg.beta)
