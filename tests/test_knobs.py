@@ -638,6 +638,27 @@ def _necessity_distillation(kit):
     differs(kit, nd_steps, ND + "chunk_size", 16, 1, **on)
 
 
+def grpo_ig_rollout(cfg: UnirlConfig) -> tuple:
+    """The first rollout batch's advantages and RL-IG metrics."""
+    rollout = make_trainer(cfg).source.rollout(0)
+    metrics = tuple(sorted((k, v) for k, v in rollout.metrics.items() if k.startswith("ig/")))
+    return tuple(t.advantage for t in rollout.trajectories), metrics
+
+
+@probe("algorithm[grpo].information_gain.weight", "algorithm[grpo].information_gain.clip",
+       "algorithm[grpo].information_gain.chunk_size")  # fmt: skip
+def _grpo_information_gain(kit):
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}}
+    key = "algorithm.information_gain."
+    on = {"algorithm__information_gain__weight": 0.5, "trainer__total_updates": 1,
+          "algorithm__updates_per_batch": 1}  # fmt: skip
+    differs(kit, grpo_ig_rollout, key + "weight", 0.0, 0.5, grpo,
+            trainer__total_updates=1, algorithm__updates_per_batch=1)  # fmt: skip
+    differs(kit, grpo_ig_rollout, key + "clip", 1.0, 1e-3, grpo, **on)
+    differs(kit, grpo_ig_rollout, key + "chunk_size", 16, 1, grpo, **on)
+
+
 def _opd_base(kit) -> dict:
     """One OPD update on t2i + i2t_mc rows (images end with an eos text segment) against
     the kit's saved model as teacher, verified by the classifier and mc_exact."""
@@ -1551,6 +1572,14 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("nd_under_ddp", {"algorithm": {"name": "sft", "necessity_distillation": {"weight": 1.0}},
                       "trainer": {"parallel": "ddp"}},
      "algorithm.necessity_distillation.weight", "is built for one process",
+     {"trainer": {"parallel": "none"}}),
+    ("grpo_ig_clip_when_off", {**GRPO_RUN, "algorithm": {"name": "grpo",
+        "information_gain": {"clip": 0.5}}}, "algorithm.information_gain.clip",
+     "acts only with information_gain.weight > 0",
+     {"algorithm": {"information_gain": {"weight": 0.5}}}),
+    ("grpo_ig_under_ddp", {**GRPO_RUN, "algorithm": {"name": "grpo",
+        "information_gain": {"weight": 0.5}}, "trainer": {"parallel": "ddp"}},
+     "algorithm.information_gain.weight", "is built for one process",
      {"trainer": {"parallel": "none"}}),
     ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
      "rollout.guidance_logprob", "acts only with rollout.guidance != 1",

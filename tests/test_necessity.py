@@ -379,3 +379,33 @@ def test_ema_shadow_resumes_bitwise_after_sigkill(tmp_path, small_vq_dir):
     assert_same_state(a[1], b[1], "optimizer")
     shadow = a[1]["objective"]["ema"]["shadow"]
     assert shadow and any(not torch.equal(shadow[k], a[0][k]) for k in shadow if k in a[0])
+
+
+def test_rollout_necessity_and_shaped_rewards_against_separate_forwards():
+    """RL IG: N_i of each row's last event (its answer block) from the fused 11/10 views
+    equals the full score of the ordinary forward minus the blind score of a separate
+    blind forward; r' = r + λ·clip(N, −c, c) checked against numpy."""
+    from unirl.algorithms.necessity import rollout_necessity, shaped_rewards
+
+    model = tiny_model("vq", init=0.3)
+    batch = _batch(model, 3)
+    n, has, calls = rollout_necessity(model, batch, chunk_size=4)
+    assert has.all() and calls == math.ceil(2 * 3 / 4)
+    last = {}
+    for e in answer_events(batch):
+        last[e.row] = e
+    events = [last[r] for r in range(3)]
+    assert all(not e.target.visual for e in events)  # draw_then_answer: the text answer
+    blind, _ = blind_scores(model, batch, events, 8)
+    with torch.no_grad():
+        out = forward_interleaved(model, batch)
+    for k, e in enumerate(events):
+        full = []
+        for p in e.targets:
+            z, _ = _position_logits(out, e.row, p)
+            full.append(float(torch.log_softmax(z.double(), -1)[batch.token_ids[e.row, p]]))
+        assert abs(float(n[k]) - (sum(full) / len(full) - float(blind[k]))) <= VIEW_TOL
+    r = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    got = shaped_rewards(r, n, 0.3, 0.05).numpy()
+    want = r.numpy() + 0.3 * np.clip(n.numpy(), -0.05, 0.05)
+    assert np.allclose(got, want, rtol=0, atol=1e-12)

@@ -244,3 +244,32 @@ def trajectory_sum(values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tens
     sums = values.new_zeros(len(uniq)).index_add(0, slot, values)
     counts = values.new_zeros(len(uniq)).index_add(0, slot, torch.ones_like(values))
     return (sums / counts).sum(), len(uniq)
+
+
+@torch.no_grad()
+def rollout_necessity(
+    model: UnifiedModel, batch: TrajectoryBatch, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(N_i [B], has_answer [B] bool, backbone calls) of rollout rows: N_i = S_11 − S_10 of row i's answer
+    block — its last event's target (v = that event's source block) — from the fused
+    11/10 views of the current (behaviour) policy; 0 where a row has no event."""
+    per_row: dict[int, Event] = {}
+    for e in answer_events(batch):
+        per_row[e.row] = e  # events come in position order: the last one wins
+    events = [per_row[r] for r in sorted(per_row)]
+    views = fused_views(model, batch, events, ("11", "10"), chunk_size)
+    n = torch.zeros(len(batch.sample_ids), dtype=torch.float64)
+    has = torch.zeros(len(batch.sample_ids), dtype=torch.bool)
+    if events:
+        gain = (views.scores["11"] - views.scores["10"]).double().cpu()
+        rows = torch.tensor([e.row for e in events])
+        n[rows] = gain
+        has[rows] = True
+    return n, has, views.calls
+
+
+def shaped_rewards(
+    rewards: torch.Tensor, necessity: torch.Tensor, weight: float, clip: float
+) -> torch.Tensor:
+    """r'_i = r_i + λ_IG · clip(N_i, −c, c) (docs/numerics.md §3a, RL IG)."""
+    return rewards + weight * necessity.to(rewards).clamp(-clip, clip)

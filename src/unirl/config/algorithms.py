@@ -238,6 +238,29 @@ class MismatchConfig(StrictModel):
     )
 
 
+class RLInformationGainConfig(StrictModel):
+    """RL Information Gain (GRPO; docs/numerics.md §3a): before the update, the behaviour
+    policy scores each rollout's answer block with and without its source block (fused
+    11/10 views, no grad); the necessity N_i = S_11 - S_10 shapes the reward,
+    r' = r + weight * clip(N_i, -clip, clip), before the group advantages."""
+
+    weight: float = Field(
+        0.0, ge=0.0, description="lambda_IG of the reward shaping (0 = off: no views scored)."
+    )
+    clip: float = Field(1.0, gt=0.0, description="c: N_i is clipped to [-c, c].")
+    chunk_size: int = Field(
+        16, gt=0, description="View rows (11 and 10 of each rollout) per no-grad forward."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RLInformationGainConfig:
+        if self.weight == 0:
+            name = first_changed(self)
+            if name is not None:
+                raise incompatible(name, "acts only with information_gain.weight > 0 (it is off)")
+        return self
+
+
 class GRPOConfig(StrictModel):
     """Group-relative policy optimisation with a clipped surrogate (docs/numerics.md §4-7).
 
@@ -306,6 +329,10 @@ class GRPOConfig(StrictModel):
         description="Replay runs each distinct prompt through the body once and the group's "
         "completions against its KV cache (same loss and gradients; tiny model with "
         "model.tiny.mixer_kernel 0).",
+    )
+    information_gain: RLInformationGainConfig = Field(
+        default_factory=RLInformationGainConfig,
+        description="RL Information Gain: necessity-shaped rewards (behaviour policy, no grad).",
     )
 
     @model_validator(mode="after")

@@ -745,6 +745,13 @@ class UnirlConfig(StrictModel):
                 )
         if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0:
             self._soft_bsq(tasks)
+        if isinstance(algo, GRPOConfig) and algo.information_gain.weight > 0:
+            if self.trainer.parallel != "none":
+                raise incompatible(
+                    "algorithm.information_gain.weight",
+                    "is built for one process (trainer.parallel none): the behaviour "
+                    f"policy's views are not sharded under {self.trainer.parallel}",
+                )
         if isinstance(algo, SFTConfig) and algo.necessity_distillation.weight > 0:
             if self.trainer.parallel != "none":
                 raise incompatible(

@@ -53,10 +53,12 @@ from pathlib import Path
 import torch
 
 from unirl.algorithms.grpo import group_advantages
+from unirl.algorithms.necessity import rollout_necessity, shaped_rewards
 from unirl.config import UnirlConfig
 from unirl.core.atomic import atomic_write
 from unirl.core.sample import ImagePart, Sample, TextPart
 from unirl.core.seeding import seed_for
+from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
 from unirl.rewards import RewardError, RewardService
 from unirl.rollout import RolloutRequest, RolloutService, RolloutTrajectory
@@ -251,8 +253,11 @@ class GRPOSource(BatchSource):
                 err.sample_ids,
             ) from err
         a = self.algo
+        total, ig_stats = result.total, {}
+        if a.information_gain.weight > 0:
+            total, ig_stats = self._information_gain(trajs, result.total, result.tasks)
         adv, adv_stats = group_advantages(
-            result.total,
+            total,
             sample_ids=[s.id for s in samples],
             scope=a.scope,
             normalize_by_std=a.normalize_by_std,
@@ -268,6 +273,7 @@ class GRPOSource(BatchSource):
             **diversity_metrics(samples, responses, result.features),
             **task_accuracy(result, self.pass_threshold),
             **{f"adv/{k}": v for k, v in adv_stats.items()},
+            **ig_stats,
             **rollout_stats(trajs, t1 - t0),
             "time/rollout_s": t1 - t0,
             "time/reward_s": t2 - t1,
@@ -278,6 +284,30 @@ class GRPOSource(BatchSource):
             if self.algo.updates_per_batch > 1:
                 self._save(rollout)
         return rollout
+
+    def _information_gain(
+        self, trajs: list[RolloutTrajectory], rewards: torch.Tensor, tasks: list
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """RL IG (docs/numerics.md §3a): the behaviour policy's necessity N_i of each
+        row's answer block (fused 11/10 views, no grad, eval mode), the shaped rewards
+        r + λ·clip(N, −c, c), and per task `ig/<task>/necessity` (mean N over rows with an
+        answer block), `ig/<task>/independent_share` (share with N ≤ 0),
+        `ig/<task>/shaping` (mean λ·clip(N)), `ig/<task>/rows`, and `ig/view_calls`."""
+        ig = self.algo.information_gain
+        batch = TrajectoryBatch.collate(trajs, self.model.special_ids.pad).to(self.model.device)
+        necessity, has, calls = rollout_necessity(self.model, batch, ig.chunk_size)
+        shaped = shaped_rewards(rewards, necessity, ig.weight, ig.clip)
+        stats: dict[str, float] = {"ig/view_calls": float(calls)}
+        for task in sorted({t for t in tasks if t is not None}):
+            sel = torch.tensor([t == task for t in tasks]) & has
+            n = int(sel.sum())
+            stats[f"ig/{task}/rows"] = float(n)
+            if n:
+                stats[f"ig/{task}/necessity"] = float(necessity[sel].mean())
+                stats[f"ig/{task}/independent_share"] = float((necessity[sel] <= 0).double().mean())
+                delta = (shaped - rewards).double().cpu()[sel]
+                stats[f"ig/{task}/shaping"] = float(delta.mean())
+        return shaped, stats
 
     # -- rounds on disk (updates_per_batch > 1) -----------------------------------------
     def _round_path(self, start: int) -> Path:
