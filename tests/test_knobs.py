@@ -687,6 +687,8 @@ OPD_CHANGES = [
     ("algorithm.routing", "all", "correct_only", {}),
     ("algorithm.teacher.privilege", "none", "answer", {}),
     ("algorithm.gt_replay.budget", 1, 2, {"algorithm__gt_replay__mode": "uniform"}),
+    ("algorithm.carriers", "all", "necessity", {}),
+    ("algorithm.carrier_min_necessity", 0.0, -100.0, {"algorithm__carriers": "necessity"}),
 ]
 
 
@@ -1581,6 +1583,10 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
         "information_gain": {"weight": 0.5}}, "trainer": {"parallel": "ddp"}},
      "algorithm.information_gain.weight", "is built for one process",
      {"trainer": {"parallel": "none"}}),
+    ("opd_carrier_threshold_with_all_carriers", {"algorithm": {"name": "opd",
+        "teacher": {"path": "t"}, "carrier_min_necessity": 0.1}},
+     "algorithm.carrier_min_necessity", "acts only with carriers necessity",
+     {"algorithm": {"carriers": "necessity"}}),
     ("guidance_logprob_without_guidance", {"rollout": {"guidance_logprob": "conditional"}},
      "rollout.guidance_logprob", "acts only with rollout.guidance != 1",
      {"rollout": {"guidance": 2.0}}),

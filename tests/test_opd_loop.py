@@ -19,6 +19,7 @@ from trainer_helpers import (
     write_config,
 )
 
+from unirl.algorithms.opd import event_index
 from unirl.algorithms.sft import text_ce, visual_ce
 from unirl.codecs import build_codec
 from unirl.config import ConfigError, validate_config
@@ -28,7 +29,7 @@ from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
-from unirl.forward import forward_interleaved
+from unirl.forward import forward_interleaved, scored_mask
 from unirl.replay import replay_distributions
 from unirl.train.dist.comm import DistInfo
 from unirl.train.engine.build import build_model
@@ -84,13 +85,19 @@ def make_trainer(cfg: dict) -> Trainer:
 
 
 def reference_loss(
-    objective: OPDObjective, model, micro: TrajectoryBatch, text_clip: float | None = None
+    objective: OPDObjective,
+    model,
+    micro: TrajectoryBatch,
+    text_clip: float | None = None,
+    carriers: torch.Tensor | None = None,
 ) -> float:
     """The OPD loss of a micro-batch from the full distributions of both models
     (`replay_distributions`), core's dense `jsd_from_logp`, explicit per-row loops over
     events and a separate SFT forward for the GT rows, divided by the row count. With
     `text_clip` c a row's text part (its events' text positions summed, each event
-    divided by all its positions, averaged over events) counts min(part, c)."""
+    divided by all its positions, averaged over events) counts min(part, c). With
+    `carriers` (bool [B, T] of the distilled rows) an event keeps only its carrier
+    positions and an event without one is dropped."""
     a = objective.algo
     distil, gt = objective._split(micro)
     total, n = 0.0, 0
@@ -118,11 +125,16 @@ def reference_loss(
                 d[s.rows, s.cols] = val
         w = {False: a.modality_weights.text, True: a.modality_weights.visual}
         for b in range(len(batch)):
-            events = objective._events(batch[[b]])
+            row = batch[[b]]
+            events = event_index(scored_mask(row), row.modality, row.finish_reasons, a.events)
             parts = {False: [], True: []}  # text / visual share of each event's mean
             vis = batch.modality[b] == Modality.VISUAL
             for e in range(len(events.kinds[0])):
                 ts = (events.index[0] == e).nonzero().flatten().tolist()
+                if carriers is not None:
+                    ts = [t for t in ts if bool(carriers[b, t])]
+                    if not ts:
+                        continue
                 for modality, share in parts.items():
                     terms = [w[modality] * float(d[b, t]) for t in ts if bool(vis[t]) == modality]
                     share.append(sum(terms) / len(ts))
@@ -547,3 +559,62 @@ def test_text_clip_and_gradient_diagnostics_are_refused_where_they_cannot_act():
         assert info.value.key == where
     validate_config({**diag, "algorithm": {**opd, **gt}})
     validate_config({"algorithm": {**opd, "text_clip": 1.0}})
+
+
+def _independent_carriers(teacher, batch: TrajectoryBatch, threshold: float) -> torch.Tensor:
+    """bool [B, T] of distilled rows: teacher log-prob of the target in the ordinary
+    forward of its own view minus that with the event's source blinded (IG's blind view,
+    one single-position event at a time), ≥ threshold; in student coordinates."""
+    from unirl.algorithms.information_gain import Event, batch_events
+    from unirl.train.methods.sft.information_gain import blind_scores
+
+    records = list(batch.sampling)
+    views = [teacher_view(t, r) for t, r in zip(batch.unbatch(), records)]
+    shift = [len(v) - len(t) for v, t in zip(views, batch.unbatch())]
+    tbatch = TrajectoryBatch.collate(views, batch.pad_id)
+    scored = scored_mask(tbatch)
+    per_row = batch_events(tbatch.modality == Modality.VISUAL, scored, tbatch.lengths)
+    singles = [Event(e.row, e.source, e.target, (p,)) for row in per_row for e in row
+               for p in e.targets]  # fmt: skip
+    with torch.no_grad():
+        blind, _ = blind_scores(teacher, tbatch, singles, 1000)
+        out = forward_interleaved(teacher, tbatch)
+    full = {}
+    text = -text_ce(out.text_logits, out.text_targets)
+    for r, c, v in zip(out.text_index.rows.tolist(), out.text_index.cols.tolist(), text.tolist()):
+        full[r, c] = v
+    vis = -visual_ce(out.visual_logits, out.visual_targets)
+    for r, c, v in zip(
+        out.visual_index.rows.tolist(), out.visual_index.cols.tolist(), vis.tolist()
+    ):
+        full[r, c] = v
+    mask = torch.zeros(batch.token_ids.shape, dtype=torch.bool)
+    for e, b in zip(singles, blind.tolist()):
+        p = e.targets[0]
+        if full[e.row, p] - b >= threshold:
+            mask[e.row, p - shift[e.row]] = True
+    return mask
+
+
+def test_necessity_carriers_match_an_independent_computation(tmp_path, assets):
+    """`carriers: necessity`: only the teacher's carriers (C11 − C10 ≥ threshold) enter
+    the divergence; the loss equals the reference restricted to carriers computed from
+    separate forwards (tolerance as in the unrestricted comparison above)."""
+    cfg = opd_config(tmp_path / "run", assets, "vq", carriers="necessity",
+                     carrier_min_necessity=0.0)  # fmt: skip
+    trainer = make_trainer(cfg)
+    objective = trainer.objective
+    micro = TrajectoryBatch.collate(trainer.source.global_batch(0), trainer.pad_id)
+    n = objective.count(micro)
+    loss, stats = objective.loss(trainer.model, micro, n)
+    distil, _ = objective._split(micro)
+    batch = micro[distil].without_training_data()
+    carriers = _independent_carriers(objective.teacher, batch, 0.0)
+    n_scored = int(scored_mask(batch).sum())
+    assert 0 < int(carriers.sum()) < n_scored  # a real selection
+    assert torch.equal(objective.carrier_mask(batch).cpu(), carriers)
+    expected = reference_loss(objective, trainer.model, micro, carriers=carriers)
+    assert loss.item() == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    assert stats["carriers"] == int(carriers.sum())
+    everything = reference_loss(objective, trainer.model, micro)
+    assert abs(everything - expected) > 1e-6  # restricting to carriers changes the loss

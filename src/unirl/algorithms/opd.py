@@ -214,6 +214,23 @@ def event_index(
     return Events(index.to(scored.device), kinds)
 
 
+def restrict_events(events: Events, keep: torch.Tensor) -> Events:
+    """`events` with only the positions of `keep` [B, T] (bool): positions outside it
+    leave their event, events left empty are dropped and the rest renumbered in order
+    (OPD `carriers: necessity`)."""
+    index = events.index.clone()
+    index[~keep.to(index.device)] = -1
+    kinds: list[list[str]] = []
+    for b, row_kinds in enumerate(events.kinds):
+        present = sorted(set(index[b][index[b] >= 0].tolist()))
+        new = torch.full((len(row_kinds) + 1,), -1, dtype=torch.long, device=index.device)
+        for j, e in enumerate(present):
+            new[e] = j
+        index[b] = torch.where(index[b] >= 0, new[index[b].clamp_min(0)], index[b])
+        kinds.append([row_kinds[e] for e in present])
+    return Events(index, kinds)
+
+
 def trajectory_first(values: torch.Tensor, events: Events) -> tuple[torch.Tensor, torch.Tensor]:
     """(D_i per row [B], event means [B, E_max]) of per-position values [B, T] (already
     weighted): D_i = mean over the row's events of the event's position mean (0 for a

@@ -463,6 +463,16 @@ class OPDConfig(StrictModel):
         "text part of D_i is scaled down to at most this many nats, gradient scaled alike "
         "(null = off).",
     )
+    carriers: Literal["all", "necessity"] = Field(
+        "all",
+        description="Distilled positions: all scored positions of the events, or necessity "
+        "only: those where the teacher's log-prob with the source block visible minus "
+        "with it blinded (C11/C10, one fused no-grad batch) is >= carrier_min_necessity "
+        "(docs/numerics.md §3a).",
+    )
+    carrier_min_necessity: float = Field(
+        0.0, description="Threshold on the teacher's per-position necessity (carriers necessity)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OPDConfig:
@@ -483,6 +493,8 @@ class OPDConfig(StrictModel):
             raise incompatible(
                 "text_clip", "acts only with modality_weights.text > 0 (text contributes nothing)"
             )
+        if self.carriers == "all" and changed(self, "carrier_min_necessity"):
+            raise incompatible("carrier_min_necessity", "acts only with carriers necessity")
         if self.top_k == 0 and "retained_mass_min" in self.model_fields_set:
             raise incompatible("retained_mass_min", "has no effect with top_k 0 (full vocab)")
         return self

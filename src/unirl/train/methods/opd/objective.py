@@ -38,11 +38,13 @@ from pathlib import Path
 
 import torch
 
+from unirl.algorithms.necessity import answer_events, fused_views
 from unirl.algorithms.opd import (
     bernoulli_jsd,
     categorical_divergence,
     clip_text_contribution,
     event_index,
+    restrict_events,
     trajectory_first,
 )
 from unirl.algorithms.sft import text_ce, visual_ce
@@ -145,6 +147,7 @@ class OPDObjective(Objective):
         self.algo = algo
         self.teacher = teacher
         self.identity = identity
+        self._carriers: dict[tuple, tuple[torch.Tensor, float, float]] = {}
 
     @staticmethod
     def _split(batch: TrajectoryBatch) -> tuple[list[int], list[int]]:
@@ -152,10 +155,42 @@ class OPDObjective(Objective):
         distil = [i for i, r in enumerate(sampling) if isinstance(r, DistillRecord)]
         return distil, [i for i, r in enumerate(sampling) if not isinstance(r, DistillRecord)]
 
+    def after_step(self) -> None:
+        """The update is done: forget its carriers (the next batch has new rollouts)."""
+        self._carriers.clear()
+
     def _events(self, batch: TrajectoryBatch):
-        return event_index(
+        """The distilled rows' events; with `carriers: necessity` restricted to the
+        teacher's carriers (`carrier_mask`)."""
+        events = event_index(
             scored_mask(batch), batch.modality, batch.finish_reasons, self.algo.events
         )
+        if self.algo.carriers == "necessity":
+            events = restrict_events(events, self.carrier_mask(batch))
+        return events
+
+    def carrier_mask(self, batch: TrajectoryBatch) -> torch.Tensor:
+        """bool [B, T] of distilled rows: the positions whose teacher necessity n_p =
+        ℓ_p(C11) − ℓ_p(C10) (the teacher's own view of the row, the event's source block
+        blinded for C10; both views in one fused no-grad batch) is ≥
+        `carrier_min_necessity`. Computed once per row set and update (`count` and
+        `loss` ask for the same rows; `after_step` forgets them)."""
+        key = (tuple(batch.sample_ids), tuple(batch.lengths.tolist()))
+        if key not in self._carriers:
+            records = list(batch.sampling)
+            views = [teacher_view(t, r) for t, r in zip(batch.unbatch(), records)]
+            shift = [len(v) - len(t) for v, t in zip(views, batch.unbatch())]
+            tbatch = TrajectoryBatch.collate(views, batch.pad_id).to(batch.token_ids.device)
+            fv = fused_views(
+                self.teacher, tbatch, answer_events(tbatch), ("11", "10"), self.algo.chunk_size
+            )
+            keep = fv.necessity() >= self.algo.carrier_min_necessity
+            rows = fv.pos_row[keep].cpu()
+            cols = fv.pos_col[keep].cpu() - torch.tensor(shift, dtype=torch.long)[rows]
+            mask = torch.zeros(batch.token_ids.shape, dtype=torch.bool)
+            mask[rows, cols] = True
+            self._carriers[key] = (mask, float(keep.sum()), float(len(keep)))
+        return self._carriers[key][0].to(batch.token_ids.device)
 
     def count(self, batch: TrajectoryBatch) -> int:
         distil, gt = self._split(batch)
@@ -246,6 +281,11 @@ class OPDObjective(Objective):
             stats[f"ev_{kind}_sum"] = float(means[list(rows), list(cols)].sum())  # one sync
             stats[f"ev_{kind}_n"] = float(len(cells))
         stats.update(clip_stats)
+        if self.algo.carriers == "necessity":
+            _, n_car, n_pos = self._carriers[
+                (tuple(batch.sample_ids), tuple(batch.lengths.tolist()))
+            ]
+            stats["carriers"], stats["carrier_positions"] = n_car, n_pos
         stats["n_distilled"] = float(contributing.sum())
         stats["n_no_event"] = float((~contributing).sum())
         stats["teacher_s"] = t_teacher
@@ -293,6 +333,16 @@ class OPDObjective(Objective):
             "opd/text_clip_scale": sums["text_scale_sum"] / n,
         }
 
+    def _carrier_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """With `carriers: necessity`: the carriers and their share of the teacher-scored
+        event positions."""
+        if self.algo.carriers != "necessity":
+            return {}
+        return {
+            "opd/carriers": sums["carriers"],
+            "opd/carrier_share": sums["carriers"] / max(sums["carrier_positions"], 1.0),
+        }
+
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
         """Means: `opd/jsd_<modality>` over positions, `opd/jsd_event_<kind>` over events,
         top-1 agreement, retained teacher mass and fallback share (categorical positions),
@@ -314,6 +364,7 @@ class OPDObjective(Objective):
             "opd/n_gt_rows": sums["n_gt"],
             "opd/gt_ce": sums["gt_ce_sum"] / max(sums["n_gt"], 1.0),
             **self._clip_metrics(sums),
+            **self._carrier_metrics(sums),
             "time/teacher_s": sums["teacher_s"],
         }
         for kind in EVENT_KINDS:
@@ -329,7 +380,8 @@ def _with_prompt_length(record: DistillRecord, n: int) -> DistillRecord:
 def _empty_stats() -> dict[str, float]:
     keys = ["jsd_text_sum", "jsd_visual_sum", "n_text", "n_visual", "agree_sum", "retained_sum",
             "fallback_sum", "n_categorical", "n_distilled", "n_no_event", "teacher_s", "gt_ce_sum",
-            "n_gt", "text_clipped_rows", "text_part_sum", "text_scale_sum"] + [f"ev_{k}_{s}" for k in EVENT_KINDS for s in ("sum", "n")]  # fmt: skip
+            "n_gt", "text_clipped_rows", "text_part_sum", "text_scale_sum", "carriers",
+            "carrier_positions"] + [f"ev_{k}_{s}" for k in EVENT_KINDS for s in ("sum", "n")]  # fmt: skip
     return dict.fromkeys(keys, 0.0)
 
 
