@@ -409,3 +409,18 @@ def test_rollout_necessity_and_shaped_rewards_against_separate_forwards():
     got = shaped_rewards(r, n, 0.3, 0.05).numpy()
     want = r.numpy() + 0.3 * np.clip(n.numpy(), -0.05, 0.05)
     assert np.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_opd_carrier_threshold_is_refused_without_necessity_carriers():
+    """(The SFT and GRPO refusals are rows of tests/test_knobs.py's INERT table, whose
+    default-value check reads SFT/GRPO defaults only.)"""
+    from unirl.config import ConfigError, validate_config
+
+    opd = {"algorithm": {"name": "opd", "teacher": {"path": "t"}, "carrier_min_necessity": 0.1}}
+    with pytest.raises(ConfigError, match="carrier_min_necessity: acts only with carriers"):
+        validate_config(opd)
+    opd["algorithm"]["carriers"] = "necessity"
+    validate_config(opd)
+    opd["algorithm"]["carriers"] = "all"
+    opd["algorithm"]["carrier_min_necessity"] = 0.0  # the default where it does not act
+    validate_config(opd)
