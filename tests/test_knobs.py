@@ -657,6 +657,30 @@ def _grpo_information_gain(kit):
             trainer__total_updates=1, algorithm__updates_per_batch=1)  # fmt: skip
     differs(kit, grpo_ig_rollout, key + "clip", 1.0, 1e-3, grpo, **on)
     differs(kit, grpo_ig_rollout, key + "chunk_size", 16, 1, grpo, **on)
+    # wiring: the advantages are the group advantages of r + λ·clip(N, −c, c), N of the
+    # policy that rolled out (scored again here on the same rows), and N is logged per task
+    from unirl.algorithms.grpo import group_advantages
+    from unirl.algorithms.necessity import rollout_necessity
+
+    cfg = config(kit, {**{k.replace("__", "."): v for k, v in on.items()},
+                       key + "clip": 0.05}, grpo)  # fmt: skip
+    trainer = make_trainer(cfg)
+    rollout = trainer.source.rollout(0)
+    batch = TrajectoryBatch.collate(rollout.trajectories, trainer.pad_id)
+    n, has, _ = rollout_necessity(trainer.model, batch, 16)
+    assert has.all()
+    # the reward service hands out float32 totals: shape them in float32 as well (r' is
+    # then the same float32 number), and the advantages agree to float64 rounding
+    r = torch.tensor(rollout.rewards, dtype=torch.float32)
+    a = cfg.algorithm
+    shaped = r + 0.5 * n.float().clamp(-0.05, 0.05)
+    want, _ = group_advantages(
+        shaped, sample_ids=[s.id for s in rollout.samples], scope=a.scope,
+        normalize_by_std=a.normalize_by_std, std_ddof=a.std_ddof, eps=a.eps,
+    )  # fmt: skip
+    got = torch.tensor([t.advantage for t in rollout.trajectories], dtype=torch.float64)
+    assert torch.allclose(got, want.double(), rtol=0, atol=1e-9)
+    assert rollout.metrics["ig/t2i/necessity"] == pytest.approx(float(n.mean()), abs=1e-9)
 
 
 def _opd_base(kit) -> dict:
@@ -1571,6 +1595,10 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
                                    "min_necessity": 0.1}}},
      "algorithm.necessity_distillation.min_necessity", "acts only with selection min_necessity",
      {"algorithm": {"necessity_distillation": {"selection": "min_necessity"}}}),
+    ("nd_with_packing", {"algorithm": {"name": "sft", "necessity_distillation": {
+        "weight": 1.0}}, "trainer": {"packing": True}}, "trainer.packing",
+     "packing with necessity distillation", {"algorithm": {"necessity_distillation": {
+         "weight": 0.0}}}),
     ("nd_under_ddp", {"algorithm": {"name": "sft", "necessity_distillation": {"weight": 1.0}},
                       "trainer": {"parallel": "ddp"}},
      "algorithm.necessity_distillation.weight", "is built for one process",
