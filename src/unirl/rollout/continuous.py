@@ -221,6 +221,9 @@ class SlotBatch:
         where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
         self.mask[:, self.n] = True
         keys = self.mask[:, self.lo : self.n + 1]
+        # No masked key in the window (every slot live since lo): no mask, as the static
+        # engine and transformers pass none then (the same numbers, a faster SDPA path).
+        dense = all(s == self.lo for s in self.start)
         pos = self.next_position[:, None]
         self.next_position = self.next_position + 1
         step = ModelInputs(
@@ -236,7 +239,8 @@ class SlotBatch:
             out = self.model.hidden(step, self.cache)
             self.hidden = out.hidden[:, -1]
         else:
-            self.hidden = self.lean(self.model.embed(step), keys, pos, self.cache)[:, -1]
+            mask = None if dense else keys
+            self.hidden = self.lean(self.model.embed(step), mask, pos, self.cache)[:, -1]
         self.n += 1
 
 
