@@ -77,7 +77,9 @@ class RolloutEngine:
     options are the A/B baselines of `bench/rollout.py`. `precision` "bf16" runs prefill
     and decode under `torch.autocast(<device>, bfloat16)` (weights unchanged; the
     recorded log-probs are float32 of bf16 logits): the `rollout.precision` setting,
-    whose mismatch with an fp32 replay `bench/mismatch.py` measures.
+    whose mismatch with an fp32 replay `bench/mismatch.py` measures. `slots` decodes all
+    requests of a call in that many continuous-batching slots (`unirl.rollout.continuous`;
+    `rollout.continuous_batching`); None: one static batch.
     """
 
     def __init__(
