@@ -2,24 +2,31 @@
 
 Like for like: one tiny model (a transformers `LlamaModel` body + text head); the
 baseline is a `LlamaForCausalLM` that *shares* that body and head (same weights, same
-sdpa attention, same DynamicCache), so both decode the same text-only, left-padded
-prompts greedily with EOS `<|im_end|>`, and the script checks that they produce the same
-tokens. The engine runs with its cycle detector off and `<|vision_start|>` treated as
-text, so it does exactly what `generate` does. Useful tokens/s = generated tokens of all
-rows / wall time (median of `--repeats` alternating runs).
+sdpa attention), so both decode the same text-only, left-padded prompts greedily, and
+the script checks that every runner produces the same tokens.
 
-`engine_compact` is the default engine; `engine_unshared` prefills every row on its own
-instead of each distinct prompt once, and `engine_generic` runs each decode step through
-the body's transformers forward instead of the lean step (one-process A/Bs of those
-levers).
+Pinned length mix: each request gets a target length drawn from a seeded log-normal
+(median max_new_tokens / 4, sigma 0.9, clipped to [1, max_new_tokens]: a tail that
+reaches the cap, as GRPO answers have), independent of the vocabulary and the weights.
+The engine ends a row at its target (`max_new_tokens` per request); `generate` ends it by
+a per-row stopping criterion, and, as TRL runs it, decodes the requests in chunks of the
+slot count (a chunk runs until its longest row ends). EOS has its head row zeroed (logit
+0); a row that still emits it ends there in every runner (the generated mix is printed
+next to the targets).
 
-Two scenarios: "varied" (the model's EOS head row is scaled so that greedy rows end at
-different lengths, as a trained model's rows do) and "all-cap" (no row emits EOS, every
-row runs to `--max-new-tokens`: only per-step overhead differs). The engine's two
-finished-row policies (compact vs mask) are timed in the same process.
+Runners: `hf_generate` (chunks of S), `engine_static` (the engine in chunks of S, the
+default before continuous batching), `engine_continuous` (S decode slots over all
+requests, `RolloutEngine(slots=S)`). Useful tokens/s = generated tokens of all rows /
+wall time (median of `--repeats` alternating runs). Scenarios: (a) "varied" at each
+`--slots`, (b) "cap": every row to max_new_tokens at the first slot count.
 
-    .venv/bin/python bench/rollout.py [--batch 32 64] [--max-new-tokens 96] [--threads 1]
-        [--device cuda|cpu]   (default cuda when available; prints peak GPU memory there)
+    .venv/bin/python bench/rollout.py [--requests 256] [--slots 32 64] [--max-new-tokens 96]
+        [--cap-requests 64] [--repeats 1] [--threads 1] [--device cuda|cpu] [--levers]
+
+`--levers` also times the static engine's A/Bs (finished="mask", share_prefill=False,
+lean=False) in the varied scenario at the first slot count. The last line reads
+`result: varied_32=R varied_64=R cap_32=R` with R = engine_continuous / hf_generate
+useful tokens/s.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from unirl.codecs import build_codec
 from unirl.data.digits import make_task_samples
@@ -40,7 +48,7 @@ from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 
-def build(eos_scale: float) -> tuple[TinyUnifiedModel, LlamaForCausalLM]:
+def build() -> tuple[TinyUnifiedModel, LlamaForCausalLM]:
     tokenizer = build_tokenizer()
     codec = build_codec("vq", codebook_size=32, n_init=1, max_iter=5)
     codec.fit(load_split("train").images[:200])
@@ -48,141 +56,171 @@ def build(eos_scale: float) -> tuple[TinyUnifiedModel, LlamaForCausalLM]:
     # A plain Llama body (no conv prior): generate runs the very same decoder modules.
     config = TinyArchitecture(hidden_size=192, initializer_range=0.05, mixer_kernel=0)
     model = TinyUnifiedModel(config, tokenizer, codec).eval()
-    eos = SpecialIds.from_tokenizer(tokenizer).eos
-    with torch.no_grad():
-        model.text_head.weight[eos] *= eos_scale
+    sp = SpecialIds.from_tokenizer(tokenizer)
+    with torch.no_grad():  # EOS logit 0: rows end at their pinned target lengths
+        model.text_head.weight[sp.eos] = 0.0
     hf = LlamaForCausalLM(model.decoder.config)
     hf.model, hf.lm_head = model.decoder, model.text_head
     return model, hf.eval()
 
 
+def target_lengths(n: int, cap: int, seed: int = 0) -> list[int]:
+    """The pinned mix: seeded log-normal, median cap/4, sigma 0.9, clipped to [1, cap]."""
+    rng = np.random.default_rng(seed)
+    raw = np.exp(rng.normal(np.log(cap / 4), 0.9, size=n))
+    return [int(v) for v in np.clip(np.round(raw), 1, cap)]
+
+
+def describe(lengths: list[int]) -> str:
+    q = np.percentile(lengths, [50, 90])
+    return (
+        f"min {min(lengths)} / median {q[0]:g} / p90 {q[1]:g} / max {max(lengths)}; "
+        f"total {sum(lengths)}"
+    )
+
+
 def prompts(tokenizer, n: int) -> list:
-    """Text-only prompts: the t2i questions (draw-then-answer now shows an image)."""
+    """Text-only prompts: the t2i questions (distinct prompts)."""
     samples = make_task_samples("t2i", "val", n, seed=0)
     return [serialize(s, tokenizer, add_generation_prompt=True) for s in samples]
 
 
-def run_hf(hf: LlamaForCausalLM, trajs, pad: int, eos: int, n_new: int) -> list[list[int]]:
-    P = max(len(t) for t in trajs)
-    ids = torch.full((len(trajs), P), pad, dtype=torch.long)
-    mask = torch.zeros(len(trajs), P, dtype=torch.long)
-    for r, t in enumerate(trajs):
-        ids[r, P - len(t) :] = t.token_ids
-        mask[r, P - len(t) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=pad
-    )
+class RowTargets(StoppingCriteria):
+    """Ends each row of a `generate` call at its own target length (as EOS would)."""
+
+    def __init__(self, prompt_width: int, targets: list[int], device) -> None:
+        self.width = prompt_width
+        self.targets = torch.tensor(targets, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.width) >= self.targets
+
+
+def run_hf(hf, trajs, targets, pad: int, eos: int, slots: int) -> list[list[int]]:
+    rows: list[list[int]] = []
     device = hf.device
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+    for s in range(0, len(trajs), slots):
+        chunk, want = trajs[s : s + slots], targets[s : s + slots]
+        P = max(len(t) for t in chunk)
+        ids = torch.full((len(chunk), P), pad, dtype=torch.long)
+        mask = torch.zeros(len(chunk), P, dtype=torch.long)
+        for r, t in enumerate(chunk):
+            ids[r, P - len(t) :] = t.token_ids
+            mask[r, P - len(t) :] = 1
+        config = GenerationConfig(
+            max_new_tokens=max(want), do_sample=False, eos_token_id=eos, pad_token_id=pad
         )
-    rows = []
-    for r in out[:, P:].tolist():
-        rows.append(r[: r.index(eos) + 1] if eos in r else r)
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([RowTargets(P, want, device)]),
+            )
+        for r, n in zip(out[:, P:].tolist(), want):
+            r = r[:n]
+            rows.append(r[: r.index(eos) + 1] if eos in r else r)
     return rows
 
 
-def run_engine(engine: RolloutEngine, trajs, n_new: int) -> list[list[int]]:
-    params = SamplingParams(
-        greedy=True, max_new_tokens=n_new, cycle_max_period=0, on_invalid_header="text"
-    )
-    requests = [RolloutRequest(t, seed=k, params=params) for k, t in enumerate(trajs)]
-    out = engine.generate(requests)
+def requests_for(trajs, targets) -> list[RolloutRequest]:
+    out = []
+    for k, (t, n) in enumerate(zip(trajs, targets)):
+        params = SamplingParams(
+            greedy=True, max_new_tokens=n, cycle_max_period=0, on_invalid_header="text"
+        )
+        out.append(RolloutRequest(t, seed=k, params=params))
+    return out
+
+
+def run_engine(engine: RolloutEngine, trajs, targets, chunk: int) -> list[list[int]]:
+    requests = requests_for(trajs, targets)
+    out = []
+    for s in range(0, len(requests), chunk):
+        out += engine.generate(requests[s : s + chunk])
     return [o.token_ids[len(t) :].tolist() for o, t in zip(out, trajs)]
 
 
-def timed(fn) -> tuple[float, float, object]:
-    t0, c0 = time.perf_counter(), time.process_time()
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
     result = fn()
-    return time.perf_counter() - t0, time.process_time() - c0, result
+    return time.perf_counter() - t0, result
 
 
-def scenario(name: str, eos_scale: float, args: argparse.Namespace) -> None:
-    model, hf = build(eos_scale)
-    model.to(args.device)
-    if model.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(model.device)
-    tok = model.tokenizer
-    sp = SpecialIds.from_tokenizer(tok)
-    trajs = prompts(tok, args.batch)
+def scenario(name, model, hf, trajs, targets, slots: int, args) -> float:
+    sp = SpecialIds.from_tokenizer(model.tokenizer)
+    n = len(trajs)
     runners = {
-        "hf_generate": lambda: run_hf(hf, trajs, sp.pad, sp.eos, args.max_new_tokens),
-        "engine_compact": lambda: run_engine(
-            RolloutEngine(model, finished="compact"), trajs, args.max_new_tokens
-        ),
-        "engine_mask": lambda: run_engine(
-            RolloutEngine(model, finished="mask"), trajs, args.max_new_tokens
-        ),
-        # A/B of one engine lever (on in engine_compact): every row prefilled on its own
-        "engine_unshared": lambda: run_engine(
-            RolloutEngine(model, share_prefill=False), trajs, args.max_new_tokens
-        ),
-        # A/B of the lean decode step (on in engine_compact): the body's own forward
-        "engine_generic": lambda: run_engine(
-            RolloutEngine(model, lean=False), trajs, args.max_new_tokens
+        "hf_generate": lambda: run_hf(hf, trajs, targets, sp.pad, sp.eos, slots),
+        "engine_static": lambda: run_engine(RolloutEngine(model), trajs, targets, slots),
+        "engine_continuous": lambda: run_engine(
+            RolloutEngine(model, slots=slots), trajs, targets, n
         ),
     }
+    if args.levers and name == "varied" and slots == args.slots[0]:
+        for key, kw in (
+            ("static_mask", {"finished": "mask"}),
+            ("static_unshared", {"share_prefill": False}),
+            ("static_generic", {"lean": False}),
+        ):
+            runners[key] = lambda kw=kw: run_engine(
+                RolloutEngine(model, **kw), trajs, targets, slots
+            )
     times: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
     outputs = {}
     for _ in range(args.repeats):
         for key, fn in runners.items():
-            seconds, cpu_seconds, outputs[key] = timed(fn)
+            seconds, outputs[key] = timed(fn)
             times[key].append(seconds)
-            cpu[key].append(cpu_seconds)
     reference = outputs["hf_generate"]
     same = all(outputs[k] == reference for k in runners)
     lengths = [len(r) for r in reference]
     n_tokens = sum(lengths)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    tps = {k: n_tokens / v for k, v in med.items()}
+    tps = {k: n_tokens / statistics.median(v) for k, v in times.items()}
     print(
-        f"\n[{name}] batch {args.batch}, max_new_tokens {args.max_new_tokens}, "
+        f"\n[{name}] {n} requests, {slots} slots, max_new_tokens {args.max_new_tokens}, "
         f"threads {torch.get_num_threads()}, repeats {args.repeats}"
     )
-    print(
-        f"  row lengths: min {min(lengths)} median {statistics.median(lengths)} "
-        f"max {max(lengths)}; total {n_tokens} tokens; identical tokens: {same}; "
-        f"distinct prompts {len({tuple(t.token_ids.tolist()) for t in trajs})}"
-    )
+    print(f"  target lengths: {describe(targets)}")
+    print(f"  generated:      {describe(lengths)}; identical tokens: {same}")
     for key in runners:
-        cpu_ms = statistics.median(cpu[key]) * 1e3
-        print(f"  {key:15s} {med[key] * 1e3:8.1f} ms  {tps[key]:8.0f} tok/s  CPU {cpu_ms:8.1f} ms")
-    print(
-        f"  ratio engine_compact / hf_generate tokens/s: "
-        f"{tps['engine_compact'] / tps['hf_generate']:.2f}x"
-    )
-    print(
-        f"  ratio engine_mask / hf_generate tokens/s:    "
-        f"{tps['engine_mask'] / tps['hf_generate']:.2f}x"
-    )
-    for other in ("engine_mask", "engine_unshared", "engine_generic"):
-        print(
-            f"  ratio engine_compact / {other} tokens/s: {tps['engine_compact'] / tps[other]:.2f}x"
-        )
+        ms = statistics.median(times[key]) * 1e3
+        print(f"  {key:18s} {ms:9.1f} ms  {tps[key]:8.0f} tok/s")
+    ratio = tps["engine_continuous"] / tps["hf_generate"]
+    print(f"  engine_continuous / hf_generate: {ratio:.2f}x")
+    print(f"  engine_static / hf_generate:     {tps['engine_static'] / tps['hf_generate']:.2f}x")
     if model.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(model.device) / 2**20
-        print(f"  peak GPU memory (all runs of this scenario): {peak:.0f} MiB")
+        print(f"  peak GPU memory so far: {peak:.0f} MiB")
     if not same:
-        raise SystemExit("engine and generate disagree on the tokens: not a like-for-like run")
+        raise SystemExit("the runners disagree on the tokens: not a like-for-like run")
+    return ratio
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--slots", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cap-requests", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eos-scale", type=float, default=2.5)
+    parser.add_argument("--levers", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for batch in args.batch:
-        scenario(
-            "varied lengths", args.eos_scale, argparse.Namespace(**{**vars(args), "batch": batch})
-        )
-    scenario("all-cap", 0.0, argparse.Namespace(**{**vars(args), "batch": args.batch[0]}))
+    model, hf = build()
+    model.to(args.device)
+    trajs = prompts(model.tokenizer, args.requests)
+    cap = args.max_new_tokens
+    targets = target_lengths(args.requests, cap)
+    results = {}
+    for slots in args.slots:
+        results[f"varied_{slots}"] = scenario("varied", model, hf, trajs, targets, slots, args)
+    n_cap = args.cap_requests
+    s0 = args.slots[0]
+    results[f"cap_{s0}"] = scenario("cap", model, hf, trajs[:n_cap], [cap] * n_cap, s0, args)
+    print("result: " + " ".join(f"{k}={v:.2f}" for k, v in results.items()))
 
 
 if __name__ == "__main__":

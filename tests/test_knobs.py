@@ -856,6 +856,19 @@ def _rollout_precision(kit):
     differs(kit, logps, "rollout.precision", "fp32", "bf16", grpo)
 
 
+@probe("rollout.continuous_batching")
+def _rollout_continuous_batching(kit):
+    """The engine a GRPO run builds: static batches, or `rollout.batch_size` decode slots
+    (that both give the same trajectories: tests/test_continuous_batching.py)."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {**GRPO, "reward": {"plugins": plugins}, "model": {"tiny": {"mixer_kernel": 0}}}
+
+    def slots(c):
+        return make_trainer(c).source.service.engine.slots
+
+    differs(kit, slots, "rollout.continuous_batching", False, True, grpo)
+
+
 @probe(
     "rollout.workers",
     "reward.workers",
@@ -1651,6 +1664,18 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      {"rollout": {"cycle_max_period": 4}}),
     ("rollout_precision_under_sft", {"rollout": {"precision": "bf16"}}, "rollout.precision",
      "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
+    ("continuous_batching_under_sft", {"rollout": {"continuous_batching": True}},
+     "rollout.continuous_batching", "acts only with rollouts in training", {**GRPO_RUN,
+     "model": {"tiny": {"mixer_kernel": 0}}}),
+    ("continuous_batching_with_ray_workers", {**GRPO_RUN, "model": {"tiny": {"mixer_kernel": 0}},
+     "rollout": {"continuous_batching": True, "workers": 1}}, "rollout.continuous_batching",
+     "acts only in-process", {"rollout": {"workers": 0}}),
+    ("continuous_batching_with_the_conv_prior", {**GRPO_RUN, "rollout": {
+        "continuous_batching": True}}, "rollout.continuous_batching", "mixer_kernel 0",
+     {"model": {"tiny": {"mixer_kernel": 0}}}),
+    ("continuous_batching_under_uniar", {**GRPO_RUN, **UNIAR, "rollout": {
+        "continuous_batching": True}}, "rollout.continuous_batching", "model.kind uniar",
+     {"model": {"kind": "tiny", "visual_head": "bsq"}}),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

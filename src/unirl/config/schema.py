@@ -368,6 +368,12 @@ class RolloutConfig(StrictModel):
     workers: int = Field(
         0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
     )
+    continuous_batching: bool = Field(
+        False,
+        description="Decode in rollout.batch_size slots; a finished row's slot takes the next "
+        "waiting request (same tokens per seed). In-process grpo/opd rollouts; plain RoPE and "
+        "KV cache only (not uniar, not tiny with mixer_kernel > 0).",
+    )
     cycle_max_period: int = Field(
         4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
     )
@@ -776,6 +782,31 @@ class UnirlConfig(StrictModel):
         self._gradient_diagnostics(algo)
         return self
 
+    def _continuous_batching(self, algo: AlgorithmConfig) -> None:
+        """rollout.continuous_batching: built for in-process training rollouts of models
+        with plain RoPE positions and a plain KV cache (`unirl.rollout.continuous`)."""
+        key = "rollout.continuous_batching"
+        if isinstance(algo, SFTConfig):
+            raise incompatible(
+                key, "acts only with rollouts in training (grpo, opd); evaluation is static"
+            )
+        if self.rollout.workers > 0:
+            raise incompatible(
+                key, "acts only in-process (rollout.workers 0): Ray rollout workers are static"
+            )
+        if self.rollout.batch_size < 2:
+            raise incompatible(key, "needs rollout.batch_size >= 2 slots (a guided pair takes two)")
+        if self.model.kind == "uniar":
+            raise incompatible(
+                key, "not built for model.kind uniar (M-RoPE decode positions per slot)"
+            )
+        if self.model.kind == "tiny" and self.model.path is None and self.model.tiny.mixer_kernel:
+            raise incompatible(
+                key,
+                "not built for the tiny model's conv prior (its cache carries per-row mixer "
+                "state): set model.tiny.mixer_kernel 0",
+            )
+
     def _inert(self, algo: AlgorithmConfig) -> None:
         """Settings another section makes inactive, refused when set to a non-default
         value (a value equal to the default is harmless). `RolloutConfig` on its own maps
@@ -811,6 +842,8 @@ class UnirlConfig(StrictModel):
                     "rollout.precision",
                     "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
                 )
+        if rollout.continuous_batching:
+            self._continuous_batching(algo)
         if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
             raise incompatible(
                 "rollout.cycle_repeats",

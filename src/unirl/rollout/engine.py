@@ -41,9 +41,11 @@ from unirl.core.types import Modality, Owner
 from unirl.data.template import image_generation_prefix, parse_image_header, serialize
 from unirl.data.tokenizer import SpecialIds
 from unirl.models.base import UnifiedModel
+from unirl.rollout.continuous import SlotBatch, check_supported, pad_input
 from unirl.rollout.decode_batch import DecodeBatch
 from unirl.rollout.decode_cache import holes_filled
 from unirl.rollout.guidance import unconditional_prompt
+from unirl.rollout.lean_step import lean_step
 from unirl.rollout.params import SamplingParams
 from unirl.rollout.policy import text_distribution, visual_distribution
 from unirl.rollout.request import RolloutRequest, RolloutTrajectory
@@ -75,7 +77,9 @@ class RolloutEngine:
     options are the A/B baselines of `bench/rollout.py`. `precision` "bf16" runs prefill
     and decode under `torch.autocast(<device>, bfloat16)` (weights unchanged; the
     recorded log-probs are float32 of bf16 logits): the `rollout.precision` setting,
-    whose mismatch with an fp32 replay `bench/mismatch.py` measures.
+    whose mismatch with an fp32 replay `bench/mismatch.py` measures. `slots` decodes all
+    requests of a call in that many continuous-batching slots (`unirl.rollout.continuous`;
+    `rollout.continuous_batching`); None: one static batch.
     """
 
     def __init__(
@@ -87,7 +91,15 @@ class RolloutEngine:
         share_prefill: bool = True,
         lean: bool = True,
         precision: Precision = "fp32",
+        slots: int | None = None,
     ) -> None:
+        if slots is not None:
+            if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+                raise ValueError(
+                    f"slots must be an int >= 2 (a guided pair needs two), got {slots!r}"
+                )
+            check_supported(model)
+        self.slots = slots
         if finished not in ("compact", "mask"):
             raise ValueError(f"finished must be 'compact' or 'mask', got {finished!r}")
         if precision not in ("fp32", "bf16"):
@@ -264,7 +276,10 @@ class RolloutEngine:
         # bookkeeping per op); the trajectories are built outside it, as ordinary tensors.
         with torch.inference_mode():
             keys = [_keys(r.params) for r in requests]
-            self._decode(states, gens, rows, prompts + [t for _, t in twins], keys)
+            if self.slots is None:
+                self._decode(states, gens, rows, prompts + [t for _, t in twins], keys)
+            else:
+                self._decode_slots(states, gens, prompts, dict(twins), keys)
         out = [s.to_trajectory(r.id, r.seed, validate=False) for s, r in zip(states, requests)]
         validate_all(out)
         return out
@@ -285,6 +300,79 @@ class RolloutEngine:
                 batch.select(order)
                 rows = [rows[b] for b in order]
             batch.step(self.model, self._inputs(states, rows))
+
+    def _decode_slots(
+        self,
+        states: list[RowState],
+        gens,
+        prompts: list[Trajectory],
+        twins: dict[int, Trajectory],
+        keys: list[tuple],
+    ) -> None:
+        """Continuous batching (`unirl.rollout.continuous`): `self.slots` decode slots;
+        requests wait in order and each takes a free slot (two, for a guided pair) as soon
+        as one frees up."""
+        n_rows = len(states) + len(twins)
+        margin = max(len(p) for p in [*prompts, *twins.values()])
+        lean = lean_step(self.model) if self.lean else None
+        batch = SlotBatch(self.model, min(self.slots, n_rows), margin, lean)
+        slot_rows: list[tuple[int, bool] | None] = [None] * batch.S
+        waiting = list(range(len(states)))[::-1]  # pop() takes the next in order
+        pad = self.special.pad
+
+        def admit() -> list[int]:
+            free = [s for s, r in enumerate(slot_rows) if r is None]
+            placed, taken = [], []
+            while waiting:
+                k = waiting[-1]
+                need = 2 if k in twins else 1
+                if need > len(free):
+                    break
+                waiting.pop()
+                s = free.pop(0)
+                slot_rows[s] = (k, False)
+                placed.append((s, prompts[k]))
+                taken.append(s)
+                if k in twins:
+                    s = free.pop(0)
+                    slot_rows[s] = (k, True)
+                    placed.append((s, twins[k]))
+                    taken.append(s)
+            if placed:
+                batch.admit(placed, pad)
+            return taken
+
+        def act(taken: list[int]) -> None:
+            rows = [slot_rows[s] for s in taken]
+            self._act(states, gens, rows, _rows(batch.hidden, taken), keys)
+            for s in taken:
+                if states[slot_rows[s][0]].done:
+                    slot_rows[s] = None
+                    batch.free(s)
+
+        act(admit())
+        while True:
+            while waiting and any(r is None for r in slot_rows):
+                taken = admit()
+                if not taken:
+                    break
+                act(taken)
+            live = [s for s, r in enumerate(slot_rows) if r is not None]
+            if not live:
+                break
+            if not waiting and _compact_now(len(slot_rows) - len(live), len(slot_rows)):
+                batch.select(live)
+                slot_rows = [slot_rows[s] for s in live]
+            batch._window()
+            inputs = []
+            for r in slot_rows:
+                if r is None:
+                    inputs.append(pad_input(pad))
+                else:
+                    s = states[r[0]]
+                    inputs.append((*s.last_input(), s.last_image_position()))
+            batch.step(tuple(map(list, zip(*inputs))))
+            act([s for s, r in enumerate(slot_rows) if r is not None])
 
     def _act(
         self, states: list[RowState], gens, rows, hidden: torch.Tensor, keys: list[tuple]

@@ -53,15 +53,21 @@ class RolloutService:
         world_size: int = 1,
         group: Any = None,
         precision: Precision = "fp32",
+        continuous: bool = False,
     ) -> None:
         """`group`: the process group `gather` uses (a CPU/gloo group when the default
         one is NCCL; None: the default group); `precision`: the engine's
-        (`rollout.precision`)."""
+        (`rollout.precision`); `continuous`: one engine call over all requests with
+        `batch_size` decode slots (`rollout.continuous_batching`)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.engine = RolloutEngine(model, model.tokenizer, precision=precision)
+        slots = batch_size if continuous else None
+        if continuous and batch_size < 2:
+            raise ValueError("continuous batching needs batch_size >= 2 slots (a guided pair)")
+        self.engine = RolloutEngine(model, model.tokenizer, precision=precision, slots=slots)
+        self.continuous = continuous
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -72,12 +78,14 @@ class RolloutService:
         requests: Sequence[RolloutRequest],
         after_batch: Callable[[], None] | None = None,
     ) -> list[RolloutTrajectory]:
-        """Sample every request on this process, `batch_size` rows at a time; each
+        """Sample every request on this process, `batch_size` rows at a time (continuous:
+        all in one engine call over `batch_size` slots); each
         trajectory carries its request's seed. `after_batch` runs after each engine batch
         (progress, test hooks)."""
         out: list[RolloutTrajectory] = []
-        for start in range(0, len(requests), self.batch_size):
-            chunk = requests[start : start + self.batch_size]
+        step = len(requests) if self.continuous else self.batch_size
+        for start in range(0, len(requests), max(step, 1)):
+            chunk = requests[start : start + max(step, 1)]
             for request, traj in zip(chunk, self.engine.generate(chunk)):
                 traj.seed = request.seed
                 out.append(traj)

@@ -198,6 +198,11 @@ class JanusProModel(UnifiedModel):
     ) -> BodyOutput:
         return run_decoder(self.model.language_model, embeds, attention_mask, position_ids, cache)
 
+    def plain_decoder(self) -> Any:
+        """The Llama text decoder: `body` runs it and nothing else, so the rollout may take
+        its lean decode step (`unirl.rollout.lean_step`, which checks the configuration)."""
+        return self.model.language_model
+
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 

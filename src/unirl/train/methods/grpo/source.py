@@ -126,7 +126,13 @@ class GRPOSource(BatchSource):
             )
         self.model = model
         self.service = RolloutService(
-            model, r.batch_size, info.rank, info.world_size, info.cpu_group, r.precision
+            model,
+            r.batch_size,
+            info.rank,
+            info.world_size,
+            info.cpu_group,
+            r.precision,
+            continuous=r.continuous_batching,
         )
         self.prompt_sampler = prompts
         self.rewards = rewards

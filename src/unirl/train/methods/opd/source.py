@@ -127,6 +127,7 @@ class OPDSource(BatchSource):
             info.rank,
             info.world_size,
             precision=cfg.rollout.precision,
+            continuous=cfg.rollout.continuous_batching,
         )
         self.prompt_sampler = prompts
         self.rewards = rewards

@@ -1,0 +1,151 @@
+"""Continuous batching (`unirl.rollout.continuous`, `rollout.continuous_batching`): the same
+trajectories as the static engine for the same seeds.
+
+The reference is the static engine (`RolloutEngine` without slots), itself checked
+against full recomputation and across batch sizes in tests/test_rollout.py. With slots,
+a row is prefilled with other prompts than in the static batch and decoded next to other
+rows, over a key window of another width: its numbers differ from the static engine's
+only by float32 reassociation in the batched matmuls and the masked attention (the
+"batch geometry"). The tokens and codes must be equal (a different draw would need two
+candidates within that noise of a sampling threshold, at these sizes never observed);
+the log-probs agree to atol 1e-4, the bound tests/test_rollout.py states for a change
+of batch geometry: a log-prob is z - logsumexp(z) of logits |z| < ~20 from reductions
+of length <= 128, each accurate to a few float32 ulps of its terms (~1e-6 relative),
+so ~1e-5 absolute, with a 10x margin (observed here: <= 4e-5).
+
+Cases: mixed text and guided image requests (VQ and BSQ; sampling with temperature,
+top-k and top-p) in 2, 3 and 5 slots, where a guided pair must wait for two free slots,
+with the lean step and with the model's own forward; a GRPO group's G members admitted
+together share one prefill; tiny Janus-Pro t2i with CFG (the generic body forward);
+refusals for models it is not built for; and a GRPO run with it on equals the run with
+it off, bit for bit (replay-anchored GRPO reads rollout log-probs only for a metric, and
+the tokens are equal, so the loss, gradients and weights are the same).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
+from trainer_helpers import grpo_config, make_grpo_trainer
+
+from unirl.codecs.base import single_thread
+from unirl.core.sample import GenerationRequest, Sample, TextPart
+from unirl.core.seeding import seed_for
+from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+
+ATOL = 1e-4  # module docstring: the batch-geometry bound of tests/test_rollout.py
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def _same(ref, got) -> None:
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert a.sample_id == b.sample_id
+        assert torch.equal(a.token_ids, b.token_ids), a.sample_id
+        assert torch.equal(a.visual_codes, b.visual_codes), a.sample_id
+        assert torch.equal(a.owner, b.owner) and torch.equal(a.modality, b.modality)
+        assert a.finish_reason == b.finish_reason and a.image_grids == b.image_grids
+        torch.testing.assert_close(a.rollout_logp, b.rollout_logp, atol=ATOL, rtol=0)
+        if a.rollout_logp_factors is not None:
+            torch.testing.assert_close(
+                a.rollout_logp_factors, b.rollout_logp_factors, atol=ATOL, rtol=0
+            )
+
+
+@pytest.mark.parametrize("kind", ["vq", "bsq"])
+def test_slots_give_the_static_engines_trajectories(kind):
+    model = tiny_model(kind, init=0.5, mixer_kernel=0)
+    text = SamplingParams(max_new_tokens=24, temperature=1.3, top_k=40, top_p=0.9)
+    image = SamplingParams(max_new_tokens=16, length_semantics="exact", guidance=2.0)
+    requests = mixed_requests(mixed_samples(2), text, image)
+    ref = RolloutEngine(model).generate(requests)
+    assert len({len(t) for t in ref}) > 2  # rows of several lengths: slots are reused
+    for slots, lean in ((2, True), (3, True), (5, False)):
+        _same(ref, RolloutEngine(model, slots=slots, lean=lean).generate(requests))
+
+
+def test_a_group_shares_one_prefill_on_admission():
+    model = tiny_model("vq", init=0.5, mixer_kernel=0)
+    text = SamplingParams(max_new_tokens=12, temperature=1.2)
+    samples = [Sample(f"p{i}", [TextPart(t)], task="chat") for i, t in enumerate(["a b", "c d e"])]
+    G = 4
+    requests = [
+        RolloutRequest(member, seed_for(5, 0, i, g), text)
+        for i, s in enumerate(samples)
+        for g, member in enumerate(s.fork(g) for g in range(G))
+    ]
+    prefill_rows: list[int] = []
+    hook = model.decoder.register_forward_pre_hook(
+        lambda mod, args, kw: (
+            prefill_rows.append(kw["inputs_embeds"].shape[0])
+            if kw["inputs_embeds"].shape[1] > 1
+            else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        got = RolloutEngine(model, slots=2 * G).generate(requests)
+    finally:
+        hook.remove()
+    # all 8 rows fit the 8 slots at once: one prefill forward of the 2 distinct prompts
+    assert prefill_rows == [2]
+    _same(RolloutEngine(model).generate(requests), got)
+    assert len({tuple(t.token_ids.tolist()) for t in got}) > 2  # members sampled apart
+
+
+def test_janus_t2i_with_guidance_in_slots(tmp_path):
+    from unirl.models.janus_pro import JanusProModel
+    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+
+    texts = ["draw a red cat on the mat", "a dog", "two birds"]
+    ckpt = write_tiny_checkpoint(tmp_path, TinyJanusSpec(initializer_range=0.2), texts)
+    model = JanusProModel.from_pretrained(ckpt).eval()
+    params = SamplingParams(max_new_tokens=16, length_semantics="exact", guidance=5.0, top_k=50)
+    requests = [
+        RolloutRequest(
+            Sample(f"s{k}", [TextPart(t), GenerationRequest(4, 4)], task="t2i"), k, params
+        )
+        for k, t in enumerate(texts * 2)
+    ]
+    ref = RolloutEngine(model).generate(requests)
+    _same(ref, RolloutEngine(model, slots=3).generate(requests))
+
+
+def test_models_it_is_not_built_for_are_refused():
+    with pytest.raises(ValueError, match="MixCache"):
+        RolloutEngine(tiny_model("vq", mixer_kernel=4), slots=4)
+    with pytest.raises(ValueError, match="slots must be an int >= 2"):
+        RolloutEngine(tiny_model("vq", mixer_kernel=0), slots=1)
+
+
+def test_a_grpo_run_with_continuous_batching_equals_the_run_without(
+    tmp_path, small_vq_dir, classifier_dir
+):
+    assets = {"vq": small_vq_dir, "clf": classifier_dir}
+    runs = []
+    for on in (False, True):
+        cfg = grpo_config(
+            tmp_path / str(on),
+            assets,
+            model={"tiny": {"mixer_kernel": 0, "hidden_size": 32, "num_layers": 2,
+                            "num_heads": 2, "intermediate_size": 64}},
+            rollout={"max_new_tokens": 16, "length_semantics": "exact", "guidance": 2.0,
+                     "batch_size": 5, "continuous_batching": on},
+        )  # fmt: skip
+        trainer = make_grpo_trainer(cfg)
+        assert trainer.source.service.engine.slots == (5 if on else None)
+        trajs = trainer.source.global_batch(0)
+        metrics = [m for _, m in trainer.fit()]
+        runs.append((trajs, metrics, trainer.model.state_dict()))
+    (t0, m0, w0), (t1, m1, w1) = runs
+    _same(t0, t1)
+    for a, b in zip(m0, m1):
+        assert a["loss"] == b["loss"]
+    for name, w in w0.items():
+        assert torch.equal(w, w1[name]), name
