@@ -17,9 +17,10 @@ Cases: mixed text and guided image requests (VQ and BSQ; sampling with temperatu
 top-k and top-p) in 2, 3 and 5 slots, where a guided pair must wait for two free slots,
 with the lean step and with the model's own forward; a GRPO group's G members admitted
 together share one prefill; tiny Janus-Pro t2i with CFG (the generic body forward);
-refusals for models it is not built for; and a GRPO run with it on equals the run with
-it off, bit for bit (replay-anchored GRPO reads rollout log-probs only for a metric, and
-the tokens are equal, so the loss, gradients and weights are the same).
+refusals for models it is not built for; and a GRPO run and an OPD run with it on equal
+the runs with it off, bit for bit (replay-anchored GRPO reads rollout log-probs only for a
+metric, OPD drops them, and the tokens are equal, so the loss, gradients and weights are
+the same).
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from __future__ import annotations
 import pytest
 import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
-from trainer_helpers import grpo_config, make_grpo_trainer
+from trainer_helpers import grpo_config, make_grpo_trainer, tiny_config
 
 from unirl.codecs.base import single_thread
+from unirl.config import validate_config
 from unirl.core.sample import GenerationRequest, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from unirl.train.dist.comm import DistInfo
+from unirl.train.engine.build import build_model
+from unirl.train.engine.trainer import Trainer
+from unirl.train.methods.opd.job import build_opd_job
 
 ATOL = 1e-4  # module docstring: the batch-geometry bound of tests/test_rollout.py
 
@@ -144,6 +150,54 @@ def test_a_grpo_run_with_continuous_batching_equals_the_run_without(
         metrics = [m for _, m in trainer.fit()]
         runs.append((trajs, metrics, trainer.model.state_dict()))
     (t0, m0, w0), (t1, m1, w1) = runs
+    _same(t0, t1)
+    for a, b in zip(m0, m1):
+        assert a["loss"] == b["loss"]
+    for name, w in w0.items():
+        assert torch.equal(w, w1[name]), name
+
+
+def test_an_opd_run_with_continuous_batching_equals_the_run_without(
+    tmp_path, small_vq_dir, classifier_dir
+):
+    """OPD's source builds its engine from the same knob: its rollouts (text and images,
+    varied lengths: `cap` semantics) are the static engine's, so the distillation loss,
+    which reads the teacher and student on those tokens (not the rollout log-probs), and
+    the weights after two updates are bitwise equal."""
+    model = {"tiny": {"mixer_kernel": 0}, "visual_head": "vq"}
+
+    def config(name: str, on: bool) -> dict:
+        cfg = tiny_config(
+            tmp_path / name,
+            small_vq_dir,
+            model={**model, "codec": {"path": str(small_vq_dir), "codebook_size": 16}},
+            data={"tasks": ["t2i", "i2t_mc"], "train_size": 16},
+            rollout={"max_new_tokens": 20, "length_semantics": "cap", "batch_size": 4,
+                     "continuous_batching": on},
+            reward={"plugins": [
+                {"name": "digit_classifier", "path": str(classifier_dir), "tasks": ["t2i"]},
+                {"name": "mc_exact", "tasks": ["i2t_mc"]}], "truncated_reward": "keep"},
+            trainer={"total_updates": 2, "global_batch_size": 6, "micro_batch_size": 3},
+        )  # fmt: skip
+        cfg["algorithm"] = {"name": "opd", "teacher": {"path": str(tmp_path / "teacher")}}
+        return cfg
+
+    teacher = config("teacher_run", False)
+    teacher["run"]["seed"] = 9  # other weights than the student's
+    build_model(validate_config(teacher)).save_pretrained(tmp_path / "teacher")
+    runs = []
+    for on in (False, True):
+        cfg = validate_config(config(str(on), on))
+        student = build_model(cfg).train()
+        source, objective = build_opd_job(cfg, student, tmp_path / str(on), DistInfo())
+        trainer = Trainer(student, source, objective, cfg, tmp_path / str(on), DistInfo(),
+                          student.special_ids.pad)  # fmt: skip
+        assert trainer.source.service.engine.slots == (4 if on else None)
+        trajs = trainer.source.global_batch(0)
+        metrics = [m for _, m in trainer.fit()]
+        runs.append((trajs, metrics, trainer.model.state_dict()))
+    (t0, m0, w0), (t1, m1, w1) = runs
+    assert len({len(t) for t in t0}) > 2  # varied lengths: slots were reused
     _same(t0, t1)
     for a, b in zip(m0, m1):
         assert a["loss"] == b["loss"]

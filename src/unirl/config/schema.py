@@ -371,7 +371,7 @@ class RolloutConfig(StrictModel):
     continuous_batching: bool = Field(
         False,
         description="Decode in rollout.batch_size slots; a finished row's slot takes the next "
-        "waiting request (same tokens per seed). In-process grpo/opd rollouts; plain RoPE and "
+        "waiting request (same tokens per seed in fp32). In-process grpo/opd rollouts; plain RoPE and "
         "KV cache only (not uniar, not tiny with mixer_kernel > 0).",
     )
     cycle_max_period: int = Field(
