@@ -70,6 +70,8 @@ EXEMPT: dict[str, str] = {
     "chunk-invariant by contract (tests/test_replay.py)",
     "algorithm[opd].chunk_size": "scored positions per head chunk: memory only; replay is "
     "chunk-invariant by contract (tests/test_replay.py, tests/test_opd_loop.py)",
+    "trainer.world_size": "spawns worker processes (too slow for a probe); it acts in "
+    "tests/test_scale.py (2 spawned workers equal torchrun bitwise; refusals)",
 }
 
 
@@ -968,6 +970,7 @@ def one_process_group(timeout_s: float = 60.0):
     "trainer.collective_timeout_s",
     "trainer.ddp.find_unused_parameters",
     "trainer.ddp.static_graph",
+    "trainer.gradient_sync",
     "trainer.fsdp.param_dtype",
     "trainer.fsdp.reduce_dtype",
     "trainer.fsdp.reshard_after_forward",
@@ -998,6 +1001,10 @@ def _parallel(kit):
         unused = flag("find_unused_parameters")
         differs(kit, unused, "trainer.ddp.find_unused_parameters", True, False, **ddp)
         differs(kit, flag("static_graph"), "trainer.ddp.static_graph", False, True, **ddp)
+        # the SUM hook is registered only for post_backward_sum (2-rank equality of both:
+        # tests/test_scale.py)
+        hooks = lambda c: len(make_trainer(c).parallel.wrapped._comm_hooks)  # noqa: E731
+        differs(kit, hooks, "trainer.gradient_sync", "ddp", "post_backward_sum", **ddp)
         fsdp = {"trainer__parallel": "fsdp2", "trainer__total_updates": 1}
         differs(kit, steps, "trainer.fsdp.param_dtype", "fp32", "bf16", **fsdp)
         # one process reduce-scatters nothing: the policy its 2-process run reduces with
@@ -1459,6 +1466,9 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
                    ("target_modules", r".*\.q_proj$")]),
     ("ddp_under_none", {"trainer": {"ddp": {"find_unused_parameters": False}}},
      "trainer.ddp.find_unused_parameters", "acts only with trainer.parallel ddp (got 'none')",
+     {"trainer": {"parallel": "ddp"}}),
+    ("gradient_sync_under_none", {"trainer": {"gradient_sync": "post_backward_sum"}},
+     "trainer.gradient_sync", "acts only with trainer.parallel ddp (got 'none'",
      {"trainer": {"parallel": "ddp"}}),
     ("ddp_under_fsdp2", {"trainer": {"parallel": "fsdp2", "ddp": {"static_graph": True}}},
      "trainer.ddp.static_graph", "acts only with trainer.parallel ddp (got 'fsdp2')",

@@ -53,6 +53,7 @@ from unirl.models.base import UnifiedModel
 from unirl.rewards import evaluation_reward
 from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.dist.spawn import check_world_size, is_spawned_worker
 from unirl.train.engine.adapters import (
     ADAPTER_DIR,
     load_initial_adapter,
@@ -171,6 +172,13 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
+    check_world_size(cfg.trainer.world_size, cfg.run.device)
+    if cfg.trainer.world_size > 1 and not is_spawned_worker():
+        raise ConfigError(
+            f"trainer.world_size={cfg.trainer.world_size}: the workers are spawned by the CLI "
+            "(`unirl train CONFIG`), not by run_train",
+            key="trainer.world_size",
+        )
     cadence = cfg.trainer.eval_every > 0 or cfg.trainer.eval_every_epochs > 0
     validates = cadence and _has_rows(cfg, "val", cfg.data.val_size)
     if validates or _has_rows(cfg, "test", cfg.data.test_size):

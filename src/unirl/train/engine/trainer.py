@@ -419,6 +419,7 @@ class Trainer:
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        self.parallel.after_sync(self.params)
         diagnostics: dict[str, float] = {}
         if boundary is not None:
             first = self._take_grads() if first is None else first
