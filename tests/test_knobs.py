@@ -70,6 +70,9 @@ EXEMPT: dict[str, str] = {
     "chunk-invariant by contract (tests/test_replay.py)",
     "algorithm[opd].chunk_size": "scored positions per head chunk: memory only; replay is "
     "chunk-invariant by contract (tests/test_replay.py, tests/test_opd_loop.py)",
+    "rollout.assignment": "which rank samples which row: the batch is the same by contract; "
+    "it acts in tests/test_queues.py (claims through the store, longest first, bitwise "
+    "equal updates at 1, 2, 3 ranks) and its refusals there",
     "trainer.world_size": "spawns worker processes (too slow for a probe); it acts in "
     "tests/test_scale.py (2 spawned workers equal torchrun bitwise; refusals)",
 }
@@ -776,6 +779,30 @@ def _rollout_precision(kit):
         return [t.rollout_logp.tolist() for t in make_trainer(c).source.global_batch(0)]
 
     differs(kit, logps, "rollout.precision", "fp32", "bf16", grpo)
+
+
+@probe("rollout.assignment")
+def _rollout_assignment(kit):
+    """The order in which one process samples a GRPO round's rows: static, the request
+    order; dynamic, longest prepared length first (i2t_mc prompts carry an image, t2i's do
+    not). Same trajectories and update at 1, 2 and 3 ranks: tests/test_queues.py."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {
+        **GRPO,
+        "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 8},
+        "rollout": {"max_new_tokens": 16},
+        "algorithm": {**GRPO["algorithm"], "group_size": 2},
+        "reward": {"plugins": plugins + [{"name": "mc_exact"}]},
+    }
+
+    def order(c):
+        source = make_trainer(c).source
+        requests = source.requests(0)[1]
+        lengths = [source.service.prepared_length(r) for r in requests]
+        assert len(set(lengths)) > 1, "the probe needs rows of different prepared lengths"
+        return source.service.generate_assigned(requests)[0]
+
+    differs(kit, order, "rollout.assignment", "static", "dynamic", grpo)
 
 
 @probe(
@@ -1552,6 +1579,8 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      {"rollout": {"cycle_max_period": 4}}),
     ("rollout_precision_under_sft", {"rollout": {"precision": "bf16"}}, "rollout.precision",
      "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
+    ("rollout_assignment_under_sft", {"rollout": {"assignment": "dynamic"}},
+     "rollout.assignment", "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

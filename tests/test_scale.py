@@ -1,4 +1,4 @@
-"""Scale-out (docs/scale.md), 2 gloo processes on CPU, fp32:
+"""Scale-out (docs/architecture.md §5), 2 gloo processes on CPU, fp32:
 
 - `trainer.gradient_sync`: plain DDP buckets (`ddp`, the default: each rank's gradient
   divided by W = 2, all-reduced, multiplied by 2) and the SUM comm hook

@@ -11,7 +11,7 @@ bitwise. `UNIRL_SPAWNED=1` marks the children, which therefore do not spawn agai
 
 Refused: world_size > 1 under torchrun (torchrun already made the processes; drop one of
 the two), world_size > 1 with `trainer.parallel: none` (config time), and on CUDA more
-workers than visible devices. Several nodes: torchrun (docs/scale.md).
+workers than visible devices. Several nodes: torchrun (docs/architecture.md §5).
 """
 
 from __future__ import annotations
