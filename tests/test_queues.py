@@ -30,12 +30,13 @@ from unirl.rollout.queue import longest_first, round_robin
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
-        | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    )
+    values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
+    os.environ.update(dict(zip(ENV, values)))
     from unirl.train.dist.comm import init_distributed, shutdown_distributed
     from unirl.train.engine.trainer import Trainer
     from unirl.train.run import JOBS, _prepare_model
@@ -120,7 +121,15 @@ def test_dynamic_equals_static_for_grpo_and_opd_at_1_2_3_ranks(
         out = tmp_path / f"w{world}"
         out.mkdir()
         args = (world, _port(), configs, str(out))
-        mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+        if world == 1:  # in this process: one spawn fewer (the same torchrun-style group)
+            saved = {k: os.environ.get(k) for k in ENV}
+            try:
+                _worker(0, *args)
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        else:
+            mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
         for method in ("grpo", "opd"):
             static = [torch.load(out / f"{method}-static-{r}.pt") for r in range(world)]
             dynamic = [torch.load(out / f"{method}-dynamic-{r}.pt") for r in range(world)]

@@ -15,12 +15,12 @@ it). Two assignments:
 Either way every rank ends with (indices, results) for the items it ran, and
 `gather_indexed` all-gathers them and puts every result back at its item's index: the
 batch is the same list, in the same order, on every rank, whatever the assignment, so
-the objective and the trajectories do not change (tests/test_scale.py checks this
+the objective and the trajectories do not change (tests/test_queues.py checks this
 bitwise for GRPO and OPD at 1, 2 and 3 ranks).
 
 Counter keys are `unirl/queue/<name>-<k>/<round>`, k counting the queues this process
-made: every rank makes its queues and opens their rounds in the same order (they run the same program), so the n-th round of a queue has the same key
-on every rank. Every round ends in a gather (a collective), so when rank 0 opens round
+made: every rank makes its queues and opens their rounds in the same order (they run
+the same program), so the n-th round of a queue has the same key on every rank. Every round ends in a gather (a collective), so when rank 0 opens round
 k every rank has stopped claiming in round k - 1, and rank 0 deletes that key then.
 """
 
