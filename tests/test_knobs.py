@@ -70,9 +70,6 @@ EXEMPT: dict[str, str] = {
     "chunk-invariant by contract (tests/test_replay.py)",
     "algorithm[opd].chunk_size": "scored positions per head chunk: memory only; replay is "
     "chunk-invariant by contract (tests/test_replay.py, tests/test_opd_loop.py)",
-    "rollout.assignment": "which rank samples which row: the batch is the same by contract; "
-    "it acts in tests/test_queues.py (claims through the store, longest first, bitwise "
-    "equal updates at 1, 2, 3 ranks) and its refusals there",
     "trainer.world_size": "spawns worker processes (too slow for a probe); it acts in "
     "tests/test_scale.py (2 spawned workers equal torchrun bitwise; refusals)",
 }
