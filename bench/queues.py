@@ -14,7 +14,10 @@ to its budget). Two placements of the long rows:
   rank 0 (the worst case for static; it happens when lengths follow the index parity).
 - `shuffled`: at seeded random indices (what a batch of mixed tasks looks like).
 The gathered trajectories are checked equal between the assignments (token ids).
-The last line is the shuffled mix's median dynamic / static wall-time ratio.
+Also printed: the busiest rank's CPU time (`process_time` of its sampling, max over
+ranks), the critical path on a machine with a free core per rank; on an oversubscribed
+machine the wall time cannot show the balance (both ranks share the same cores). The
+last line is the shuffled mix's median dynamic / static wall-time ratio.
 
     .venv/bin/python bench/queues.py [--rows 16] [--every 4] [--long 96] [--short 8]
         [--repeats 3]
@@ -95,18 +98,23 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         for placement in ("aligned", "shuffled"):
             reqs = requests(model, budgets(args, placement))
             times: dict[str, list[float]] = {a: [] for a in services}
+            busy: dict[str, list[float]] = {a: [] for a in services}
             tokens = {}
             for _ in range(args.repeats):
                 for a, service in services.items():
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     indices, local = service.generate_assigned(reqs)
+                    cpu = time.process_time() - c0
                     trajs = service.gather_assigned(indices, local, len(reqs))
                     times[a].append(time.perf_counter() - t0)
+                    per_rank: list = [None] * world
+                    dist.all_gather_object(per_rank, cpu)
+                    busy[a].append(max(per_rank))
                     tokens[a] = [t.token_ids.tolist() for t in trajs]
             assert tokens["static"] == tokens["dynamic"], placement
             new = [len(t) - len(r.prompt) for t, r in zip(tokens["static"], reqs)]
-            results[placement] = (times, new)
+            results[placement] = (times, busy, new)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -137,13 +145,16 @@ def main() -> None:
         f"median of {args.repeats}"
     )
     ratio = 0.0
-    for placement, (times, new) in results.items():
+    for placement, (times, busy, new) in results.items():
         med = {a: statistics.median(v) for a, v in times.items()}
+        crit = {a: statistics.median(v) for a, v in busy.items()}
         ratio = med["dynamic"] / med["static"]
         print(
-            f"{placement:9s} static {med['static']:.3f}s  dynamic {med['dynamic']:.3f}s  "
-            f"ratio {ratio:.3f}  (new tokens per row: {new})"
+            f"{placement:9s} wall: static {med['static']:.3f}s dynamic {med['dynamic']:.3f}s "
+            f"ratio {ratio:.3f} | busiest rank's CPU time: static {crit['static']:.3f}s "
+            f"dynamic {crit['dynamic']:.3f}s ratio {crit['dynamic'] / crit['static']:.3f}"
         )
+        print(f"{'':9s} new tokens per row: {new}")
     print(f"result: dynamic_vs_static={ratio:.3f}")
 
 

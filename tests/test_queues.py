@@ -15,14 +15,16 @@ from round-robin (the longest row is not among the first W).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import grpo_config, opd_config
+from trainer_helpers import grpo_config, opd_config, tiny_config
 
 from unirl.config import ConfigError, validate_config
 from unirl.rollout.queue import longest_first, round_robin
@@ -169,3 +171,126 @@ def test_dynamic_assignment_refusals(tmp_path, small_vq_dir, classifier_dir):
     }
     with pytest.raises(ConfigError, match="acts only with rollouts in training"):
         validate_config(sft)
+
+
+# -- distributed validation: the ranks share the evaluation queue ----------------------
+
+
+def _eval_config(root: Path, vq: Path) -> dict:
+    """Digits val rows of two tasks (3 each), 2 sampled rollouts per row, engine batches
+    of 2: 12 items, 6 claims."""
+    return tiny_config(
+        root,
+        vq,
+        data={"tasks": ["t2i", "i2t_mc"], "train_size": 8, "val_size": 3, "test_size": 0},
+        rollout={"batch_size": 2, "max_new_tokens": 16},
+        evaluation={"rollouts_per_sample": 2, "greedy": False},
+    )
+
+
+def _evaluate(raw: dict, out: Path, clf: Path, ranks=None) -> tuple:
+    from unirl.eval.runner import evaluate, split_config, weights_sha256
+    from unirl.train.engine.build import build_model
+
+    cfg = validate_config(raw)
+    model = build_model(cfg).eval()
+    committed: list = []
+    summary = evaluate(
+        split_config(cfg, "val"),
+        model,
+        out,
+        per_task=3,
+        classifier_dir=clf,
+        stale="replace",
+        ranks=ranks,
+        committed=committed,
+    )
+    return summary, committed, weights_sha256(model)
+
+
+def _eval_worker(rank: int, world: int, port: int, raw: dict, out: str, clf: str) -> None:
+    torch.set_num_threads(1)
+    values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
+    os.environ.update(dict(zip(ENV, values)))
+    from unirl.train.dist.comm import init_distributed, shutdown_distributed
+
+    info, _ = init_distributed(torch.device("cpu"), "ddp", 120.0)
+    try:
+        ranks = (info.rank, info.world_size, info.cpu_group)
+        result = _evaluate(raw, Path(out) / "eval", Path(clf), ranks)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        shutdown_distributed()
+
+
+def _records(out: Path) -> list[dict]:
+    lines = (out / "results.jsonl").read_text().splitlines()
+    return sorted((json.loads(x) for x in lines), key=lambda r: (r["id"], r["member"]))
+
+
+RESUME_TOL = 1e-6
+"""A resumed evaluation's items are batched differently from the uninterrupted one's
+(engine batches of `rollout.batch_size` consecutive items still to do), and the digits
+classifier scores an image in float32 within its batch: its probability moves by a few
+float32 ulps (2^-24 ~ 6e-8 relative, scores in [0, 1]); 1e-6 leaves a margin of ~16x.
+Everything else in a record (tokens, answer, images, pass) must be equal."""
+
+
+def _exact(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("total", "scores")}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_distributed_validation_equals_one_rank_and_resumes(tmp_path, small_vq_dir, classifier_dir):
+    """2 ranks share a validation (dynamic claims from the job's store) and end with
+    exactly one rank's records (every field, images included) and summary; a second
+    2-rank evaluation into a directory holding part of the records (as a killed one
+    leaves it: 5 whole records and a torn sixth) commits only the missing items."""
+    raw = _eval_config(tmp_path / "run", small_vq_dir)
+    one, committed_one, digest = _evaluate(raw, tmp_path / "one", classifier_dir)
+    n = len(committed_one)
+    assert n == 12
+    expected = _records(tmp_path / "one")
+    # a killed evaluation: the first 5 records, a torn sixth, the same weights and config
+    partial = tmp_path / "partial" / "eval"
+    partial.mkdir(parents=True)
+    for name in ("config_hash", "weights_sha256"):
+        (partial / name).write_text((tmp_path / "one" / name).read_text())
+    lines = (tmp_path / "one" / "results.jsonl").read_text().splitlines(keepends=True)
+    (partial / "results.jsonl").write_text("".join(lines[:5]) + lines[5][:40])
+    shutil.copytree(tmp_path / "one" / "images", partial / "images")
+    for name, out in (("fresh", tmp_path / "fresh"), ("resumed", tmp_path / "partial")):
+        out.mkdir(exist_ok=True)
+        args = (2, _port(), raw, str(out), str(classifier_dir))
+        mp.start_processes(_eval_worker, args=args, nprocs=2, join=True, start_method="spawn")
+        (summary, c0, d0), (none, c1, d1) = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+        assert d0 == d1 == digest, "the ranks evaluate the reference weights"
+        assert none is None
+        got = _records(out / "eval")
+        if name == "fresh":  # the same engine batches as one rank: exactly equal
+            assert summary == one and got == expected
+        else:  # the 7 recomputed items form other batches: RESUME_TOL on the scores
+            lines_now = (out / "eval" / "results.jsonl").read_text().splitlines(True)
+            assert lines_now[:5] == lines[:5], "committed records are kept as they were"
+            assert [_exact(r) for r in got] == [_exact(r) for r in expected]
+            for a, b in zip(got, expected):
+                assert a["total"] == pytest.approx(b["total"], abs=RESUME_TOL)
+                assert a["scores"] == pytest.approx(b["scores"], abs=RESUME_TOL)
+            assert _flat(summary) == pytest.approx(_flat(one), abs=RESUME_TOL)
+        done = set(c0) | set(c1)
+        assert not set(c0) & set(c1), "an item committed by two ranks"
+        assert c0 and c1, f"{name}: both ranks claimed work ({len(c0)}, {len(c1)})"
+        if name == "fresh":
+            assert len(done) == n
+        else:  # exactly the 7 items without a whole record were recomputed
+            first5 = {(json.loads(x)["id"], json.loads(x)["member"]) for x in lines[:5]}
+            assert len(done) == n - 5 and not done & first5

@@ -203,8 +203,9 @@ class TrainerConfig(StrictModel):
             if self.parallel == "fsdp2" and getattr(self, name) > 0:
                 raise incompatible(
                     name,
-                    "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
-                    f"every rank: set {name} 0 and run `unirl eval` on the exported model",
+                    "validation under fsdp2 is not built (its parameters are sharded; ddp "
+                    f"validates on every rank): set {name} 0 and run `unirl eval` on the "
+                    "exported model",
                 )
         for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
             name = first_changed(getattr(self, section))

@@ -66,6 +66,11 @@ class WorkQueue:
     def _key(self, round_: int) -> str:
         return f"unirl/queue/{self.name}/{round_}"
 
+    def close(self) -> None:
+        """Rank 0, after the last round's collective: delete that round's counter."""
+        if self.store is not None and self.rank == 0 and self.round > 0:
+            self.store.delete_key(self._key(self.round - 1))
+
     def claims(self, lengths: Sequence[int], chunk: int) -> Iterator[list[int]]:
         """This rank's claims of one round over items of `lengths`: lists of at most
         `chunk` item indices, longest first, until the queue is drained."""

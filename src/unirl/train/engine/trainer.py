@@ -520,7 +520,7 @@ class Trainer:
         if c.keep_best is None or not evaluated:
             return False
         improved = False
-        if self.evaluator is not None:
+        if self.evaluator is not None and self.dist.is_main:
             if c.keep_best not in metrics:
                 found = ", ".join(sorted(k for k in metrics if k.startswith("val/")))
                 raise TrainingError(
@@ -615,9 +615,12 @@ class Trainer:
             total, self.update, log.progress_bar and main, plain=main and not interactive()
         )
         start = self.update
-        if self._remeasures() and logger is not None:
-            # rollout caps changed from the parent: the validation baseline under the new caps
-            logger.log(self.update, self.evaluator(self.update), force=True)
+        if self._remeasures():
+            # rollout caps changed from the parent: the validation baseline under the new
+            # caps (every rank that has an evaluator runs it: under ddp it is shared)
+            baseline = self.evaluator(self.update)
+            if logger is not None:
+                logger.log(self.update, baseline, force=True)
         try:
             while self.update < total:
                 t0 = time.perf_counter()
