@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import grpo_config, opd_config, tiny_config
+from trainer_helpers import grpo_config, opd_config, run_cli, tiny_config, write_config
 
 from unirl.config import ConfigError, validate_config
 from unirl.rollout.queue import longest_first, round_robin
@@ -294,3 +294,39 @@ def test_distributed_validation_equals_one_rank_and_resumes(tmp_path, small_vq_d
         else:  # exactly the 7 items without a whole record were recomputed
             first5 = {(json.loads(x)["id"], json.loads(x)["member"]) for x in lines[:5]}
             assert len(done) == n - 5 and not done & first5
+
+
+def test_ddp_training_validates_on_every_rank(tmp_path, small_vq_dir, classifier_dir):
+    """`unirl train` with trainer.world_size 2 (ddp) and eval_every 1: both workers run the
+    validation (the trainer calls the shared evaluator on every rank, rank 0 logs), and
+    its records and logged metrics equal one process evaluating the exported model."""
+    from safetensors.torch import load_file
+
+    from unirl.eval.runner import evaluate, split_config, task_metrics, weights_sha256
+    from unirl.train.engine.build import build_model
+
+    plugins = [
+        {"name": "digit_classifier", "path": str(classifier_dir), "tasks": ["t2i"]},
+        {"name": "mc_exact", "tasks": ["i2t_mc"]},
+    ]
+    raw = _eval_config(tmp_path / "run", small_vq_dir)
+    raw["data"]["val_size"] = 2
+    raw["reward"] = {"plugins": plugins}
+    raw["trainer"] |= {"total_updates": 1, "parallel": "ddp", "world_size": 2, "eval_every": 1}
+    raw["checkpoint"] = {"every_updates": 0}
+    proc = run_cli(["train", str(write_config(tmp_path / "c.yaml", raw))])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    val = run / "evals" / "val-update-000001"
+    cfg = validate_config(raw)
+    model = build_model(cfg).eval()
+    model.load_state_dict(load_file(str(run / "model" / "model.safetensors")))
+    assert (val / "weights_sha256").read_text().strip() == weights_sha256(model)
+    one = tmp_path / "one"
+    summary = evaluate(split_config(cfg, "val"), model, one, per_task=2, stale="replace")
+    assert _records(val) == _records(one) and len(_records(one)) == 8
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = {k[4:]: v for k, v in logged[-1].items() if k.startswith("val/")}
+    expected = task_metrics(summary)
+    assert expected and {k: metrics.get(k) for k in expected} == expected
+    assert {"loss", "loss_text"} <= metrics.keys(), "rank 0 adds SFT's validation losses"
