@@ -70,6 +70,8 @@ EXEMPT: dict[str, str] = {
     "chunk-invariant by contract (tests/test_replay.py)",
     "algorithm[opd].chunk_size": "scored positions per head chunk: memory only; replay is "
     "chunk-invariant by contract (tests/test_replay.py, tests/test_opd_loop.py)",
+    "trainer.world_size": "spawns worker processes (too slow for a probe); it acts in "
+    "tests/test_scale.py (2 spawned workers equal torchrun bitwise; refusals)",
 }
 
 
@@ -869,6 +871,30 @@ def _rollout_continuous_batching(kit):
     differs(kit, slots, "rollout.continuous_batching", False, True, grpo)
 
 
+@probe("rollout.assignment")
+def _rollout_assignment(kit):
+    """The order in which one process samples a GRPO round's rows: static, the request
+    order; dynamic, longest prepared length first (i2t_mc prompts carry an image, t2i's do
+    not). Same trajectories and update at 1, 2 and 3 ranks: tests/test_queues.py."""
+    plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
+    grpo = {
+        **GRPO,
+        "data": {"tasks": ["t2i", "i2t_mc"], "train_size": 8},
+        "rollout": {"max_new_tokens": 16},
+        "algorithm": {**GRPO["algorithm"], "group_size": 2},
+        "reward": {"plugins": plugins + [{"name": "mc_exact"}]},
+    }
+
+    def order(c):
+        source = make_trainer(c).source
+        requests = source.requests(0)[1]
+        lengths = [source.service.prepared_length(r) for r in requests]
+        assert len(set(lengths)) > 1, "the probe needs rows of different prepared lengths"
+        return source.service.generate_assigned(requests)[0]
+
+    differs(kit, order, "rollout.assignment", "static", "dynamic", grpo)
+
+
 @probe(
     "rollout.workers",
     "reward.workers",
@@ -1061,6 +1087,7 @@ def one_process_group(timeout_s: float = 60.0):
     "trainer.collective_timeout_s",
     "trainer.ddp.find_unused_parameters",
     "trainer.ddp.static_graph",
+    "trainer.gradient_sync",
     "trainer.fsdp.param_dtype",
     "trainer.fsdp.reduce_dtype",
     "trainer.fsdp.reshard_after_forward",
@@ -1091,6 +1118,10 @@ def _parallel(kit):
         unused = flag("find_unused_parameters")
         differs(kit, unused, "trainer.ddp.find_unused_parameters", True, False, **ddp)
         differs(kit, flag("static_graph"), "trainer.ddp.static_graph", False, True, **ddp)
+        # the SUM hook is registered only for post_backward_sum (2-rank equality of both:
+        # tests/test_scale.py)
+        hooks = lambda c: len(make_trainer(c).parallel.wrapped._comm_hooks)  # noqa: E731
+        differs(kit, hooks, "trainer.gradient_sync", "ddp", "post_backward_sum", **ddp)
         fsdp = {"trainer__parallel": "fsdp2", "trainer__total_updates": 1}
         differs(kit, steps, "trainer.fsdp.param_dtype", "fp32", "bf16", **fsdp)
         # one process reduce-scatters nothing: the policy its 2-process run reduces with
@@ -1553,6 +1584,9 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("ddp_under_none", {"trainer": {"ddp": {"find_unused_parameters": False}}},
      "trainer.ddp.find_unused_parameters", "acts only with trainer.parallel ddp (got 'none')",
      {"trainer": {"parallel": "ddp"}}),
+    ("gradient_sync_under_none", {"trainer": {"gradient_sync": "post_backward_sum"}},
+     "trainer.gradient_sync", "acts only with trainer.parallel ddp (got 'none'",
+     {"trainer": {"parallel": "ddp"}}),
     ("ddp_under_fsdp2", {"trainer": {"parallel": "fsdp2", "ddp": {"static_graph": True}}},
      "trainer.ddp.static_graph", "acts only with trainer.parallel ddp (got 'fsdp2')",
      {"trainer": {"parallel": "ddp"}}),
@@ -1676,6 +1710,8 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("continuous_batching_under_uniar", {**GRPO_RUN, **UNIAR, "rollout": {
         "continuous_batching": True}}, "rollout.continuous_batching", "model.kind uniar",
      {"model": {"kind": "tiny", "visual_head": "bsq"}}),
+    ("rollout_assignment_under_sft", {"rollout": {"assignment": "dynamic"}},
+     "rollout.assignment", "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
     ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
      "data.image_resize", "acts only on data.path images",
      {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),

@@ -14,8 +14,8 @@ import torch
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
+    opd_config,
     run_cli,
-    tiny_config,
     write_config,
 )
 
@@ -50,29 +50,6 @@ def assets(tmp_path_factory, small_vq_dir, small_bsq_dir, classifier_dir):
         build_model(cfg).save_pretrained(root / f"teacher_{kind}")
         out[f"teacher_{kind}"] = root / f"teacher_{kind}"
     return out
-
-
-def opd_config(run_dir: Path, assets: dict, kind: str = "vq", seed: int = 3, **algo) -> dict:
-    """A tiny OPD config: 6 prompts (t2i + i2t_mc) per update, the kit's teacher."""
-    cfg = tiny_config(
-        run_dir,
-        assets[kind],
-        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
-        data={"tasks": ["t2i", "i2t_mc"], "train_size": 16},
-        rollout={"max_new_tokens": 20, "length_semantics": "cap"},
-        reward={
-            "plugins": [
-                {"name": "digit_classifier", "path": str(assets["clf"]), "tasks": ["t2i"]},
-                {"name": "mc_exact", "tasks": ["i2t_mc"]},
-            ],
-            "truncated_reward": "keep",
-        },
-        trainer={"total_updates": 2, "global_batch_size": 6, "micro_batch_size": 3},
-    )
-    cfg["run"]["seed"] = seed
-    teacher = str(assets.get(f"teacher_{kind}", "/nonexistent"))
-    cfg["algorithm"] = {"name": "opd", "teacher": {"path": teacher}, **algo}
-    return cfg
 
 
 def make_trainer(cfg: dict) -> Trainer:

@@ -175,6 +175,29 @@ def assert_same_state(a: object, b: object, where: str = "") -> None:
         assert a == b, where
 
 
+def opd_config(run_dir: Path, assets: dict, kind: str = "vq", seed: int = 3, **algo) -> dict:
+    """A tiny OPD config: 6 prompts (t2i + i2t_mc) per update, the kit's teacher."""
+    cfg = tiny_config(
+        run_dir,
+        assets[kind],
+        model={"visual_head": kind, "codec": {"path": str(assets[kind]), "codebook_size": 16}},
+        data={"tasks": ["t2i", "i2t_mc"], "train_size": 16},
+        rollout={"max_new_tokens": 20, "length_semantics": "cap"},
+        reward={
+            "plugins": [
+                {"name": "digit_classifier", "path": str(assets["clf"]), "tasks": ["t2i"]},
+                {"name": "mc_exact", "tasks": ["i2t_mc"]},
+            ],
+            "truncated_reward": "keep",
+        },
+        trainer={"total_updates": 2, "global_batch_size": 6, "micro_batch_size": 3},
+    )
+    cfg["run"]["seed"] = seed
+    teacher = str(assets.get(f"teacher_{kind}", "/nonexistent"))
+    cfg["algorithm"] = {"name": "opd", "teacher": {"path": teacher}, **algo}
+    return cfg
+
+
 def grpo_config(run_dir: Path, assets: dict, kind: str = "vq", task: str = "t2i", **sections):
     """A tiny GRPO config: 2 prompts x G=4 per update, exact-count images for t2i.
     `assets`: the codec directory under "vq"/"bsq" and the classifier directory "clf"."""

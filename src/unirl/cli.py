@@ -209,7 +209,18 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
     from pathlib import Path
 
+    from unirl.train.dist.spawn import check_world_size, is_spawned_worker, spawn_workers
     from unirl.train.run import run_train as train
+
+    if cfg.trainer.world_size > 1 and not is_spawned_worker():
+        check_world_size(cfg.trainer.world_size, cfg.run.device)
+        spawn_workers(cfg.trainer.world_size, "unirl.cli:main", args.argv)
+        print(
+            f"{PROG} train: done ({cfg.trainer.world_size} workers); run directory "
+            f"{cfg.run.output_dir}",
+            file=sys.stderr,
+        )
+        return 0
     from unirl.train.state.checkpoint import last_saved
 
     try:
@@ -577,6 +588,7 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
         args = _parse(parser, argv)
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.handler(args)
     except (ConfigError, DatasetError) as exc:

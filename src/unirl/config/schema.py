@@ -374,6 +374,12 @@ class RolloutConfig(StrictModel):
         "waiting request (same tokens per seed in fp32). In-process grpo/opd rollouts; plain RoPE and "
         "KV cache only (not uniar, not tiny with mixer_kernel > 0).",
     )
+    assignment: Literal["static", "dynamic"] = Field(
+        "static",
+        description="Which rank samples which training row: static (round-robin) | dynamic "
+        "(ranks claim engine batches of the longest remaining rows through the job's "
+        "torch.distributed store); same trajectories either way (per-row seeds).",
+    )
     cycle_max_period: int = Field(
         4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
     )
@@ -825,6 +831,17 @@ class UnirlConfig(StrictModel):
                 "acts only with model.visual_head bsq (VQ codes are sampled at "
                 "rollout.temperature)",
             )
+        if rollout.assignment == "dynamic":
+            if isinstance(algo, SFTConfig):
+                raise incompatible(
+                    "rollout.assignment", "acts only with rollouts in training (grpo, opd)"
+                )
+            if rollout.workers > 0:
+                raise incompatible(
+                    "rollout.assignment",
+                    "dynamic assignment is built for in-process rollouts over torch.distributed "
+                    "ranks, not for Ray rollout workers (rollout.workers > 0): use static",
+                )
         if changed(rollout, "precision"):
             if isinstance(algo, SFTConfig):
                 raise incompatible(

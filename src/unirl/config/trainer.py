@@ -164,8 +164,23 @@ class TrainerConfig(StrictModel):
         description="Data parallelism under torchrun: none (one process) | ddp "
         "(DistributedDataParallel) | fsdp2 (fully_shard per decoder layer and root).",
     )
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="N > 1: `unirl train` spawns N local worker processes (one per device; "
+        "the same as `torchrun --standalone --nproc-per-node N`); needs parallel ddp or "
+        "fsdp2, refused under torchrun. Several nodes: torchrun.",
+    )
     collective_timeout_s: float = Field(
         1800.0, gt=0.0, description="Timeout of every collective (process-group timeout)."
+    )
+    gradient_sync: Literal["ddp", "post_backward_sum"] = Field(
+        "ddp",
+        description="trainer.parallel ddp: how gradients are summed over ranks. ddp: DDP's own "
+        "buckets (each rank's gradient divided by the world size, all-reduced during "
+        "backward), then multiplied by the world size after the update's last backward "
+        "(bitwise the sum when the world size is a power of two); post_backward_sum: a "
+        "communication hook that all-reduces each bucket with SUM, no division (diagnostics).",
     )
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="DDP options.")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 options.")
@@ -188,8 +203,9 @@ class TrainerConfig(StrictModel):
             if self.parallel == "fsdp2" and getattr(self, name) > 0:
                 raise incompatible(
                     name,
-                    "validation runs on rank 0 alone and fsdp2 parameters are sharded over "
-                    f"every rank: set {name} 0 and run `unirl eval` on the exported model",
+                    "validation under fsdp2 is not built (its parameters are sharded; ddp "
+                    f"validates on every rank): set {name} 0 and run `unirl eval` on the "
+                    "exported model",
                 )
         for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
             name = first_changed(getattr(self, section))
@@ -198,6 +214,18 @@ class TrainerConfig(StrictModel):
                     f"{section}.{name}",
                     f"acts only with trainer.parallel {mode} (got '{self.parallel}')",
                 )
+        if self.world_size > 1 and self.parallel == "none":
+            raise incompatible(
+                "world_size",
+                f"{self.world_size} workers need trainer.parallel ddp or fsdp2 (got 'none')",
+                also=("parallel",),
+            )
+        if self.parallel != "ddp" and changed(self, "gradient_sync"):
+            raise incompatible(
+                "gradient_sync",
+                f"acts only with trainer.parallel ddp (got '{self.parallel}'; fsdp2 always "
+                "reduce-scatters with SUM)",
+            )
         if self.parallel == "none" and changed(self, "collective_timeout_s"):
             raise incompatible(
                 "collective_timeout_s",

@@ -44,6 +44,17 @@ results.jsonl (one record per (id, member), see `unirl.eval.records`), images/*.
 summary.json, index.html, config_hash (a re-run with another config refuses to mix its
 records in) and weights_sha256 (`weights_sha256` of the model: records are reused only for
 the same weights; `unirl eval` refuses other weights, training replaces their records).
+
+Several ranks (`ranks`: in-training validation under trainer.parallel ddp): rank 0
+prepares the directory (weights and config hashes, a torn last record truncated), then
+every rank reads the same committed records and so the same list of (row, member) still
+to do; the ranks claim its engine batches (`rollout.batch_size` consecutive items) from a
+counter in the job's torch.distributed store (`unirl.rollout.queue.WorkQueue`) and each
+commits its records to the shared results.jsonl, one atomic O_APPEND write per record.
+After a barrier rank 0 reads every record back and summarises them in sample order, so
+the records and the summary equal one rank's (every item carries its own seed; the
+engine batches are the same ones), and a killed evaluation resumes from whatever any
+rank committed.
 """
 
 from __future__ import annotations
@@ -89,6 +100,7 @@ from unirl.rewards.digit_classifier import (
 )
 from unirl.rollout import RolloutEngine, RolloutRequest
 from unirl.rollout.config import sampling_params
+from unirl.rollout.queue import WorkQueue, job_store
 
 Rollout = Callable[[Sequence[RolloutRequest]], list]
 
@@ -342,18 +354,30 @@ def evaluate(
     per_task: int = 0,
     classifier_dir: Path | None = None,
     stale: Literal["refuse", "replace"] = "refuse",
-) -> dict[str, Any]:
+    ranks: tuple[int, int, Any] | None = None,
+    committed: list[tuple[str, int]] | None = None,
+) -> dict[str, Any] | None:
     """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
     `per_task` > 0 keeps the first rows of each task (`eval_samples`); `classifier_dir`
     (default <run.output_dir>/classifier) holds the digits classifier; `stale`: what to
-    do with records of other weights in `out` (`_check_weights`)."""
+    do with records of other weights in `out` (`_check_weights`). `ranks` (rank, world
+    size, process group; a collective, every rank calls it with the same arguments and
+    the same weights): the ranks share the work (module docstring, "Several ranks"); the
+    summary on rank 0, None on the others. `committed`: gets the (id, member) of every
+    record this call (this rank) committed."""
+    rank, world, group = ranks if ranks is not None else (0, 1, None)
     reward, source = evaluation_reward(cfg)
     indexed = indexed_eval_samples(cfg, model, per_task)
     samples = [s for _, s in indexed]
-    out.mkdir(parents=True, exist_ok=True)
-    _check_weights(out, weights_sha256(model), stale)
-    _check_hash(out, cfg)
-    log = ResultLog(out)
+    if rank == 0:  # before any other rank reads the directory
+        out.mkdir(parents=True, exist_ok=True)
+        _check_weights(out, weights_sha256(model), stale)
+        _check_hash(out, cfg)
+        log = ResultLog(out)  # recovers (truncates) a torn last record
+    if world > 1:
+        torch.distributed.barrier(group=group)
+        if rank > 0:
+            log = ResultLog(out)
     classifier_dir = classifier_dir or Path(cfg.run.output_dir) / CLASSIFIER_DIR
     rewards = eval_rewards(cfg, model, classifier_dir)
     rollout = rollout or engine_rollout(model)
@@ -362,17 +386,38 @@ def evaluate(
     todo = [(k, m, s) for k, s in indexed for m in range(n) if (s.id, m) not in log.done]
     quiet = os.environ.get("CI", "").lower() == "true" or not sys.stderr.isatty()
     size = cfg.rollout.batch_size
-    with Progress(disable=quiet, transient=False) as progress:
+    # engine batches: `size` consecutive todo rows; with several ranks each rank claims
+    # the next one from the job's store, so the batches are the same at any world size
+    queue = WorkQueue("eval", rank, world, job_store()) if world > 1 else None
+    claims = (
+        queue.claims([0] * len(todo), size)  # equal lengths: in todo order
+        if queue is not None
+        else (list(range(i, min(i + size, len(todo)))) for i in range(0, len(todo), size))
+    )
+    with Progress(disable=quiet or rank > 0, transient=False) as progress:
         bar = progress.add_task("eval", total=len(samples) * n, completed=len(log.done))
-        for start in range(0, len(todo), size):
-            batch = todo[start : start + size]
+        for claim in claims:
+            batch = [todo[i] for i in claim]
             requests = [make_request(cfg, s, k, m, grid) for k, m, s in batch]
             with torch.no_grad():
                 trajs = rollout(requests)
             _records(cfg, model, log, batch, trajs, rewards)
+            if committed is not None:
+                committed += [(s.id, m) for _, m, s in batch]
             progress.advance(bar, len(batch))
+    if world > 1:
+        torch.distributed.barrier(group=group)  # every rank's records are committed
+        if rank > 0:
+            return None
+        queue.close()
+        log = ResultLog(out)  # every rank's records
     wanted = {(s.id, m) for s in samples for m in range(n)}
-    records = [r for r in log.records if (r["id"], r["member"]) in wanted]
+    position = {(s.id, m): j for j, (s, m) in enumerate((s, m) for s in samples for m in range(n))}
+    # sample order, members in order: whatever rank or attempt committed a record
+    records = sorted(
+        (r for r in log.records if (r["id"], r["member"]) in wanted),
+        key=lambda r: position[(r["id"], r["member"])],
+    )
     summary = summarize(records, n, headline_metrics(cfg.data.tasks))
     summary["scoring"] = {
         "source": source,

@@ -14,6 +14,12 @@ the n items of every rank in the original order (`all_gather_object`), so
 `generate_sharded(requests) == generate(requests)` on every rank. Anything computed per
 row on the shard (e.g. rewards) can be gathered the same way instead of being
 recomputed on every rank.
+
+`assignment` (`rollout.assignment`, `unirl.rollout.queue`): `static` is the round-robin
+split above; `dynamic` lets each rank claim engine batches of the longest remaining
+rows from a counter in the job's store. `generate_assigned` returns this rank's
+(indices, trajectories) under either, and `gather_assigned` puts every rank's back in
+request order, so the gathered batch is the same under both.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.distributed as dist
 
 from unirl.models.base import UnifiedModel
 from unirl.rollout.engine import Precision, RolloutEngine
+from unirl.rollout.queue import Assignment, WorkQueue, gather_indexed, job_store, round_robin
 from unirl.rollout.request import RolloutRequest, RolloutTrajectory
 
 T = TypeVar("T")
@@ -54,11 +61,14 @@ class RolloutService:
         group: Any = None,
         precision: Precision = "fp32",
         continuous: bool = False,
+        assignment: Assignment = "static",
+        queue_name: str = "rollout",
     ) -> None:
         """`group`: the process group `gather` uses (a CPU/gloo group when the default
         one is NCCL; None: the default group); `precision`: the engine's
         (`rollout.precision`); `continuous`: one engine call over all requests with
-        `batch_size` decode slots (`rollout.continuous_batching`)."""
+        `batch_size` decode slots (`rollout.continuous_batching`); `assignment`: static |
+        dynamic (module docstring), the dynamic queue's counters named after `queue_name`."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if not 0 <= rank < world_size:
@@ -72,6 +82,16 @@ class RolloutService:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        if assignment not in ("static", "dynamic"):
+            raise ValueError(f"assignment must be static or dynamic, got {assignment!r}")
+        self.assignment = assignment
+        self.last_indices: list[int] = []
+        """The request indices this rank sampled in the last `generate_assigned`."""
+        self.queue = (
+            WorkQueue(queue_name, rank, world_size, job_store() if world_size > 1 else None)
+            if assignment == "dynamic"
+            else None
+        )
 
     def generate(
         self,
@@ -120,3 +140,39 @@ class RolloutService:
         (every rank gets every trajectory)."""
         local = self.generate(self.shard(requests), after_batch)
         return self.gather(local, len(requests))
+
+    def prepared_length(self, request: RolloutRequest) -> int:
+        """Positions the row can reach: its prompt's plus its sampling budget
+        (max_new_tokens, or what the context length leaves)."""
+        prompt, _grid = self.engine.prompt_trajectory(request)
+        budget = request.params.max_new_tokens
+        if budget is None:
+            budget = (self.engine.max_positions or len(prompt)) - len(prompt)
+        return len(prompt) + budget
+
+    def generate_assigned(
+        self,
+        requests: Sequence[RolloutRequest],
+        after_batch: Callable[[], None] | None = None,
+    ) -> tuple[list[int], list[RolloutTrajectory]]:
+        """This rank's (request indices, trajectories) under the assignment: static, its
+        round-robin share; dynamic, the engine batches it claimed (each claim is one
+        engine batch of up to `batch_size` rows, longest first)."""
+        if self.queue is None:
+            indices = round_robin(len(requests), self.rank, self.world_size)
+            self.last_indices = indices
+            return indices, self.generate([requests[i] for i in indices], after_batch)
+        lengths = [self.prepared_length(r) for r in requests]
+        indices: list[int] = []
+        out: list[RolloutTrajectory] = []
+        for claim in self.queue.claims(lengths, self.batch_size):
+            out += self.generate([requests[i] for i in claim])
+            indices += claim
+            if after_batch is not None:
+                after_batch()
+        self.last_indices = indices
+        return indices, out
+
+    def gather_assigned(self, indices: Sequence[int], local: Sequence[T], n: int) -> list[T]:
+        """Every rank's results of `generate_assigned`, in request order (a collective)."""
+        return gather_indexed(indices, local, n, self.world_size, self.group)

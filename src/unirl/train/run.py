@@ -53,6 +53,7 @@ from unirl.models.base import UnifiedModel
 from unirl.rewards import evaluation_reward
 from unirl.rewards.digit_classifier import CLASSIFIER_DIR
 from unirl.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
+from unirl.train.dist.spawn import check_world_size, is_spawned_worker
 from unirl.train.engine.adapters import (
     ADAPTER_DIR,
     load_initial_adapter,
@@ -171,6 +172,13 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     preflight(cfg, JOBS)
+    check_world_size(cfg.trainer.world_size, cfg.run.device)
+    if cfg.trainer.world_size > 1 and not is_spawned_worker():
+        raise ConfigError(
+            f"trainer.world_size={cfg.trainer.world_size}: the workers are spawned by the CLI "
+            "(`unirl train CONFIG`), not by run_train",
+            key="trainer.world_size",
+        )
     cadence = cfg.trainer.eval_every > 0 or cfg.trainer.eval_every_epochs > 0
     validates = cadence and _has_rows(cfg, "val", cfg.data.val_size)
     if validates or _has_rows(cfg, "test", cfg.data.test_size):
@@ -195,7 +203,10 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
             info,
             model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
-            evaluator=_val_evaluator(cfg, model, run_dir) if info.is_main else None,
+            # under ddp every rank validates (its share of the queries); rank 0 logs
+            evaluator=_val_evaluator(cfg, model, run_dir, info)
+            if info.is_main or info.enabled
+            else None,
         )
         health = HealthWatch(cfg, run_dir) if info.is_main else None
         for update, metrics in trainer.fit(stop_after):
@@ -248,14 +259,21 @@ def _rows_of(cfg: UnirlConfig, split: str, size: int) -> bool:
 
 
 def evaluate_split(
-    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, split: str, update: int
+    cfg: UnirlConfig,
+    model: UnifiedModel,
+    run_dir: Path,
+    split: str,
+    update: int,
+    info: DistInfo | None = None,
 ) -> dict[str, float]:
     """The run's evaluation of `model` on `split` after `update` updates — validation and
     the final test evaluation alike: `unirl eval` (`unirl.eval.runner.evaluate`) on the
     first `data.<split>_size` rows per task, into `<run_dir>/evals/<split>-update-NNNNNN`,
     with the run's digits classifier; per task t and summary statistic k (mean@n, pass@n,
     the task's headline metric, <plugin>/mean, invalid_frac, finish_<reason>_frac,
-    n_samples, n_rollouts, the masked-image probe; `unirl.eval.report`), `t/k`."""
+    n_samples, n_rollouts, the masked-image probe; `unirl.eval.report`), `t/k`. `info`
+    with several ranks: every rank calls it and evaluates its claimed share
+    (`unirl.eval.runner`, "Several ranks"); the metrics on rank 0, {} on the others."""
     size = {"val": cfg.data.val_size, "test": cfg.data.test_size}[split]
     out = run_dir / EVALS / f"{split}-update-{update:06d}"
     summary = evaluate(
@@ -265,18 +283,22 @@ def evaluate_split(
         per_task=size,
         classifier_dir=run_dir / CLASSIFIER_DIR,
         stale="replace",
+        ranks=(info.rank, info.world_size, info.cpu_group) if info and info.enabled else None,
     )
-    return task_metrics(summary)
+    return task_metrics(summary) if summary is not None else {}
 
 
-def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
+def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info=None):
     """The task evaluator (`_task_evaluator`) and, for SFT, the teacher-forced validation
     loss `val/loss`, `val/loss_text`, `val/loss_image_<head>` of the val rows
     (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
     `val/ig/...` of the same rows (cycle index pinned to 0): means, and the quantiles and
     saturation rates of `ig_distributions`, whose whole report (per-event values
-    included) goes atomically to `evals/ig-val-update-NNNNNN.json` (`ig_report_path`)."""
-    tasks = _task_evaluator(cfg, model, run_dir)
+    included) goes atomically to `evals/ig-val-update-NNNNNN.json` (`ig_report_path`).
+    `info` with several ranks (ddp): the task evaluation is shared by every rank
+    (`evaluate_split`); the SFT losses run on rank 0; the metrics on rank 0, {} elsewhere."""
+    info = info or DistInfo()
+    tasks = _task_evaluator(cfg, model, run_dir, info)
     if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
         return tasks
     ig = cfg.algorithm.information_gain
@@ -284,9 +306,11 @@ def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
     rows: list = []  # serialised at the first evaluation (none without an eval cadence)
 
     def evaluate_val(update: int) -> dict[str, float]:
+        metrics = tasks(update) if tasks is not None else {}
+        if not info.is_main:
+            return metrics
         if not rows:
             rows.extend(sft_trajectories(cfg, model, "val", cfg.data.val_size))
-        metrics = tasks(update) if tasks is not None else {}
         losses = validation_loss(cfg, model, rows, pad)
         metrics.update({f"val/{k}": v for k, v in losses.items()})
         if ig.weight > 0:
@@ -304,14 +328,15 @@ def ig_report_path(run_dir: Path, update: int) -> Path:
     return run_dir / EVALS / f"ig-val-update-{update:06d}.json"
 
 
-def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
+def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info=None):
     """Validation metrics `val/<task>/<statistic>` every `trainer.eval_every` updates
-    (`evaluate_split` on the val split), or None when the run has no val rows."""
+    (`evaluate_split` on the val split, shared by the ranks of `info`), or None when the
+    run has no val rows."""
     if not _rows_of(cfg, "val", cfg.data.val_size):
         return None
 
     def evaluate_val(update: int) -> dict[str, float]:
-        metrics = evaluate_split(cfg, model, run_dir, "val", update)
+        metrics = evaluate_split(cfg, model, run_dir, "val", update, info)
         return {f"val/{k}": v for k, v in metrics.items()}
 
     return evaluate_val

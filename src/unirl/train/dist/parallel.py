@@ -9,8 +9,16 @@ the heads) rather than its `forward`:
 - `ddp`: `DistributedDataParallel(Runner)`; communication overlaps backward, and the
   accumulation micro-batches but the last run under `no_sync`. Each rank's loss is its
   share of the *global* objective (normalised by the global count), so the gradients
-  must be summed, not averaged: a communication hook all-reduces with SUM (no division
-  by the world size), and the N-process gradient equals the one-process one.
+  must be summed, not averaged. `trainer.gradient_sync` says how: `ddp` (default) keeps
+  DDP's own buckets (each rank's gradient divided by the world size W, all-reduced with
+  SUM during backward) and `after_sync` multiplies the result by W after the update's
+  last backward; `post_backward_sum` registers a communication hook that all-reduces
+  each bucket with SUM and no division. Both give the sum of the ranks' gradients, so
+  the N-process gradient equals the one-process one. When W is a power of two they are
+  bitwise equal (dividing and multiplying by 2^k is exact, and a sum of values all
+  scaled by 2^-k rounds exactly as the unscaled sum does, barring subnormals); for
+  other W each of the two roundings (g / W, then * W) adds at most half an ulp, so an
+  element differs by at most ~(W + 1) ulp of the summed gradient.
 - `fsdp2`: `fully_shard` on every decoder layer (modules whose class name ends in
   ``DecoderLayer``, transformers' convention) and on the Runner (the root: embeddings,
   heads, the rest). Parameters are all-gathered in `trainer.fsdp.param_dtype` and
@@ -156,9 +164,11 @@ class Parallel:
                 find_unused_parameters=cfg.ddp.find_unused_parameters,
                 static_graph=cfg.ddp.static_graph,
             )
-            self.wrapped.register_comm_hook(None, _sum_hook)
+            if cfg.gradient_sync == "post_backward_sum":
+                self.wrapped.register_comm_hook(None, _sum_hook)
         elif self.mode == "fsdp2":
             self._shard(cfg)
+        self.gradient_sync = cfg.gradient_sync
 
     def _shard(self, cfg: TrainerConfig) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -226,6 +236,17 @@ class Parallel:
                     lambda _t, key=key: self._reached.add(key)
                 )
                 self._watched.add(id(unsharded))
+
+    def after_sync(self, params: Sequence[nn.Parameter]) -> None:
+        """After an update's last backward (the one DDP all-reduces in): under ddp with
+        `gradient_sync: ddp`, undo DDP's division by the world size, so `.grad` is the sum
+        over ranks (module docstring). Nothing otherwise."""
+        if self.mode != "ddp" or self.gradient_sync != "ddp" or not self.info.enabled:
+            return
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(self.info.world_size)
 
     def drop_unreached(self, params: Sequence[nn.Parameter]) -> None:
         """fsdp2, after an update's last backward: the parameters no rank gave a gradient

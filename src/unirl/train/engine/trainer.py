@@ -424,6 +424,7 @@ class Trainer:
             n_tokens += int(micro.attention_mask.sum())
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        self.parallel.after_sync(self.params)
         diagnostics: dict[str, float] = {}
         if boundary is not None:
             first = self._take_grads() if first is None else first
@@ -525,7 +526,7 @@ class Trainer:
         if c.keep_best is None or not evaluated:
             return False
         improved = False
-        if self.evaluator is not None:
+        if self.evaluator is not None and self.dist.is_main:
             if c.keep_best not in metrics:
                 found = ", ".join(sorted(k for k in metrics if k.startswith("val/")))
                 raise TrainingError(
@@ -620,9 +621,12 @@ class Trainer:
             total, self.update, log.progress_bar and main, plain=main and not interactive()
         )
         start = self.update
-        if self._remeasures() and logger is not None:
-            # rollout caps changed from the parent: the validation baseline under the new caps
-            logger.log(self.update, self.evaluator(self.update), force=True)
+        if self._remeasures():
+            # rollout caps changed from the parent: the validation baseline under the new
+            # caps (every rank that has an evaluator runs it: under ddp it is shared)
+            baseline = self.evaluator(self.update)
+            if logger is not None:
+                logger.log(self.update, baseline, force=True)
         try:
             while self.update < total:
                 t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """The GRPO reward step: every trajectory is parsed and scored once, by the rank that
 sampled it, and the scores are gathered.
 
-Rank r holds the rows r, r + W, ... of the update (`RolloutService.shard`); it scores
+Rank r holds some rows of the update (`RolloutService.generate_assigned`: r, r + W, ...
+under the static assignment, the rows it claimed under the dynamic one); it scores
 them with the reward service and all ranks exchange (trajectories, scores) in one
 `all_gather_object`, so every rank ends with the same trajectories and the same
 `RewardResult` as one process scoring the whole batch (plugins score rows
@@ -25,19 +26,30 @@ from unirl.rewards.digit_classifier import (
     load_or_fit_classifier,
     needs_digit_classifier,
 )
-from unirl.rollout import RolloutService, RolloutTrajectory, interleave
+from unirl.rollout import RolloutService, RolloutTrajectory
+from unirl.rollout.queue import place, round_robin
 from unirl.train.dist.comm import DistInfo, barrier
 
 
 def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:
     """The `RewardResult` of the whole batch from the results of its round-robin shards
     (part r scored rows r, r + W, ...)."""
-    world = len(parts)
+    n = sum(len(p.sample_ids) for p in parts)
+    return merge_indexed(parts, [round_robin(n, r, len(parts)) for r in range(len(parts))])
+
+
+def merge_indexed(parts: Sequence[RewardResult], indices: Sequence[Sequence[int]]) -> RewardResult:
+    """The `RewardResult` of the whole batch from the results of its parts, part r
+    having scored the batch rows `indices[r]` (in that order)."""
     sizes = [len(p.sample_ids) for p in parts]
-    offsets = [sum(sizes[:r]) for r in range(world)]
-    order = torch.tensor(
-        [offsets[j % world] + j // world for j in range(sum(sizes))], dtype=torch.long
-    )
+    offsets = [sum(sizes[:r]) for r in range(len(parts))]
+    n = sum(sizes)
+    # row j of the batch is row `order[j]` of the parts concatenated
+    positions = [[offsets[r] + k for k in range(len(ix))] for r, ix in enumerate(indices)]
+    order = torch.tensor(place(list(zip(indices, positions)), n), dtype=torch.long)
+
+    def interleave(values: Sequence[Sequence[Any]]) -> list[Any]:
+        return place(list(zip(indices, values)), n)
 
     def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(tensors))[order]
@@ -104,25 +116,39 @@ def score_sharded(
     parse: Callable[[RolloutTrajectory], Sequence[Part] | None],
     samples: Sequence[Sample],
     local: list[RolloutTrajectory],
+    indices: Sequence[int] | None = None,
 ) -> tuple[list[RolloutTrajectory], RewardResult]:
-    """All trajectories of the batch and their rewards, from this rank's `local` rows
-    (the rows `service.shard` gives it) of the batch whose samples are `samples`."""
-    mine = service.shard(samples)
+    """All trajectories of the batch and their rewards, from this rank's `local` rows,
+    the batch rows `indices` (None: its round-robin share, `service.shard`) of the batch
+    whose samples are `samples`."""
+    share = round_robin(len(samples), service.rank, service.world_size)
+    if indices is not None and list(indices) != share:
+        # Dynamic claims: gather the trajectories first, then score the round-robin share,
+        # so every row is scored in the same reward batch as under the static assignment
+        # (a batched scorer, e.g. the digit classifier, need not be batch-invariant
+        # bitwise; measured: its last bits change with the batch's other rows).
+        everything = service.gather_assigned(indices, local, len(samples))
+        local = [everything[i] for i in share]
+    indices = share
+    mine = [samples[i] for i in indices]
     result, failure = None, None
     try:
-        result = rewards.score(mine, local, [parse(t) for t in local])
+        if local:  # a dynamic queue may leave a rank no row
+            result = rewards.score(mine, local, [parse(t) for t in local])
     except RewardError as err:
         failure = (str(err), err.plugin, list(err.sample_ids))
+    mine_part = (list(indices), local, result, failure)
     if service.world_size == 1:
-        parts = [(local, result, failure)]
+        parts = [mine_part]
     else:
         parts = [None] * service.world_size
-        torch.distributed.all_gather_object(parts, (local, result, failure), group=service.group)
-    failure = first_failure([p[2] for p in parts], samples)
+        torch.distributed.all_gather_object(parts, mine_part, group=service.group)
+    failure = first_failure([p[3] for p in parts], samples)
     if failure is not None:
         raise RewardError(*failure)
-    trajs = interleave([p[0] for p in parts])
-    return trajs, merge_round_robin([p[1] for p in parts])
+    trajs = place([(p[0], p[1]) for p in parts], len(samples))
+    scored = [p for p in parts if p[2] is not None]
+    return trajs, merge_indexed([p[2] for p in scored], [p[0] for p in scored])
 
 
 def load_run_classifier(cfg: UnirlConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:

@@ -133,6 +133,7 @@ class GRPOSource(BatchSource):
             info.cpu_group,
             r.precision,
             continuous=r.continuous_batching,
+            assignment=r.assignment,
         )
         self.prompt_sampler = prompts
         self.rewards = rewards
@@ -240,15 +241,16 @@ class GRPOSource(BatchSource):
         samples, requests = self.requests(update)
         fault = lambda: inject_fault("rollout", update + 1)  # noqa: E731
         remote = self.workers.rollout if self.workers is not None else None
+        indices = None  # round-robin
         if remote is not None:
             remote.sync(update, self.model)
             local = remote.generate(update, requests, self.model.device, fault)
         else:
-            local = self.service.generate(self.service.shard(requests), fault)
+            indices, local = self.service.generate_assigned(requests, fault)
         t1 = time.perf_counter()
         try:
             trajs, result = score_sharded(
-                self.service, self.rewards, self.model.parse_response, samples, local
+                self.service, self.rewards, self.model.parse_response, samples, local, indices
             )
         except RewardError as err:
             source = {s.group_id: s.meta.get("source_id") for s in samples}

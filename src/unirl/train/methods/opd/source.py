@@ -126,8 +126,10 @@ class OPDSource(BatchSource):
             cfg.rollout.batch_size,
             info.rank,
             info.world_size,
+            info.cpu_group,
             precision=cfg.rollout.precision,
             continuous=cfg.rollout.continuous_batching,
+            assignment=cfg.rollout.assignment,
         )
         self.prompt_sampler = prompts
         self.rewards = rewards
@@ -166,19 +168,19 @@ class OPDSource(BatchSource):
             rollout_request(s, seed_for(self.run_seed, update, i, 0), self.params, self.grid)
             for i, s in enumerate(samples)
         ]
-        local = self.service.generate(
-            self.service.shard(requests), lambda: inject_fault("rollout", update + 1)
+        indices, local = self.service.generate_assigned(
+            requests, lambda: inject_fault("rollout", update + 1)
         )
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rewards is not None:
             trajs, result = score_sharded(
-                self.service, self.rewards, self.model.parse_response, samples, local
+                self.service, self.rewards, self.model.parse_response, samples, local, indices
             )
             correct = (row_passes(result, self.pass_threshold) & ~result.truncated).tolist()
             metrics.update({**result.metrics(), **task_accuracy(result, self.pass_threshold)})
         else:
-            trajs = self.service.gather(local, len(samples))
+            trajs = self.service.gather_assigned(indices, local, len(samples))
             correct = [None] * len(trajs)
         t2 = time.perf_counter()
         rows, counts, routes = self._route(samples, trajs, correct)
