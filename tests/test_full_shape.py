@@ -17,18 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from unirl import cli
-from unirl.models.full_shape import (
-    INDEX,
-    JANUS_IDS,
-    JANUS_TOKENS,
-    QWEN_ADDED,
-    QWEN_BASE,
-    iter_hub_files,
-    janus_config,
-    janus_tokenizer,
-    meta_state_shapes,
-    write_full_shape,
-)
+from unirl.models.full_shape import write_full_shape
+from unirl.models.hub_layout import INDEX, iter_hub_files, meta_state_shapes
+from unirl.models.janus_pro.full_shape import JANUS_IDS, JANUS_TOKENS, janus_config, janus_tokenizer
+from unirl.models.uniar.full_shape import QWEN_ADDED, QWEN_BASE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -72,11 +72,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_args_config(args: argparse.Namespace) -> UnirlConfig:
-    """The validated config named by `add_config_arguments` arguments, its `model` section
-    checked against the kind's registration (creates nothing)."""
+    """The validated config named by `add_config_arguments` arguments, hub ids among its
+    model directories resolved to local snapshots (`unirl.models.hub`), its `model`
+    section checked against the kind's registration (creates nothing)."""
     from unirl.models import check_model_config
+    from unirl.models.hub import resolve_hub_ids
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     check_model_config(cfg.model)
     return cfg
 
@@ -147,9 +149,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
     if args.sources:
         from unirl.models import check_model_config
+        from unirl.models.hub import resolve_hub_ids
 
         cfg, rows = config_sources(args.config, args.overrides)
-        check_model_config(cfg.model)
+        check_model_config(resolve_hub_ids(cfg).model)
         width = min(60, max(len(f"{k}: {v}") for k, v, _ in rows))
         for key, value, source in rows:
             sys.stdout.write(f"{f'{key}: {value}':<{width}}  # {source}\n")

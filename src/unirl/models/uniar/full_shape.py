@@ -14,19 +14,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unirl.models.full_shape import (
-    QWEN_ADDED,
-    QWEN_BASE,
-    QWEN_VOCAB,
+from unirl.models.hub_layout import (
     SHARD_BYTES,
     SMALL_SHARD_BYTES,
     Written,
-    _base_words,
+    base_words,
     meta_state_shapes,
     wordlevel_tokenizer,
     write_shards,
 )
 
+# Qwen3-VL's tokenizer: 151,643 BPE tokens, then 26 added tokens in this order.
+QWEN_ADDED = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)  # fmt: skip
+QWEN_BASE = 151643
+QWEN_VOCAB = 151936
+
+# Qwen3-VL-2B's sizes (`unirl plan --preset qwen3-vl-2b` reads these too; docs/plan.md
+# says which are verified)
+QWEN3_VL_2B_TEXT = dict(
+    hidden_size=2048,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=QWEN_VOCAB,
+    tie_word_embeddings=True,
+)
+QWEN3_VL_2B_VISION = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    out_hidden_size=2048,
+    deepstack_visual_indexes=[5, 11, 17],
+)
 SMALL_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=128)  # fmt: skip
 SMALL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -40,7 +69,7 @@ def qwen_tokenizer(small: bool):
     from unirl.data.tokenizer import CHAT_TEMPLATE
     from unirl.models.uniar.template import add_special_tokens
 
-    words = _base_words()
+    words = base_words()
     base = len(words) + 1 if small else QWEN_BASE
     fixed = {t: base + k for k, t in enumerate(QWEN_ADDED)}
     tok = wordlevel_tokenizer(base + len(QWEN_ADDED), fixed, "<unk>", words, ())
@@ -58,16 +87,14 @@ def qwen_tokenizer(small: bool):
 
 
 def qwen_config(small: bool, tokenizer):
-    """Qwen3-VL-2B's config (`unirl.plan.PRESETS`, the sizes `unirl plan` uses) or the
+    """Qwen3-VL-2B's config (`QWEN3_VL_2B_TEXT` / `_VISION`) or the
     same structure at tiny widths."""
     from transformers import Qwen3VLConfig
 
     from unirl.models.uniar.template import special_id_map
-    from unirl.plan import PRESETS
 
-    p = PRESETS["qwen3-vl-2b"]
-    text = dict(SMALL_TEXT if small else p["text"])
-    vision = dict(SMALL_VISION if small else p["vision"])
+    text = dict(SMALL_TEXT if small else QWEN3_VL_2B_TEXT)
+    vision = dict(SMALL_VISION if small else QWEN3_VL_2B_VISION)
     text.update(
         vocab_size=len(tokenizer) if small else QWEN_VOCAB,
         max_position_embeddings=262144,
