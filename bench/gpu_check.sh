@@ -3,16 +3,20 @@
 #  (a) the three smoke scripts in their tiny mode: janus_gpu_smoke.py --tiny, uniar_gpu_smoke.py
 #      --tiny (both with a tiny random CLIP scorer, so T2I / GRPO run too), and
 #      parallel_gpu_smoke.py under none / ddp / fsdp2 x tiny / janus on 1 rank;
-#  (b) larger shapes: a random Janus-Pro at Janus-Pro-1B's language-model sizes and a random
-#      UniAR at Qwen3-VL-2B's text sizes (bench/gpu_assets.py says what differs), one GRPO
-#      I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), bf16 + LoRA.
+#  (b) full shapes: random-weight checkpoints written by `unirl models write-full-shape`
+#      (janus-pro-1b: SigLIP-L/16 384 px, width 2048 x 24 layers, vocab 102,400, VQ 16,384
+#      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
+#      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA.
+# --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
+# same files and keys at widths of 16-64) and with fewer rows per update.
 # Every sub-check is independent (one failing does not stop the others) and ends with a
 # `CHECK | name | PASS/FAIL | ...` line; updates print `RESULT | ... |` rows; both are
 # gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
 # when unset).
 #   bench/gpu_check.sh                       # everything
 #   GPU_CHECK_ONLY="janus-big uniar-big" bench/gpu_check.sh
-#   GPU_CHECK_DRY=1 bench/gpu_check.sh       # CPU dry run: big checks at small widths
+#   bench/gpu_check.sh --dry-run             # CPU dry run: every step at tiny shapes
+#   GPU_CHECK_DRY=1 bench/gpu_check.sh       # the same
 # Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
 # install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
 # a check gets what is left, and is skipped under 20 s).
@@ -23,12 +27,25 @@
 # huggingface-hub 2.4.0, httpx2, httpcore2, truststore, kernels, tomlkit, hf-xet, regex,
 # click, peft 0.21.2, accelerate 1.16.0, anyio, h11, idna) as cp312 wheels.
 set -uo pipefail
+DRY=${GPU_CHECK_DRY:-0}
+for arg in "$@"; do
+  case $arg in
+  --dry-run) DRY=1 ;;
+  -h | --help)
+    sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+    ;;
+  *)
+    echo "gpu_check.sh: unknown argument '$arg' (only --dry-run)" >&2
+    exit 2
+    ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
-DRY=${GPU_CHECK_DRY:-0}
 DEADLINE=${GPU_CHECK_DEADLINE:-450}
 ONLY=${GPU_CHECK_ONLY:-}
 scratch=$(mktemp -d)
@@ -107,8 +124,16 @@ main() {
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-  local dry=() assets="$scratch/assets"
-  [ "$DRY" = 1 ] && dry=(--dry)
+  local shape=full assets="$scratch/assets"
+  # rows per update: full: the smoke defaults / the big-check sizes; dry run: the fewest
+  local tiny_rows=() janus_rows=(--prompts 2 --group-size 8 --micro-batch 4)
+  local uniar_rows=(--rows 16 --group-size 8 --micro-batch 4)
+  if [ "$DRY" = 1 ]; then
+    shape=small
+    tiny_rows=(--group-size 2 --micro-batch 2)
+    janus_rows=(--prompts 1 --group-size 2 --micro-batch 2)
+    uniar_rows=(--rows 4 --group-size 2 --micro-batch 2)
+  fi
   mkdir -p "$assets"
   export -f env_info
   export PY
@@ -117,19 +142,21 @@ main() {
   local clip="$assets/clip"
 
   # (a) the smoke scripts in tiny mode
-  check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny
-  check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny
+  check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny \
+    ${tiny_rows[*]}
+  check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny \
+    ${tiny_rows[*]}
 
   # (b) larger shapes: write the random checkpoint and run both updates in one sub-check
   check janus-big 260 bash -c "set -e
-    '$PY' bench/gpu_assets.py janus '$assets/janus' ${dry[*]}
+    '$PY' -m unirl models write-full-shape janus-pro-1b '$assets/janus' --shape $shape
     '$PY' bench/janus_gpu_smoke.py --model '$assets/janus' --clip '$clip' --tag janus-big \
-      --prompts 2 --group-size 8 --micro-batch 4
+      ${janus_rows[*]}
     rm -rf '$assets/janus'"
   check uniar-big 220 bash -c "set -e
-    '$PY' bench/gpu_assets.py uniar '$assets/uniar' ${dry[*]}
+    '$PY' -m unirl models write-full-shape qwen3-vl-2b '$assets/uniar' --shape $shape
     '$PY' bench/uniar_gpu_smoke.py --model '$assets/uniar' --clip '$clip' --tag uniar-big \
-      --rows 16 --group-size 8 --micro-batch 4
+      ${uniar_rows[*]}
     rm -rf '$assets/uniar'"
 
   # (a) parallel smoke on this one GPU (what bench/parallel_gpu_smoke.sh 1 runs), each

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import JanusConfig
 
 from unirl.config import load_config
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
@@ -218,6 +219,9 @@ def main() -> None:
             print("t2i: skipped (no --clip scorer directory)")
             return
         scorer = [f"reward.plugins.0.path={args.clip}", f"reward.plugins.0.kwargs.device={device}"]
+        # the image's token count (576 at 384 px; fewer for `write-full-shape --shape small`)
+        side = int(JanusConfig.from_pretrained(path).vq_config.num_patches)
+        scorer.append(f"rollout.max_new_tokens={side * side}")
         t2i = lambda m: t2i_prompts(n, m.image_grid)  # noqa: E731
         one_update("grpo_t2i_pickscore_lora.yaml", [*common, *scorer], t2i, tag)
 

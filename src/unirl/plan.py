@@ -78,6 +78,9 @@ def _janus_config(text: dict, hidden: int):
         text_config={"model_type": "llama", **text},
         vision_config={"projection_dim": hidden},
         vq_config={"projection_dim": hidden, "image_token_embed_dim": hidden},
+        # JanusConfig ties by default; Janus-Pro's output head is its own matrix (DeepSeek-LLM
+        # does not tie; the full-shape writer's 1B checkpoint has 2,076,636,811 parameters)
+        tie_word_embeddings=False,
     )
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the CLI's parser reads NAMES / SHAPES: no torch at import
 
 SHARD_BYTES = 2 * 1024**3
 """Largest shard (bytes) of the full shape: Janus-Pro-1B's 3.9 GB of bf16 make 2 shards."""
-SMALL_SHARD_BYTES = 256 * 1024
+SMALL_SHARD_BYTES = 2 * 1024**2
 """Largest shard of the small shape, so that it is sharded too (same layout)."""
 INDEX = "model.safetensors.index.json"
 BF16_BYTES = 2
