@@ -175,10 +175,11 @@ def test_the_loaders_read_the_layout_exactly(small):
 def test_uniar_loader_refuses_a_missing_shard(tmp_path):
     out = tmp_path / "m"
     write_full_shape("qwen3-vl-2b", out, "small")
-    (out / "model-00002-of-00002.safetensors").unlink()
+    last = sorted(set(json.loads((out / INDEX).read_text())["weight_map"].values()))[-1]
+    (out / last).unlink()
     from unirl.models.uniar.model import UniARModel
 
-    with pytest.raises(ValueError, match="names shard model-00002-of-00002.safetensors"):
+    with pytest.raises(ValueError, match=f"names shard {last}, which is missing"):
         UniARModel.from_pretrained(out)
 
 

@@ -36,8 +36,16 @@ if TYPE_CHECKING:  # the CLI's parser reads NAMES / SHAPES: no torch at import
 
 SHARD_BYTES = 2 * 1024**3
 """Largest shard (bytes) of the full shape: Janus-Pro-1B's 3.9 GB of bf16 make 2 shards."""
-SMALL_SHARD_BYTES = 2 * 1024**2
-"""Largest shard of the small shape, so that it is sharded too (same layout)."""
+SMALL_SHARDS = 3
+"""The small shape is cut into about this many shards (same layout as the full one)."""
+
+
+def small_shard_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """A shard limit that cuts `shapes` into about `SMALL_SHARDS` shards."""
+    total = sum(BF16_BYTES * math.prod(shape) for shape in shapes.values())
+    return -(-total // SMALL_SHARDS)
+
+
 INDEX = "model.safetensors.index.json"
 BF16_BYTES = 2
 INIT_STD = 0.02

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from unirl.models.hub_layout import (
     SHARD_BYTES,
-    SMALL_SHARD_BYTES,
     Written,
     base_words,
     meta_state_shapes,
+    small_shard_bytes,
     wordlevel_tokenizer,
     write_shards,
 )
@@ -142,7 +142,9 @@ def write_janus(name: str, out: Path, small: bool, seed: int = 0) -> Written:
     config = janus_config(name, small, tokenizer)
     shapes = meta_state_shapes(lambda: JanusForConditionalGeneration(config))
     out.mkdir(parents=True, exist_ok=True)
-    shards, total = write_shards(out, shapes, SMALL_SHARD_BYTES if small else SHARD_BYTES, seed)
+    shards, total = write_shards(
+        out, shapes, small_shard_bytes(shapes) if small else SHARD_BYTES, seed
+    )
     config.save_pretrained(str(out))
     t = config.text_config
     GenerationConfig(

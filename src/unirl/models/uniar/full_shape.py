@@ -16,10 +16,10 @@ from pathlib import Path
 
 from unirl.models.hub_layout import (
     SHARD_BYTES,
-    SMALL_SHARD_BYTES,
     Written,
     base_words,
     meta_state_shapes,
+    small_shard_bytes,
     wordlevel_tokenizer,
     write_shards,
 )
@@ -185,7 +185,9 @@ def write_uniar(out: Path, small: bool, seed: int = 0) -> Written:
     shapes = meta_state_shapes(build)
     record = holder["model"].record()
     out.mkdir(parents=True, exist_ok=True)
-    shards, total = write_shards(out, shapes, SMALL_SHARD_BYTES if small else SHARD_BYTES, seed)
+    shards, total = write_shards(
+        out, shapes, small_shard_bytes(shapes) if small else SHARD_BYTES, seed
+    )
     config.save_pretrained(str(out))
     ids = record["special_ids"]
     GenerationConfig(eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(str(out))
