@@ -8,7 +8,8 @@
 #      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
 #      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA.
 # --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
-# same files and keys at widths of 16-64) and with fewer rows per update.
+# same files and keys at widths of 16-64; the tiny Janus at a 4x4 image grid), with 2 rows
+# (one GRPO group of 2) per update and one update per parallel mode.
 # Every sub-check is independent (one failing does not stop the others) and ends with a
 # `CHECK | name | PASS/FAIL | ...` line; updates print `RESULT | ... |` rows; both are
 # gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
@@ -126,13 +127,18 @@ main() {
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   local shape=full assets="$scratch/assets"
   # rows per update: full: the smoke defaults / the big-check sizes; dry run: the fewest
-  local tiny_rows=() janus_rows=(--prompts 2 --group-size 8 --micro-batch 4)
+  local janus_tiny=() uniar_tiny=() parallel=()
+  local janus_rows=(--prompts 2 --group-size 8 --micro-batch 4)
   local uniar_rows=(--rows 16 --group-size 8 --micro-batch 4)
   if [ "$DRY" = 1 ]; then
+    # dry run: the tiny Janus at a 4x4 image grid (16 image tokens, not 576), one parallel
+    # update instead of three, the fewest rows that still make a GRPO group
     shape=small
-    tiny_rows=(--group-size 2 --micro-batch 2)
+    janus_tiny=(--tiny-grid 4 --prompts 1 --group-size 2 --micro-batch 2)
+    uniar_tiny=(--rows 2 --group-size 2 --micro-batch 2)
     janus_rows=(--prompts 1 --group-size 2 --micro-batch 2)
-    uniar_rows=(--rows 4 --group-size 2 --micro-batch 2)
+    uniar_rows=(--rows 2 --group-size 2 --micro-batch 2)
+    parallel=(--updates 1)
   fi
   mkdir -p "$assets"
   export -f env_info
@@ -143,9 +149,9 @@ main() {
 
   # (a) the smoke scripts in tiny mode
   check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny \
-    ${tiny_rows[*]}
+    ${janus_tiny[*]}
   check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny \
-    ${tiny_rows[*]}
+    ${uniar_tiny[*]}
 
   # (b) larger shapes: write the random checkpoint and run both updates in one sub-check
   check janus-big 260 bash -c "set -e
@@ -169,7 +175,7 @@ main() {
         launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node=1)
       fi
       check "parallel-$mode-$model" 90 "${launch[@]}" bench/parallel_gpu_smoke.py \
-        --mode "$mode" --model "$model" --root "$scratch/parallel"
+        --mode "$mode" --model "$model" --root "$scratch/parallel" ${parallel[*]}
     done
   done
 

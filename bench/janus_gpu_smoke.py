@@ -185,6 +185,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="local transformers Janus-Pro checkpoint directory")
     parser.add_argument("--tiny", action="store_true", help="random tiny checkpoint (dry run)")
+    parser.add_argument(
+        "--tiny-grid", type=int, default=24, help="--tiny: image tokens per side (24: 576 tokens)"
+    )
     parser.add_argument("--clip", help="local CLIPModel + CLIPProcessor directory (T2I reward)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per update")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt")
@@ -198,7 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if args.tiny:
-            spec = TinyJanusSpec(grid=24, patch=16, vocab_size=102_400)
+            spec = TinyJanusSpec(grid=args.tiny_grid, patch=16, vocab_size=102_400)
             path = str(write_tiny_checkpoint(Path(tmp) / "janus", spec, CAPTIONS))
         precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         rows = args.prompts * args.group_size
