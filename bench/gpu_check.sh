@@ -7,6 +7,8 @@
 #      (janus-pro-1b: SigLIP-L/16 384 px, width 2048 x 24 layers, vocab 102,400, VQ 16,384
 #      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
 #      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA.
+# MODEL_DIR arguments replace (b)'s random checkpoints: a directory with `unirl_model.json`
+# is a UniAR one, one whose config.json says `"model_type": "janus"` a Janus-Pro one.
 # --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
 # same files and keys at widths of 16-64; the tiny Janus at a 4x4 image grid), with 2 rows
 # (one GRPO group of 2) per update and one update per parallel mode.
@@ -15,6 +17,7 @@
 # gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
 # when unset).
 #   bench/gpu_check.sh                       # everything
+#   bench/gpu_check.sh /ckpt/Janus-Pro-1B /ckpt/uniar   # (b) on these checkpoints instead
 #   GPU_CHECK_ONLY="janus-big uniar-big" bench/gpu_check.sh
 #   bench/gpu_check.sh --dry-run             # CPU dry run: every step at tiny shapes
 #   GPU_CHECK_DRY=1 bench/gpu_check.sh       # the same
@@ -29,6 +32,7 @@
 # click, peft 0.21.2, accelerate 1.16.0, anyio, h11, idna) as cp312 wheels.
 set -uo pipefail
 DRY=${GPU_CHECK_DRY:-0}
+JANUS_DIR="" UNIAR_DIR=""
 for arg in "$@"; do
   case $arg in
   --dry-run) DRY=1 ;;
@@ -36,9 +40,29 @@ for arg in "$@"; do
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 0
     ;;
-  *)
-    echo "gpu_check.sh: unknown argument '$arg' (only --dry-run)" >&2
+  -*)
+    echo "gpu_check.sh: unknown option '$arg' (only --dry-run, --help)" >&2
     exit 2
+    ;;
+  *)
+    dir=$(cd "$arg" 2>/dev/null && pwd) || {
+      echo "gpu_check.sh: '$arg' is not a directory" >&2
+      exit 2
+    }
+    if [ -f "$dir/unirl_model.json" ]; then
+      kind=UNIAR_DIR
+    elif grep -qE '"model_type": *"janus"' "$dir/config.json" 2>/dev/null; then
+      kind=JANUS_DIR
+    else
+      echo "gpu_check.sh: '$arg' is neither a UniAR directory (unirl_model.json) nor a" \
+        "Janus-Pro one (config.json with \"model_type\": \"janus\")" >&2
+      exit 2
+    fi
+    if [ -n "${!kind}" ]; then
+      echo "gpu_check.sh: two ${kind%_DIR} checkpoints given ('${!kind}', '$dir')" >&2
+      exit 2
+    fi
+    printf -v "$kind" %s "$dir"
     ;;
   esac
 done
@@ -56,7 +80,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENI
 checks=()
 results=()
 
-wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
+# GPU_CHECK_ONLY picks checks; env and clip-asset (the T2I scorer the others use) always run
+wanted() { [ -z "$ONLY" ] || [[ " env clip-asset $ONLY " == *" $1 "* ]]; }
 
 # check NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), print its CHECK line.
 check() {
@@ -153,15 +178,21 @@ main() {
   check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny \
     ${uniar_tiny[*]}
 
-  # (b) larger shapes: write the random checkpoint and run both updates in one sub-check
+  # (b) larger shapes: the given checkpoint, else write the random one; both updates in one
+  # sub-check
+  local janus="$assets/janus" uniar="$assets/uniar"
+  local write_janus="'$PY' -m unirl models write-full-shape janus-pro-1b '$janus' --shape $shape"
+  local write_uniar="'$PY' -m unirl models write-full-shape qwen3-vl-2b '$uniar' --shape $shape"
+  [ -n "$JANUS_DIR" ] && janus=$JANUS_DIR write_janus="echo 'checkpoint $JANUS_DIR (given)'"
+  [ -n "$UNIAR_DIR" ] && uniar=$UNIAR_DIR write_uniar="echo 'checkpoint $UNIAR_DIR (given)'"
   check janus-big 260 bash -c "set -e
-    '$PY' -m unirl models write-full-shape janus-pro-1b '$assets/janus' --shape $shape
-    '$PY' bench/janus_gpu_smoke.py --model '$assets/janus' --clip '$clip' --tag janus-big \
+    $write_janus
+    '$PY' bench/janus_gpu_smoke.py --model '$janus' --clip '$clip' --tag janus-big \
       ${janus_rows[*]}
     rm -rf '$assets/janus'"
   check uniar-big 220 bash -c "set -e
-    '$PY' -m unirl models write-full-shape qwen3-vl-2b '$assets/uniar' --shape $shape
-    '$PY' bench/uniar_gpu_smoke.py --model '$assets/uniar' --clip '$clip' --tag uniar-big \
+    $write_uniar
+    '$PY' bench/uniar_gpu_smoke.py --model '$uniar' --clip '$clip' --tag uniar-big \
       ${uniar_rows[*]}
     rm -rf '$assets/uniar'"
 
