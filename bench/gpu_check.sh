@@ -3,16 +3,24 @@
 #  (a) the three smoke scripts in their tiny mode: janus_gpu_smoke.py --tiny, uniar_gpu_smoke.py
 #      --tiny (both with a tiny random CLIP scorer, so T2I / GRPO run too), and
 #      parallel_gpu_smoke.py under none / ddp / fsdp2 x tiny / janus on 1 rank;
-#  (b) larger shapes: a random Janus-Pro at Janus-Pro-1B's language-model sizes and a random
-#      UniAR at Qwen3-VL-2B's text sizes (bench/gpu_assets.py says what differs), one GRPO
-#      I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), bf16 + LoRA.
+#  (b) full shapes: random-weight checkpoints written by `unirl models write-full-shape`
+#      (janus-pro-1b: SigLIP-L/16 384 px, width 2048 x 24 layers, vocab 102,400, VQ 16,384
+#      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
+#      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA.
+# MODEL_DIR arguments replace (b)'s random checkpoints: a directory with `unirl_model.json`
+# is a UniAR one, one whose config.json says `"model_type": "janus"` a Janus-Pro one.
+# --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
+# same files and keys at widths of 16-64; the tiny Janus at a 4x4 image grid), with 2 rows
+# (one GRPO group of 2) per update and one update per parallel mode.
 # Every sub-check is independent (one failing does not stop the others) and ends with a
 # `CHECK | name | PASS/FAIL | ...` line; updates print `RESULT | ... |` rows; both are
 # gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
 # when unset).
 #   bench/gpu_check.sh                       # everything
+#   bench/gpu_check.sh /ckpt/Janus-Pro-1B /ckpt/uniar   # (b) on these checkpoints instead
 #   GPU_CHECK_ONLY="janus-big uniar-big" bench/gpu_check.sh
-#   GPU_CHECK_DRY=1 bench/gpu_check.sh       # CPU dry run: big checks at small widths
+#   bench/gpu_check.sh --dry-run             # CPU dry run: every step at tiny shapes
+#   GPU_CHECK_DRY=1 bench/gpu_check.sh       # the same
 # Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
 # install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
 # a check gets what is left, and is skipped under 20 s).
@@ -23,12 +31,46 @@
 # huggingface-hub 2.4.0, httpx2, httpcore2, truststore, kernels, tomlkit, hf-xet, regex,
 # click, peft 0.21.2, accelerate 1.16.0, anyio, h11, idna) as cp312 wheels.
 set -uo pipefail
+DRY=${GPU_CHECK_DRY:-0}
+JANUS_DIR="" UNIAR_DIR=""
+for arg in "$@"; do
+  case $arg in
+  --dry-run) DRY=1 ;;
+  -h | --help)
+    sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+    ;;
+  -*)
+    echo "gpu_check.sh: unknown option '$arg' (only --dry-run, --help)" >&2
+    exit 2
+    ;;
+  *)
+    dir=$(cd "$arg" 2>/dev/null && pwd) || {
+      echo "gpu_check.sh: '$arg' is not a directory" >&2
+      exit 2
+    }
+    if [ -f "$dir/unirl_model.json" ]; then
+      kind=UNIAR_DIR
+    elif grep -qE '"model_type": *"janus"' "$dir/config.json" 2>/dev/null; then
+      kind=JANUS_DIR
+    else
+      echo "gpu_check.sh: '$arg' is neither a UniAR directory (unirl_model.json) nor a" \
+        "Janus-Pro one (config.json with \"model_type\": \"janus\")" >&2
+      exit 2
+    fi
+    if [ -n "${!kind}" ]; then
+      echo "gpu_check.sh: two ${kind%_DIR} checkpoints given ('${!kind}', '$dir')" >&2
+      exit 2
+    fi
+    printf -v "$kind" %s "$dir"
+    ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
-DRY=${GPU_CHECK_DRY:-0}
 DEADLINE=${GPU_CHECK_DEADLINE:-450}
 ONLY=${GPU_CHECK_ONLY:-}
 scratch=$(mktemp -d)
@@ -38,7 +80,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENI
 checks=()
 results=()
 
-wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
+# GPU_CHECK_ONLY picks checks; env and clip-asset (the T2I scorer the others use) always run
+wanted() { [ -z "$ONLY" ] || [[ " env clip-asset $ONLY " == *" $1 "* ]]; }
 
 # check NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, time left), print its CHECK line.
 check() {
@@ -107,8 +150,21 @@ main() {
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-  local dry=() assets="$scratch/assets"
-  [ "$DRY" = 1 ] && dry=(--dry)
+  local shape=full assets="$scratch/assets"
+  # rows per update: full: the smoke defaults / the big-check sizes; dry run: the fewest
+  local janus_tiny=() uniar_tiny=() parallel=()
+  local janus_rows=(--prompts 2 --group-size 8 --micro-batch 4)
+  local uniar_rows=(--rows 16 --group-size 8 --micro-batch 4)
+  if [ "$DRY" = 1 ]; then
+    # dry run: the tiny Janus at a 4x4 image grid (16 image tokens, not 576), one parallel
+    # update instead of three, the fewest rows that still make a GRPO group
+    shape=small
+    janus_tiny=(--tiny-grid 4 --prompts 1 --group-size 2 --micro-batch 2)
+    uniar_tiny=(--rows 2 --group-size 2 --micro-batch 2)
+    janus_rows=(--prompts 1 --group-size 2 --micro-batch 2)
+    uniar_rows=(--rows 2 --group-size 2 --micro-batch 2)
+    parallel=(--updates 1)
+  fi
   mkdir -p "$assets"
   export -f env_info
   export PY
@@ -117,19 +173,27 @@ main() {
   local clip="$assets/clip"
 
   # (a) the smoke scripts in tiny mode
-  check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny
-  check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny
+  check janus-tiny 150 "$PY" bench/janus_gpu_smoke.py --tiny --clip "$clip" --tag janus-tiny \
+    ${janus_tiny[*]}
+  check uniar-tiny 150 "$PY" bench/uniar_gpu_smoke.py --tiny --clip "$clip" --tag uniar-tiny \
+    ${uniar_tiny[*]}
 
-  # (b) larger shapes: write the random checkpoint and run both updates in one sub-check
+  # (b) larger shapes: the given checkpoint, else write the random one; both updates in one
+  # sub-check
+  local janus="$assets/janus" uniar="$assets/uniar"
+  local write_janus="'$PY' -m unirl models write-full-shape janus-pro-1b '$janus' --shape $shape"
+  local write_uniar="'$PY' -m unirl models write-full-shape qwen3-vl-2b '$uniar' --shape $shape"
+  [ -n "$JANUS_DIR" ] && janus=$JANUS_DIR write_janus="echo 'checkpoint $JANUS_DIR (given)'"
+  [ -n "$UNIAR_DIR" ] && uniar=$UNIAR_DIR write_uniar="echo 'checkpoint $UNIAR_DIR (given)'"
   check janus-big 260 bash -c "set -e
-    '$PY' bench/gpu_assets.py janus '$assets/janus' ${dry[*]}
-    '$PY' bench/janus_gpu_smoke.py --model '$assets/janus' --clip '$clip' --tag janus-big \
-      --prompts 2 --group-size 8 --micro-batch 4
+    $write_janus
+    '$PY' bench/janus_gpu_smoke.py --model '$janus' --clip '$clip' --tag janus-big \
+      ${janus_rows[*]}
     rm -rf '$assets/janus'"
   check uniar-big 220 bash -c "set -e
-    '$PY' bench/gpu_assets.py uniar '$assets/uniar' ${dry[*]}
-    '$PY' bench/uniar_gpu_smoke.py --model '$assets/uniar' --clip '$clip' --tag uniar-big \
-      --rows 16 --group-size 8 --micro-batch 4
+    $write_uniar
+    '$PY' bench/uniar_gpu_smoke.py --model '$uniar' --clip '$clip' --tag uniar-big \
+      ${uniar_rows[*]}
     rm -rf '$assets/uniar'"
 
   # (a) parallel smoke on this one GPU (what bench/parallel_gpu_smoke.sh 1 runs), each
@@ -142,7 +206,7 @@ main() {
         launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node=1)
       fi
       check "parallel-$mode-$model" 90 "${launch[@]}" bench/parallel_gpu_smoke.py \
-        --mode "$mode" --model "$model" --root "$scratch/parallel"
+        --mode "$mode" --model "$model" --root "$scratch/parallel" ${parallel[*]}
     done
   done
 

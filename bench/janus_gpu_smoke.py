@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import JanusConfig
 
 from unirl.config import load_config
 from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
@@ -184,6 +185,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="local transformers Janus-Pro checkpoint directory")
     parser.add_argument("--tiny", action="store_true", help="random tiny checkpoint (dry run)")
+    parser.add_argument(
+        "--tiny-grid", type=int, default=24, help="--tiny: image tokens per side (24: 576 tokens)"
+    )
     parser.add_argument("--clip", help="local CLIPModel + CLIPProcessor directory (T2I reward)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per update")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt")
@@ -197,7 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if args.tiny:
-            spec = TinyJanusSpec(grid=24, patch=16, vocab_size=102_400)
+            spec = TinyJanusSpec(grid=args.tiny_grid, patch=16, vocab_size=102_400)
             path = str(write_tiny_checkpoint(Path(tmp) / "janus", spec, CAPTIONS))
         precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         rows = args.prompts * args.group_size
@@ -218,6 +222,9 @@ def main() -> None:
             print("t2i: skipped (no --clip scorer directory)")
             return
         scorer = [f"reward.plugins.0.path={args.clip}", f"reward.plugins.0.kwargs.device={device}"]
+        # the image's token count (576 at 384 px; fewer for `write-full-shape --shape small`)
+        side = int(JanusConfig.from_pretrained(path).vq_config.num_patches)
+        scorer.append(f"rollout.max_new_tokens={side * side}")
         t2i = lambda m: t2i_prompts(n, m.image_grid)  # noqa: E731
         one_update("grpo_t2i_pickscore_lora.yaml", [*common, *scorer], t2i, tag)
 

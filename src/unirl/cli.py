@@ -72,11 +72,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_args_config(args: argparse.Namespace) -> UnirlConfig:
-    """The validated config named by `add_config_arguments` arguments, its `model` section
-    checked against the kind's registration (creates nothing)."""
+    """The validated config named by `add_config_arguments` arguments, hub ids among its
+    model directories resolved to local snapshots (`unirl.models.hub`), its `model`
+    section checked against the kind's registration (creates nothing)."""
     from unirl.models import check_model_config
+    from unirl.models.hub import resolve_hub_ids
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     check_model_config(cfg.model)
     return cfg
 
@@ -147,9 +149,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
     if args.sources:
         from unirl.models import check_model_config
+        from unirl.models.hub import resolve_hub_ids
 
         cfg, rows = config_sources(args.config, args.overrides)
-        check_model_config(cfg.model)
+        check_model_config(resolve_hub_ids(cfg).model)
         width = min(60, max(len(f"{k}: {v}") for k, v, _ in rows))
         for key, value, source in rows:
             sys.stdout.write(f"{f'{key}: {value}':<{width}}  # {source}\n")
@@ -431,6 +434,44 @@ def run_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def configure_models(parser: argparse.ArgumentParser) -> None:
+    """`unirl models write-full-shape NAME OUT [--shape full|small]`."""
+    from unirl.models.full_shape import NAMES, SHAPES
+
+    sub = parser.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    child = sub.add_parser(
+        "write-full-shape",
+        help="write a random-weight checkpoint at a published model's sizes in the hub's "
+        "file layout (bf16 shards + index, config, tokenizer, image processor)",
+    )
+    child.add_argument("name", choices=NAMES, metavar="NAME", help=", ".join(NAMES))
+    child.add_argument("out", metavar="OUT", help="output directory (new or empty)")
+    child.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="full",
+        help="full: the published sizes; small: the same files and keys at tiny widths",
+    )
+    child.add_argument("--seed", type=int, default=0, help="random weights' seed")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    import time
+
+    from unirl.models.full_shape import write_full_shape
+
+    start = time.perf_counter()
+    try:
+        w = write_full_shape(args.name, args.out, args.shape, args.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    sys.stdout.write(
+        f"wrote {args.name} ({args.shape}): {w.parameters:,} parameters, {w.shards} bf16 "
+        f"shards, {w.bytes / 2**30:.2f} GiB -> {w.path} in {time.perf_counter() - start:.1f} s\n"
+    )
+    return 0
+
+
 def configure_config(parser: argparse.ArgumentParser) -> None:
     """`unirl config describe [KEY] [--markdown]`: the config reference (from the schema)."""
     sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -548,6 +589,12 @@ COMMANDS: list[Command] = [
         "rebuild a run's report.md/report.html (RUN_DIR), or compare two runs (A B)",
         configure_report,
         run_report,
+    ),
+    Command(
+        "models",
+        "model utilities: 'models write-full-shape NAME OUT' (random weights, hub layout)",
+        configure_models,
+        run_models,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
     Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unirl.models.uniar.full_shape import QWEN3_VL_2B_TEXT, QWEN3_VL_2B_VISION
+
 GIB = 1024**3
 DEFAULT_PROMPT_TOKENS = 256
 
@@ -33,14 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=32, intermediate_size=11008, vocab_size=102400,
                      max_position_embeddings=16384),
     },
-    "qwen3-vl-2b": {
-        "kind": "uniar",
-        "text": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=6144,
-                     vocab_size=151936, tie_word_embeddings=True),
-        "vision": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                       out_hidden_size=2048, deepstack_visual_indexes=[5, 11, 17]),
-    },
+    "qwen3-vl-2b": {"kind": "uniar", "text": QWEN3_VL_2B_TEXT, "vision": QWEN3_VL_2B_VISION},
     "qwen3-vl-8b": {
         "kind": "uniar",
         "text": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -83,6 +78,9 @@ def _janus_config(text: dict, hidden: int):
         text_config={"model_type": "llama", **text},
         vision_config={"projection_dim": hidden},
         vq_config={"projection_dim": hidden, "image_token_embed_dim": hidden},
+        # JanusConfig ties by default; Janus-Pro's output head is its own matrix (DeepSeek-LLM
+        # does not tie; the full-shape writer's 1B checkpoint has 2,076,636,811 parameters)
+        tie_word_embeddings=False,
     )
 
 
@@ -384,8 +382,9 @@ def run(args: Any) -> int:
     """`unirl plan`: print the table (module docstring). Bad input: `ConfigError`, exit 2."""
     from unirl.config import ConfigError, load_config
     from unirl.config.trainer import LoRAConfig
+    from unirl.models.hub import resolve_hub_ids
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     lora = cfg.trainer.lora if cfg.trainer.lora.enabled else LoRAConfig(enabled=True)
     if cfg.model.kind not in ("janus_pro", "uniar"):
         raise ConfigError(

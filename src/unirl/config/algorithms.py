@@ -374,7 +374,8 @@ class TeacherConfig(StrictModel):
     path: str | None = Field(
         None,
         min_length=1,
-        description="Local directory of the teacher checkpoint, any registered kind (required).",
+        description="Directory (or hub id org/name) of the teacher checkpoint, any "
+        "registered kind (required).",
     )
     privilege: Literal["none", "answer"] = Field(
         "none",

@@ -179,8 +179,9 @@ class ModelConfig(StrictModel):
     )
     path: str | None = Field(
         None,
-        description="Local checkpoint directory (required unless the kind builds from "
-        "the config, as tiny does).",
+        description="Checkpoint directory, or a hub id org/name resolved through "
+        "huggingface_hub's cache (HF_HUB_OFFLINE honoured; a local path wins); required "
+        "unless the kind builds from the config, as tiny does.",
     )
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
@@ -427,7 +428,9 @@ class RewardPluginConfig(StrictModel):
         "mc_exact", pattern=r"^[a-z][a-z0-9_]*$", description="Registered reward plugin name."
     )
     weight: float = Field(1.0, description="Weight of this plugin's score in the total.")
-    path: str | None = Field(None, description="Local model directory for learned scorers.")
+    path: str | None = Field(
+        None, description="Model directory (or hub id org/name) for learned scorers."
+    )
     tasks: list[Task] | None = Field(
         None, description="Score only rows of these tasks (any data.tasks labels); null = all."
     )

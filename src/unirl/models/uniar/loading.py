@@ -1,7 +1,8 @@
 """Loading a UniAR directory (what `UniARModel.save_pretrained` writes), checks first.
 
 A directory holds `unirl_model.json` (kind "uniar", the spec, the special ids, the codec
-geometry), `config.json` (a transformers Qwen3-VL config), `model.safetensors`, the
+geometry), `config.json` (a transformers Qwen3-VL config), the weights (`model.safetensors`, or
+shards named by `model.safetensors.index.json` as the hub lays them out), the
 tokenizer, the image processor (`preprocessor_config.json`) and the BSQ codec in
 `codec/`. Before any weight is read, `check_directory` refuses with one line naming the
 file and the field: a missing file or codec, a config that asks for remote code
@@ -36,11 +37,12 @@ from unirl.models.registry import (
 from unirl.models.uniar.template import MAX_GRID_SIDE, special_id_map
 
 WEIGHTS = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
 CODEC_DIR = "codec"
 FILES = {
     "UniAR record": (MODEL_CONFIG,),
     "config": ("config.json",),
-    "weights": (WEIGHTS,),
+    "weights": (WEIGHTS, SHARD_INDEX),
     "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
     "image processor": ("preprocessor_config.json",),
     "codec": (f"{CODEC_DIR}/{CONFIG_NAME}", f"{CODEC_DIR}/{TOKENIZER_CONFIG}"),
@@ -157,4 +159,27 @@ def load_parts(path: Path):
     if not isinstance(spec, dict):
         raise ValueError(f"{path / MODEL_CONFIG}: field uniar is not an object")
     codec = load_codec(path / CODEC_DIR)
-    return config, tokenizer, processor, codec, spec, load_file(str(path / WEIGHTS))
+    return config, tokenizer, processor, codec, spec, load_weights(path)
+
+
+def load_weights(path: Path) -> dict:
+    """The state dict of `model.safetensors`, or of the shards its index names (every
+    shard must exist; ValueError naming the index otherwise)."""
+    if (path / WEIGHTS).is_file():
+        return load_file(str(path / WEIGHTS))
+    index = read_json(path / SHARD_INDEX)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{path / SHARD_INDEX}: field weight_map missing or empty")
+    state: dict = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise ValueError(f"{path / SHARD_INDEX}: names shard {shard}, which is missing")
+        part = load_file(str(path / shard))
+        wrong = sorted(k for k in part if weight_map.get(k) != shard)
+        if wrong:
+            raise ValueError(
+                f"{path / shard}: holds {wrong[0]}, which the index does not map to it"
+            )
+        state.update(part)
+    return state
