@@ -211,3 +211,24 @@ def test_writer_refuses_a_non_empty_directory_before_writing(tmp_path):
         write_full_shape("janus-pro-1b", tmp_path, "small")
     assert cli.main(["models", "write-full-shape", "janus-pro-1b", str(tmp_path)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_cli_names_the_writer_list_and_refuses_unknown_names(tmp_path, capsys):
+    """The parser does not import `unirl.models` (so `--help` and `inspect` stay light):
+    its help spells the names out, which must be the writer's list, and an unknown name or
+    shape is refused by the writer with a one-line error listing the known ones."""
+    from unirl.models.full_shape import NAMES, SHAPES
+
+    assert cli.main(["models", "write-full-shape", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert " | ".join(NAMES) in out
+    out_dir = tmp_path / "x"
+    assert cli.main(["models", "write-full-shape", "janus-pro-3b", str(out_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in NAMES), err
+    assert (
+        cli.main(["models", "write-full-shape", "janus-pro-1b", str(out_dir), "--shape", "x"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(s in err for s in SHAPES), err
+    assert not out_dir.exists()

@@ -78,7 +78,13 @@ def test_rollout_config_maps_one_to_one_onto_sampling_params():
     params = sampling_params(cfg)
     engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     shared = set(RolloutConfig.model_fields) & engine_fields
-    assert set(RolloutConfig.model_fields) - shared == {"batch_size", "workers", "precision"}
+    assert set(RolloutConfig.model_fields) - shared == {
+        "batch_size",
+        "workers",
+        "precision",
+        "continuous_batching",
+        "assignment",
+    }
     assert engine_fields - shared == {"greedy", "stop_token_ids"}
     assert all(getattr(params, name) == getattr(cfg, name) for name in shared)
     assert sampling_params(cfg, max_new_tokens=3, length_semantics="cap").max_new_tokens == 3

@@ -1,4 +1,4 @@
-"""Hub ids for model directories (`unirl.models.hub`): resolved from a hub cache laid out
+"""Hub ids for model directories (`unirl.config.hub`): resolved from a hub cache laid out
 as huggingface_hub lays it out (`models--org--name/{blobs,refs/main,snapshots/<rev>/}`,
 snapshot files symlinked to blobs), `HF_HUB_OFFLINE` honoured, one-line errors naming
 the key and the id."""
@@ -15,8 +15,8 @@ import pytest
 
 from unirl import cli
 from unirl.config import ConfigError, load_config
+from unirl.config.hub import is_hub_id, resolve, resolve_hub_ids
 from unirl.models.full_shape import write_full_shape
-from unirl.models.hub import is_hub_id, resolve, resolve_hub_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -73,10 +73,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_args_config(args: argparse.Namespace) -> UnirlConfig:
     """The validated config named by `add_config_arguments` arguments, hub ids among its
-    model directories resolved to local snapshots (`unirl.models.hub`), its `model`
+    model directories resolved to local snapshots (`unirl.config.hub`), its `model`
     section checked against the kind's registration (creates nothing)."""
+    from unirl.config.hub import resolve_hub_ids
     from unirl.models import check_model_config
-    from unirl.models.hub import resolve_hub_ids
 
     cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     check_model_config(cfg.model)
@@ -148,8 +148,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
     if args.sources:
+        from unirl.config.hub import resolve_hub_ids
         from unirl.models import check_model_config
-        from unirl.models.hub import resolve_hub_ids
 
         cfg, rows = config_sources(args.config, args.overrides)
         check_model_config(resolve_hub_ids(cfg).model)
@@ -435,20 +435,21 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def configure_models(parser: argparse.ArgumentParser) -> None:
-    """`unirl models write-full-shape NAME OUT [--shape full|small]`."""
-    from unirl.models.full_shape import NAMES, SHAPES
-
+    """`unirl models write-full-shape NAME OUT [--shape full|small]`. The names and shapes
+    are checked by the writer when the command runs (a one-line error listing the known
+    ones), so building the parser imports nothing of `unirl.models`."""
     sub = parser.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     child = sub.add_parser(
         "write-full-shape",
         help="write a random-weight checkpoint at a published model's sizes in the hub's "
         "file layout (bf16 shards + index, config, tokenizer, image processor)",
     )
-    child.add_argument("name", choices=NAMES, metavar="NAME", help=", ".join(NAMES))
+    child.add_argument(
+        "name", metavar="NAME", help="janus-pro-1b | janus-pro-7b | qwen3-vl-2b (the writer's list)"
+    )
     child.add_argument("out", metavar="OUT", help="output directory (new or empty)")
     child.add_argument(
         "--shape",
-        choices=SHAPES,
         default="full",
         help="full: the published sizes; small: the same files and keys at tiny widths",
     )

@@ -381,8 +381,8 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
 def run(args: Any) -> int:
     """`unirl plan`: print the table (module docstring). Bad input: `ConfigError`, exit 2."""
     from unirl.config import ConfigError, load_config
+    from unirl.config.hub import resolve_hub_ids
     from unirl.config.trainer import LoRAConfig
-    from unirl.models.hub import resolve_hub_ids
 
     cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     lora = cfg.trainer.lora if cfg.trainer.lora.enabled else LoRAConfig(enabled=True)
