@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from unirl.core.trajectory import Trajectory
 from unirl.core.types import Modality
 from unirl.models.base import ModelInputs, UnifiedModel
-from unirl.rollout.decode_batch import distinct_rows
+from unirl.rollout.decode_batch import distinct_rows, step_tensors
 from unirl.rollout.decode_cache import RESERVE, preallocate
 
 
@@ -209,16 +209,8 @@ class SlotBatch:
     def step(self, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per slot (padding in free slots)."""
         self._room()
-        ids, modality, codes, where = inputs
-        device = self.mask.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
-        mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
-        if self.bits is None:
-            codes_t = torch.tensor([-1 if c is None else c for c in codes], device=device)
-        else:
-            zero = torch.zeros(self.bits)
-            codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
-        where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
+        ids = inputs[0]
+        ids_t, mod_t, codes_t, where_t = step_tensors(inputs, self.bits, self.mask.device)
         self.mask[:, self.n] = True
         keys = self.mask[:, self.lo : self.n + 1]
         # No masked key in the window (every slot live since lo): no mask, as the static
@@ -229,7 +221,7 @@ class SlotBatch:
         step = ModelInputs(
             token_ids=ids_t,
             modality=mod_t,
-            visual_codes=codes_t[:, None],
+            visual_codes=codes_t,
             attention_mask=keys,
             position_ids=pos,
             image_position=where_t,

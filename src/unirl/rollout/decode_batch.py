@@ -20,6 +20,24 @@ from unirl.rollout.decode_cache import RESERVE, compact, preallocate
 from unirl.rollout.lean_step import LeanLlamaStep, lean_step
 
 
+def step_tensors(
+    inputs: tuple[list, list, list, list], bits: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step's (ids, modality, visual codes, image position) as (rows, 1)
+    tensors (codes (rows, 1, bits) for BSQ heads); a row with no code gets -1 (VQ) or zero
+    bits. Shared by the static (`DecodeBatch`) and continuous (`SlotBatch`) engines."""
+    ids, modality, codes, where = inputs
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
+    mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
+    if bits is None:
+        codes_t = torch.tensor([-1 if c is None else c for c in codes], device=device)
+    else:
+        zero = torch.zeros(bits)
+        codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
+    where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
+    return ids_t, mod_t, codes_t[:, None], where_t
+
+
 class DecodeBatch:
     """Device-side state of the decode loop: KV cache, attention mask, the model's
     next-position source and the last hidden state of every batch row."""
@@ -102,18 +120,9 @@ class DecodeBatch:
 
     def step(self, model: UnifiedModel, inputs: tuple[list, list, list, list]) -> None:
         """Feed one position per row; updates cache, mask, positions and hidden."""
-        ids, modality, codes, where = inputs
-        device = self.mask.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)[:, None]
-        mod_t = torch.tensor(modality, dtype=torch.long, device=device)[:, None]
-        if self.bits is None:
-            codes_t = torch.tensor([-1 if c is None else c for c in codes], device=device)
-        else:
-            zero = torch.zeros(self.bits)
-            codes_t = torch.stack([zero if c is None else c for c in codes]).to(device)
-        codes_t = codes_t[:, None]
+        ids = inputs[0]
+        ids_t, mod_t, codes_t, where_t = step_tensors(inputs, self.bits, self.mask.device)
         self._extend()
-        where_t = torch.tensor(where, dtype=torch.long, device=device)[:, None]
         step = ModelInputs(
             token_ids=ids_t,
             modality=mod_t,
