@@ -6,12 +6,17 @@
 #  (b) full shapes: random-weight checkpoints written by `unirl models write-full-shape`
 #      (janus-pro-1b: SigLIP-L/16 384 px, width 2048 x 24 layers, vocab 102,400, VQ 16,384
 #      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
-#      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA.
+#      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA;
+#  (c) the rollout benches on the device: bench/rollout.py (256 requests, 32 and 64 slots,
+#      varied lengths and all-to-cap, vs HF generate) and bench/rollout_t2i.py (16 and 64
+#      images, CFG w = 5, vs transformers' Janus image generation), each `--repeats 3`,
+#      identical tokens checked by the bench; their `result:` lines end up in one table.
 # MODEL_DIR arguments replace (b)'s random checkpoints: a directory with `unirl_model.json`
 # is a UniAR one, one whose config.json says `"model_type": "janus"` a Janus-Pro one.
 # --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
 # same files and keys at widths of 16-64; the tiny Janus at a 4x4 image grid), with 2 rows
-# (one GRPO group of 2) per update and one update per parallel mode.
+# (one GRPO group of 2) per update, one update per parallel mode, and the rollout benches
+# at 16 requests / 4 and 8 slots / 8 new tokens and 2 and 4 images of 4x4 codes.
 # Every sub-check is independent (one failing does not stop the others) and ends with a
 # `CHECK | name | PASS/FAIL | ...` line; updates print `RESULT | ... |` rows; both are
 # gathered into tables at the end. The whole log goes to $OUT/log.txt (OUT: a temp dir
@@ -79,6 +84,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENI
 
 checks=()
 results=()
+benches=()
 
 # GPU_CHECK_ONLY picks checks; env and clip-asset (the T2I scorer the others use) always run
 wanted() { [ -z "$ONLY" ] || [[ " env clip-asset $ONLY " == *" $1 "* ]]; }
@@ -115,6 +121,8 @@ check() {
   local row
   while IFS= read -r row; do results+=("${row#RESULT }"); done \
     < <(grep -a '^RESULT |' "$scratch/$name.log" || true)
+  while IFS= read -r row; do benches+=("$name: ${row#result: }"); done \
+    < <(grep -a '^result: ' "$scratch/$name.log" || true)
 }
 
 env_info() {
@@ -155,6 +163,7 @@ main() {
   local janus_tiny=() uniar_tiny=() parallel=()
   local janus_rows=(--prompts 2 --group-size 8 --micro-batch 4)
   local uniar_rows=(--rows 16 --group-size 8 --micro-batch 4)
+  local device=cuda rollout_args=(--repeats 3) t2i_args=(--repeats 3)
   if [ "$DRY" = 1 ]; then
     # dry run: the tiny Janus at a 4x4 image grid (16 image tokens, not 576), one parallel
     # update instead of three, the fewest rows that still make a GRPO group
@@ -164,6 +173,9 @@ main() {
     janus_rows=(--prompts 1 --group-size 2 --micro-batch 2)
     uniar_rows=(--rows 2 --group-size 2 --micro-batch 2)
     parallel=(--updates 1)
+    device=cpu
+    rollout_args=(--requests 16 --slots 4 8 --max-new-tokens 8 --cap-requests 4)
+    t2i_args=(--images 2 4 --grid 4)
   fi
   mkdir -p "$assets"
   export -f env_info
@@ -210,11 +222,18 @@ main() {
     done
   done
 
+  # (c) the rollout benches (tokens/s vs the transformers baselines, identical tokens)
+  check rollout-text 150 "$PY" bench/rollout.py --device "$device" ${rollout_args[*]}
+  check rollout-t2i 120 "$PY" bench/rollout_t2i.py --device "$device" ${t2i_args[*]}
+
   echo
   echo "## results (one update each; times in s include first-call CUDA warm-up; memory GiB)"
   echo "| check | shapes | setup | step | rollout | reward | train | peak alloc | peak reserved |"
   echo "|---|---|---|---|---|---|---|---|---|"
   [ "${#results[@]}" -gt 0 ] && printf '%s\n' "${results[@]}"
+  echo
+  echo "## rollout benches (unirl continuous engine / transformers, useful tokens/s)"
+  [ "${#benches[@]}" -gt 0 ] && printf '%s\n' "${benches[@]}"
   echo
   echo "## sub-checks"
   echo "| check | status | rc | wall s | error |"
