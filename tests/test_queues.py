@@ -10,7 +10,11 @@ engine whatever rank runs them, then gathered back into the same order, so the u
 is the same computation): the gathered trajectories (tokens, rollout log-probs,
 advantages) and the updated parameters; that the ranks' claims partition the batch,
 each rank's longest first; and, for OPD, that dynamic really assigned rows differently
-from round-robin (the longest row is not among the first W).
+from round-robin (the longest row is not among the first W). A third GRPO arm claims two
+rows at a time and decodes each claim with continuous batching (`rollout.
+continuous_batching`, 2 slots): its tokens, codes, advantages and update equal static's
+bitwise, its rollout log-probs within the batch-geometry bound of
+tests/test_continuous_batching.py.
 """
 
 from __future__ import annotations
@@ -119,6 +123,21 @@ def test_dynamic_equals_static_for_grpo_and_opd_at_1_2_3_ranks(
         opd["trainer"] = {**opd["trainer"], **trainer}
         configs[f"grpo-{assignment}"] = grpo
         configs[f"opd-{assignment}"] = opd
+    # dynamic claims of 2 rows, each claim decoded with continuous batching in 2 slots,
+    # against static on the same model without the conv prior (continuous batching needs
+    # a KV-only cache)
+    for name, rollout in (
+        ("static_kv", {"batch_size": 1, "assignment": "static"}),
+        ("dynamic_cb", {"batch_size": 2, "assignment": "dynamic", "continuous_batching": True}),
+    ):
+        cfg = grpo_config(
+            tmp_path / f"g-{name}",
+            {"vq": small_vq_dir, "clf": classifier_dir},
+            trainer={"total_updates": 1, "parallel": "ddp"},
+        )
+        cfg["model"] = {**cfg["model"], "tiny": {**cfg["model"].get("tiny", {}), "mixer_kernel": 0}}
+        cfg["rollout"] = {**cfg["rollout"], **rollout}
+        configs[f"grpo-{name}"] = cfg
     for world in (1, 2, 3):
         out = tmp_path / f"w{world}"
         out.mkdir()
@@ -157,6 +176,24 @@ def test_dynamic_equals_static_for_grpo_and_opd_at_1_2_3_ranks(
             if method == "opd" and world > 1:
                 assert order[0] >= world, "the test needs a longest row outside the first W"
                 assert any(c != round_robin(n, r, world) for r, c in enumerate(claimed)), where
+        # continuous batching inside dynamic claims: the same tokens and codes, rollout
+        # log-probs within the batch-geometry bound of tests/test_continuous_batching.py
+        # (atol 1e-4: a different key window and batch neighbours reassociate float32
+        # sums), and bitwise the same update (replay-anchored GRPO reads rollout log-probs
+        # only for a metric)
+        static = [torch.load(out / f"grpo-static_kv-{r}.pt") for r in range(world)]
+        cb_runs = [torch.load(out / f"grpo-dynamic_cb-{r}.pt") for r in range(world)]
+        where = f"grpo dynamic+continuous at {world} ranks"
+        claimed = [d["indices"] for d in cb_runs]
+        assert sorted(i for c in claimed for i in c) == list(range(8)), where
+        for s, d in zip(static, cb_runs):
+            assert len(s["rows"]) == len(d["rows"]) > 0, where
+            for a, b in zip(s["rows"], d["rows"]):
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), where
+                assert torch.allclose(a[2], b[2], rtol=0, atol=1e-4), where
+                assert a[3] == b[3], where
+            for key, value in s["params"].items():
+                assert torch.equal(value, d["params"][key]), (where, key)
 
 
 def test_dynamic_assignment_refusals(tmp_path, small_vq_dir, classifier_dir):
