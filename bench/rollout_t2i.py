@@ -11,13 +11,19 @@ are identical. Useful tokens/s = image tokens of all images / wall time (median 
 Runners: `hf_generate` (`generate(generation_mode="image", guidance_scale=5)` over the
 whole batch), `engine_static` (the engine's static batch) and `engine_continuous`
 (`RolloutEngine(slots=2 * images)`: each image's guided pair in two slots, admitted,
-stepped and retired together; guided logits formed once per pair).
+stepped and retired together; guided logits formed once per pair). `--bare` adds
+`bare_loop`, a ceiling rather than a product: the decode loop with nothing but the model
+(one prefill of the conditional and unconditional rows as transformers builds them, then
+per step the lean Llama step on a transformers `DynamicCache`, the generation head, the
+guided logits and argmax; no log-probs, no trajectories, no checks), its codes checked
+identical too. hf_generate / bare_loop bounds what any engine can gain over transformers
+on this device.
 
     .venv/bin/python bench/rollout_t2i.py [--images 16 64] [--grid 8] [--repeats 1]
-        [--threads 1] [--device cuda|cpu]
+        [--threads 1] [--device cuda|cpu] [--bare]
 
 The last line reads `result: t2i_16=R t2i_64=R`, R = engine_continuous / hf_generate
-useful tokens/s.
+useful tokens/s (with `--bare` also `bare_16=B ...`, B = bare_loop / hf_generate).
 """
 
 from __future__ import annotations
@@ -91,6 +97,43 @@ def run_hf(hf, ids, mask) -> list[list[int]]:
     return out.tolist()
 
 
+@torch.no_grad()
+def run_bare(model, ids: torch.Tensor, mask: torch.Tensor, grid: int) -> list[list[int]]:
+    """The ceiling loop (module docstring): transformers' conditional/unconditional rows
+    (the unconditional prompt keeps BOS and BOI, every other token becomes padding), one
+    prefill, then model-only greedy CFG steps."""
+    from transformers import DynamicCache
+
+    from unirl.rollout.lean_step import lean_step
+
+    inner, step = model.model, lean_step(model)
+    tokens = model.tokens
+    device = next(model.parameters()).device
+    n = ids.shape[0]
+    uncond = ids.clone()
+    keep = (uncond == tokens.bos) | (uncond == tokens.boi)
+    uncond[~keep] = tokens.pad
+    x = torch.cat([ids, uncond]).to(device)
+    keys = torch.cat([mask, mask]).bool().to(device)
+    pos = (keys.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = inner.language_model(
+        input_ids=x, attention_mask=keys.long(), position_ids=pos, past_key_values=cache
+    )
+    hidden, nxt = out.last_hidden_state[:, -1], pos[:, -1:] + 1
+    codes = []
+    for _ in range(grid * grid):
+        logits = inner.generation_head(hidden).float()
+        cond, unc = logits[:n], logits[n:]
+        code = (unc + W * (cond - unc)).argmax(-1)
+        codes.append(code)
+        embeds = inner.generation_aligner(inner.generation_embeddings(torch.cat([code, code])))
+        keys = torch.cat([keys, keys.new_ones(2 * n, 1)], 1)
+        hidden = step(embeds[:, None], keys, nxt, cache)[:, -1]
+        nxt = nxt + 1
+    return torch.stack(codes, 1).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, nargs="+", default=[16, 64])
@@ -98,6 +141,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bare", action="store_true", help="add the bare_loop ceiling runner")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     corpus = texts(max(args.images))
@@ -116,6 +160,8 @@ def main() -> None:
             "engine_static": lambda p=prompts: run_engine(model, p, args.grid, None),
             "engine_continuous": lambda p=prompts, n=n: run_engine(model, p, args.grid, 2 * n),
         }
+        if args.bare:
+            runners["bare_loop"] = lambda ids=ids, mask=mask: run_bare(model, ids, mask, args.grid)
         times: dict[str, list[float]] = {k: [] for k in runners}
         outputs = {}
         for _ in range(args.repeats):
@@ -145,6 +191,8 @@ def main() -> None:
         if not same:
             raise SystemExit("engine and generate disagree on the codes: not a like-for-like run")
         results[f"t2i_{n}"] = ratio
+        if args.bare:
+            results[f"bare_{n}"] = tps["bare_loop"] / tps["hf_generate"]
     print("result: " + " ".join(f"{k}={v:.2f}" for k, v in results.items()))
 
 
