@@ -8,6 +8,11 @@ then under fsdp2; this process runs the same 2 updates with `parallel: none`. Ch
 
 - the student's parameters after 2 updates equal the one-process ones within
   `FP64_BOUND` (every tensor), and the update's loss within the same bound;
+- under fsdp2 the teacher is sharded, not copied: every teacher parameter is a DTensor
+  whose local shard holds about half its elements (`fully_shard` splits dim 0 into
+  ceil(n / 2)-row pieces, so a rank holds between total/2 - rows and total/2 + rows),
+  its shards on the two ranks add to the whole, and no teacher parameter requires a
+  gradient or is in the optimizer.
 
 Why FP64_BOUND = 1e-10 (and not bitwise). The runs are float64 end to end
 (`trainer.precision: fp64`; the teacher follows the student's dtype), so the check
@@ -142,7 +147,7 @@ def assets(tmp_path_factory, small_vq_dir, classifier_dir):
     return {**out, "teacher_vq": root / "teacher"}
 
 
-def test_opd_ddp_and_fsdp2_equal_one_process(tmp_path, assets):
+def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_path, assets):
     from unirl.train.dist.comm import DistInfo
 
     reference = run_updates(config(tmp_path / "none", assets, "none"), DistInfo())
@@ -165,6 +170,22 @@ def test_opd_ddp_and_fsdp2_equal_one_process(tmp_path, assets):
             assert got["params"].keys() == reference["params"].keys(), mode
             for name, value in reference["params"].items():
                 assert (value - got["params"][name]).abs().max() <= FP64_BOUND, (mode, name)
+        teacher = [r["teacher"] for r in ranks]
+        assert teacher[0].keys() == reference["teacher"].keys()
+        for name, (local, total, is_dtensor, grad) in teacher[0].items():
+            assert not grad, (mode, name)
+            other = teacher[1][name]
+            if mode == "ddp":  # a full copy per rank (ddp replicates)
+                assert (local, is_dtensor) == (total, False), name
+                continue
+            assert is_dtensor and local + other[0] == total, name
+        if mode == "fsdp2":
+            local = [sum(v[0] for v in t.values()) for t in teacher]
+            total = sum(v[1] for v in teacher[0].values())
+            assert sum(local) == total
+            print(f"fsdp2 teacher elements per rank: {local} of {total}")
+            for held in local:  # about half each: dim-0 chunks of ceil(rows / 2)
+                assert abs(held - total / 2) <= 0.05 * total, (held, total)
     # the run moved the weights (the comparison is not between two untouched models)
     from unirl.train.engine.build import build_model
 
