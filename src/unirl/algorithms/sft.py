@@ -22,16 +22,21 @@ import torch
 import torch.nn.functional as F
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` in float32, or float64 when they are float64 (`trainer.precision: fp64`
+    stays float64 end to end; bf16/fp16 logits are upcast)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def text_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy [N] of categorical `logits` [N, V] at `targets` [N]."""
-    return F.cross_entropy(logits.float(), targets, reduction="none")
+    return F.cross_entropy(_at_least_fp32(logits), targets, reduction="none")
 
 
 def bit_ce(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Per-position bit cross-entropy [N], summed over the L Bernoulli factors."""
-    return F.binary_cross_entropy_with_logits(logits.float(), bits.float(), reduction="none").sum(
-        -1
-    )
+    z = _at_least_fp32(logits)
+    return F.binary_cross_entropy_with_logits(z, bits.to(z.dtype), reduction="none").sum(-1)
 
 
 def visual_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The `ray:` section and the worker checks (`rollout.workers`, `reward.workers`).
 
-With `rollout.workers: N > 0` (GRPO only) the rollout service runs as N Ray actors and
+With `rollout.workers: N > 0` (GRPO and OPD) the rollout service runs as N Ray actors and
 with `reward.workers: M > 0` the reward service as M actors (`unirl.train.rollouts.workers`); 0
 keeps either in the training process. The `ray:` fields say where the actors run and
 what each may use; they act only when some workers are on, and a config that sets one
@@ -55,8 +55,9 @@ RAY_DEFAULTS = RayConfig().model_dump()
 
 def check_workers(cfg: Any) -> None:
     """Config-time refusals of the Ray workers (`cfg` is the whole `UnirlConfig`): workers
-    only for GRPO, only with `trainer.parallel: none`, only with Ray installed; `ray.*`
-    fields only when some workers are on."""
+    only for GRPO and OPD, reward workers only with reward plugins, only with
+    `trainer.parallel: none`, only with Ray installed; `ray.*` fields only when some
+    workers are on."""
     rollout, reward = cfg.rollout.workers, cfg.reward.workers
     if rollout == 0 and reward == 0:
         for key, default in RAY_DEFAULTS.items():
@@ -66,8 +67,10 @@ def check_workers(cfg: Any) -> None:
                 )
         return
     key = "rollout.workers" if rollout else "reward.workers"
-    if cfg.algorithm.name != "grpo":
-        raise incompatible(key, f"Ray workers are built for grpo, not {cfg.algorithm.name}")
+    if cfg.algorithm.name not in ("grpo", "opd"):
+        raise incompatible(key, f"Ray workers are built for grpo and opd, not {cfg.algorithm.name}")
+    if reward and not cfg.reward.plugins:
+        raise incompatible("reward.workers", "acts only with reward.plugins (nothing to score)")
     if cfg.trainer.parallel != "none":
         raise incompatible(
             key, f"Ray workers with trainer.parallel={cfg.trainer.parallel} are not built"

@@ -34,9 +34,11 @@ the heads) rather than its `forward`:
   it (no moment decay, no weight decay): hooks on the unsharded parameters record which
   ones got a gradient, and after the last backward `drop_unreached` sets `.grad = None`
   on those no rank reached (e.g. Janus-Pro's understanding aligner in a t2i-only batch).
-  Frozen models the objective uses (the GRPO reference: `objective.frozen_models()`) are
-  sharded the same way under the same root, never replicated per rank. Rollouts and other
-  no-grad uses of the policy go through `run` as well (`gathered`).
+  Frozen models the objective uses (`objective.frozen_models()`: the GRPO reference, the
+  OPD teacher) are sharded the same way under the same root, never replicated per rank;
+  their parameters are gathered per forward, like the policy's, and get no gradient.
+  Rollouts and other no-grad uses of the policy (and of a frozen model outside the loss,
+  e.g. OPD's carrier count) go through `run` as well (`gathered`).
 """
 
 from __future__ import annotations

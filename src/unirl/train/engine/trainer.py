@@ -397,7 +397,8 @@ class Trainer:
         groups, boundary = self._micro_groups(trajs)
         collate = pack if self.t.packing else TrajectoryBatch.collate
         micros = [collate(g, self.pad_id).to(self.model.device) for g in groups]
-        local = sum(self.objective.count(m) for m in micros)
+        # `count` may read a frozen model (OPD's carriers: the teacher), sharded under fsdp2
+        local = self.parallel.gathered(lambda: sum(self.objective.count(m) for m in micros))
         n_global = int(all_reduce_sum(torch.tensor(float(local)), self.dist).item())
         self.objective.begin_update(self.update, micros, self.dist)
         self.optimizer.zero_grad(set_to_none=True)

@@ -84,12 +84,17 @@ class RewardWorker:
     """A `RewardService` built from the `reward:` section in an actor process."""
 
     def __init__(
-        self, cfg: RewardConfig, decode_images: Any, resources: dict[str, Any], threads: int
+        self,
+        cfg: RewardConfig,
+        decode_images: Any,
+        resources: dict[str, Any],
+        threads: int,
+        features: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
-        # GRPO's reward actors: results carry the scorer's features (diversity metrics)
+        # `features`: results carry the scorer's features (GRPO's diversity metrics)
         self.service = build_reward_service(
-            cfg, decode_images=decode_images, resources=resources, features=True
+            cfg, decode_images=decode_images, resources=resources, features=features
         )
 
     def ready(self) -> int:

@@ -1,4 +1,4 @@
-"""Ray workers for GRPO (`rollout.workers`, `reward.workers`, the `ray:` section).
+"""Ray workers for GRPO and OPD (`rollout.workers`, `reward.workers`, the `ray:` section).
 
 Rollout workers: N actors, each holding a copy of the policy and a `RolloutService`.
 The driver splits an update's requests into engine batches of `rollout.batch_size`
@@ -293,14 +293,17 @@ class RewardWorkers:
         cfg: RewardConfig,
         decode_images: Any,
         resources: dict[str, Any],
+        features: bool = True,
     ) -> None:
+        """`features`: the actors' results carry the scorer's features (GRPO's diversity
+        metrics; OPD's verification needs none)."""
         import ray
 
         remote = ray.remote(RewardWorker).options(**plan.reward_options)
         threads = threads_for(plan.reward_options["num_cpus"])
 
         def make(index: int, first: bool):
-            return remote.remote(cfg, decode_images, resources, threads)
+            return remote.remote(cfg, decode_images, resources, threads, features)
 
         self.pool = ActorPool(make, plan.reward_workers, plan.max_restarts, "reward")
 
@@ -342,10 +345,15 @@ class Workers:
 
 
 def start_workers(
-    cfg: UnirlConfig, model: torch.nn.Module, resources: dict[str, Any], version: int = 0
+    cfg: UnirlConfig,
+    model: torch.nn.Module,
+    resources: dict[str, Any],
+    version: int = 0,
+    features: bool = True,
 ) -> Workers:
     """Join or start Ray and start the pools `cfg` asks for; the rollout actors hold
-    `model`'s weights as `version`."""
+    `model`'s weights as `version`; `features`: whether the reward actors' results carry
+    scorer features (`RewardWorkers`)."""
     plan = RayPlan.from_config(cfg)
     session = RaySession(plan)
     rollout = rewards = None
@@ -354,7 +362,7 @@ def start_workers(
             rollout = RolloutWorkers(plan, model, version, cfg)
         if plan.reward_workers:
             decode = model.codec.decode
-            rewards = RewardWorkers(plan, cfg.reward, decode, resources)
+            rewards = RewardWorkers(plan, cfg.reward, decode, resources, features)
     except BaseException:
         Workers(session, rollout, rewards).close()
         raise

@@ -155,6 +155,11 @@ class OPDObjective(Objective):
         distil = [i for i, r in enumerate(sampling) if isinstance(r, DistillRecord)]
         return distil, [i for i, r in enumerate(sampling) if not isinstance(r, DistillRecord)]
 
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """The teacher: under fsdp2 sharded with the student (each rank holds its shard,
+        gathered per forward), never a full copy per rank."""
+        return [self.teacher]
+
     def after_step(self) -> None:
         """The update is done: forget its carriers (the next batch has new rollouts)."""
         self._carriers.clear()

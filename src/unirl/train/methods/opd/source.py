@@ -26,6 +26,13 @@ Update u (0-based), deterministic in (config, u) and the student's parameters at
    reference answer) with no sampling record: the objective trains them with the SFT
    cross-entropy.
 
+With `rollout.workers` > 0 (one training process) step 2 runs on Ray actors
+(`unirl.train.rollouts.workers`): before rolling out update u the driver pushes the
+student's current trainable weights as version u, the actors decode whole engine
+batches of the same requests (same per-row seeds), so the trajectories are the
+in-process ones bitwise; with `reward.workers` > 0 step 3's verifiers run on Ray actors.
+Routing, GT replay and the teacher's scoring stay in the trainer.
+
 Fault point for tests: `UNIRL_FAULT=rollout:<n>` SIGKILLs during update n's rollout.
 """
 
@@ -52,6 +59,7 @@ from unirl.train.engine.protocols import BatchSource
 from unirl.train.rollouts.prompts import PromptSampler, rollout_request
 from unirl.train.rollouts.scoring import score_sharded
 from unirl.train.rollouts.stats import rollout_stats, row_passes, task_accuracy
+from unirl.train.rollouts.workers import RewardWorkers, Workers
 
 GT_STREAM = 0x6774  # seed_for member slot of the GT-replay draws ("gt")
 
@@ -114,10 +122,12 @@ class OPDSource(BatchSource):
         model: UnifiedModel,
         teacher: UnifiedModel,
         prompts: PromptSampler,
-        rewards: RewardService | None,
+        rewards: RewardService | RewardWorkers | None,
         cfg: UnirlConfig,
         info: DistInfo,
+        workers: Workers | None = None,
     ) -> None:
+        """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         self.model, self.teacher = model, teacher
         self.algo = cfg.algorithm
         self.grid = tuple(model.codec.grid)
@@ -138,7 +148,14 @@ class OPDSource(BatchSource):
         self.n_prompts = cfg.trainer.global_batch_size
         self.run_seed = cfg.run.seed
         self.pass_threshold = cfg.evaluation.pass_threshold
+        self.workers = workers
         self._batch: OPDBatch | None = None
+
+    def close(self) -> None:
+        """Stop the Ray workers (if any)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[Trajectory]:
@@ -168,9 +185,14 @@ class OPDSource(BatchSource):
             rollout_request(s, seed_for(self.run_seed, update, i, 0), self.params, self.grid)
             for i, s in enumerate(samples)
         ]
-        indices, local = self.service.generate_assigned(
-            requests, lambda: inject_fault("rollout", update + 1)
-        )
+        fault = lambda: inject_fault("rollout", update + 1)  # noqa: E731
+        remote = self.workers.rollout if self.workers is not None else None
+        if remote is not None:  # one training process: every row, in request order
+            remote.sync(update, self.model)
+            local = remote.generate(update, requests, self.model.device, fault)
+            indices = list(range(len(requests)))
+        else:
+            indices, local = self.service.generate_assigned(requests, fault)
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rewards is not None:
