@@ -111,6 +111,7 @@ def ckpt(run_dir: Path, update: int) -> Path:
     return run_dir / "checkpoints" / f"update-{update:06d}"
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_mid_update_loses_only_that_update(runs):
     root, killed = runs["root"], runs["killed"]
     assert killed.returncode != 0
@@ -185,6 +186,7 @@ def bound(runs: dict, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_at_another_world_size_is_within_the_fp32_bound(runs, world):
     root = runs["root"]
@@ -216,6 +218,7 @@ def test_resume_at_another_world_size_is_within_the_fp32_bound(runs, world):
     assert max(float((ref[k] - start[k]).abs().max()) for k in ref) > lr
 
 
+@pytest.mark.slow
 def test_resume_check_allows_a_world_size_change_and_refuses_a_logical_one(runs):
     found = verify_checkpoint(ckpt(runs["root"] / "killed", 2))
     cfg = config(runs["root"] / "killed", runs["codec"])
