@@ -61,6 +61,7 @@ from torch import nn
 from trainer_helpers import assert_same_state, checkpoint_tensors, run_cli, tiny_config
 from trainer_helpers import write_config as write_yaml
 
+from unirl import cli
 from unirl.config import ConfigError, validate_config
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.train.dist.comm import DistInfo
@@ -188,7 +189,7 @@ def bound(runs: dict, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_at_another_world_size_is_within_the_fp32_bound(runs, world):
+def test_resume_at_another_world_size_is_within_the_fp32_bound(runs, world, capsys):
     root = runs["root"]
     run = root / f"w{world}"
     assert runs[world].returncode == 0, runs[world].stderr[-3000:]
@@ -199,6 +200,10 @@ def test_resume_at_another_world_size_is_within_the_fp32_bound(runs, world):
     # the copy lives in another directory: run.output_dir is recorded too
     change = {"update": 2, "checkpoint": "update-000002", "world_size": [2, world]}
     assert state["execution_changes"] == [{**change, "config_keys": ["run.output_dir"]}]
+    assert cli.main(["inspect", "--fingerprints", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"written at world size {world}" in out
+    assert f"update 2 (update-000002): world size 2 -> {world}; config keys run.output_dir" in out
     shards = sorted(p.name for p in (last / "dcp").glob("*.distcp"))
     assert shards == [f"__{r}_0.distcp" for r in range(world)]
     ref = load_file(str(root / "ref" / "model" / "model.safetensors"))
