@@ -166,7 +166,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def _print_fingerprints(where: str) -> int:
     """The `fingerprints` of the newest checkpoint under `where` (a run directory, or one
     checkpoint), by name and unverified, one line per file: key, path, size, SHA-256 and
-    whether the file now on disk still matches. Reads only (no torch)."""
+    whether the file now on disk still matches; before them its parent, the world size
+    that wrote it and the execution changes its resumes met. Reads only (no torch)."""
     from pathlib import Path
 
     from unirl.config.fingerprint import changed_files, fingerprint
@@ -184,6 +185,15 @@ def _print_fingerprints(where: str) -> int:
     if "parent" in state:
         parent = state["parent"]
         print(f"parent {parent['checkpoint']} (manifest sha256 {parent['manifest_sha256']})")
+    if "world_size" in state:
+        print(f"written at world size {state['world_size']}")
+    for change in state.get("execution_changes", []):
+        before, after = change["world_size"]
+        keys = ", ".join(change["config_keys"]) or "none"
+        print(
+            f"execution change at update {change['update']} ({change['checkpoint']}): "
+            f"world size {before} -> {after}; config keys {keys}"
+        )
     if recorded is None:
         print("no fingerprints recorded (a checkpoint written before they were)")
         return 0

@@ -18,8 +18,12 @@ SHORT_HASH_LEN = 12
 # batch is split into micro-batches (the objective is normalised by global counts; the
 # invariance tests in tests/test_trainer.py prove it), how many rows the rollout engine
 # decodes together (per-row seeds), activation recomputation and deterministic kernels,
-# and whether rollouts and rewards run in Ray workers (`rollout.workers`,
-# `reward.workers`, `ray`: the same engine batches and scores, tests/test_ray_workers.py).
+# whether rollouts and rewards run in Ray workers (`rollout.workers`, `reward.workers`,
+# `ray`: the same engine batches and scores, tests/test_ray_workers.py), and how many
+# local workers `unirl train` spawns (`trainer.world_size`; under torchrun the world size
+# is not in the config at all): the data cursor and per-row seeds are functions of the
+# update alone, so a checkpoint resumes at another rank count (DCP reshards; the resume
+# records it, tests/test_reshard.py), unless dropout draws rank-local masks.
 # These change how the numbers are computed, not what is computed: a resume under a
 # changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (
@@ -38,6 +42,7 @@ ALWAYS_RESUMABLE = (
     "trainer.gradient_checkpointing",
     "rollout.batch_size",
     "trainer.collective_timeout_s",
+    "trainer.world_size",
     "rollout.workers",
     "reward.workers",
     "ray",

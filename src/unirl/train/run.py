@@ -60,6 +60,7 @@ from unirl.train.engine.adapters import (
     lora_targets,
     save_adapter,
 )
+from unirl.train.engine.batching import check_rank_geometry
 from unirl.train.engine.build import (
     adapter_state,
     apply_lora,
@@ -188,6 +189,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
     info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
     source = None
     try:
+        check_rank_geometry(cfg.trainer, info.world_size)  # before anything is written
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
         if info.is_main:

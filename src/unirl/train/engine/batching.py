@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from unirl.config import ConfigError
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import Trajectory, TrajectoryBatch
 from unirl.train.dist.comm import DistInfo
@@ -120,3 +121,24 @@ def rank_micro_batches(
     shard = trajs[dist_info.rank :: dist_info.world_size]
     groups = micro_batches(shard, cfg.micro_batch_size, cfg.micro_token_budget or 0)
     return [[shard[i] for i in g] for g in groups]
+
+
+def check_rank_geometry(cfg: TrainerConfig, world_size: int) -> None:
+    """ConfigError on `trainer.global_batch_size` when, under fsdp2, the round-robin shards
+    of a global batch over `world_size` ranks would give ranks different numbers of
+    micro-batches (or a rank no rows): every forward all-gathers on every rank, so the
+    collectives would not line up. Checked when the world size is known (torchrun's, or a
+    resume at another world size than the checkpoint's)."""
+    if cfg.parallel != "fsdp2" or world_size <= 1:
+        return
+    rows = [len(range(r, cfg.global_batch_size, world_size)) for r in range(world_size)]
+    counts = {-(-n // cfg.micro_batch_size) for n in rows}
+    if min(rows) == 0 or len(counts) > 1:
+        raise ConfigError(
+            f"{cfg.global_batch_size} rows over {world_size} fsdp2 ranks give them "
+            f"{min(rows)}..{max(rows)} rows, {min(counts)}..{max(counts)} micro-batches of "
+            f"{cfg.micro_batch_size}: every rank needs the same number of forwards (use a "
+            "global_batch_size whose per-rank share splits into equally many micro-batches, "
+            "e.g. a multiple of world size x micro_batch_size)",
+            key="trainer.global_batch_size",
+        )

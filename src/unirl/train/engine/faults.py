@@ -11,6 +11,7 @@ import torch
 from unirl.models.base import UnifiedModel
 
 FAULT_ENV = "UNIRL_FAULT"
+FAULT_RANK_ENV = "UNIRL_FAULT_RANK"
 PERTURB_ENV = "UNIRL_PERTURB"
 
 
@@ -27,9 +28,14 @@ def inject_fault(point: str, update: int) -> None:
     """Test hook: `UNIRL_FAULT=<point>:<update>` SIGKILLs this process at that point
     (points: rollout, update (after a micro-batch's backward), after_update,
     checkpoint_write, model_write); `UNIRL_FAULT=<point>:<update>:SIGINT` sends SIGINT
-    instead (a Ctrl-C: Python raises KeyboardInterrupt there)."""
+    instead (a Ctrl-C: Python raises KeyboardInterrupt there). With `UNIRL_FAULT_RANK=<r>`
+    only the process of that rank (torchrun's `RANK`, 0 without torchrun) is hit: one
+    worker of a job dies while the others carry on until the launcher stops them."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
+        return
+    only = os.environ.get(FAULT_RANK_ENV)
+    if only is not None and only != os.environ.get("RANK", "0"):
         return
     where, _, sig = spec.partition(":SIG")
     if where == f"{point}:{update}":

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from unirl.config import ConfigError, UnirlConfig, config_hash, resume_conflicts
-from unirl.config.hashing import SCHEDULE_KEYS, check_extension, resumable_summary
+from unirl.config.hashing import SCHEDULE_KEYS, check_extension, diff_configs, resumable_summary
 from unirl.config.trainer import TrainerConfig
 from unirl.core.trajectory import TrajectoryBatch
 from unirl.models.base import UnifiedModel
@@ -93,6 +94,36 @@ def check_resume(found: ckpt.Checkpoint, cfg: UnirlConfig) -> None:
     bad = check_extension(saved, cfg)
     if bad is not None:
         raise ConfigError(f"refusing to resume {found.path}: {bad[1]}", key=bad[0])
+
+
+def draws_dropout(model: nn.Module) -> bool:
+    """Whether a training-mode forward of `model` draws dropout masks from the global torch
+    RNG (a dropout module with p > 0, LoRA's included, or `attention_dropout` > 0)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        if float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
+            return True
+    return False
+
+
+def check_world_size_change(found: ckpt.Checkpoint, world_size: int, model: nn.Module) -> None:
+    """ConfigError when checkpoint `found`, written at another world size, cannot be
+    resumed at `world_size` with the same logical schedule. The data cursor (the update
+    number), the global batch and every per-row seed are functions of the update alone,
+    and the objective is normalised by global counts, so only one thing depends on the rank
+    count: dropout masks, drawn from each rank's own torch RNG stream in the order of its
+    micro-batches (which rows a rank holds changes with the world size)."""
+    saved = found.state.get("world_size")
+    if saved is None or saved == world_size or not draws_dropout(model):
+        return
+    raise ConfigError(
+        f"refusing to resume {found.path} at world size {world_size}: it was written at "
+        f"{saved} and the model draws dropout masks from each rank's RNG stream, so the rows' "
+        f"masks would depend on the rank count; resume at {saved} ranks or train without "
+        "dropout",
+        source=str(found.path),
+    )
 
 
 def parent_checkpoint(cfg: UnirlConfig) -> ckpt.Checkpoint:
@@ -220,6 +251,8 @@ class Trainer:
         self.parent: dict[str, str] | None = None  # the run.parent checkpoint started from
         self.from_parent = False  # this start loaded the parent (not an own checkpoint)
         self._fingerprints: dict | None = None
+        # world-size and execution-only config changes met on resume (checkpoint record)
+        self.execution_changes: list[dict[str, Any]] = []
         self._batch_seconds = 0.0
         self._last_ckpt_time = time.monotonic()
 
@@ -239,6 +272,8 @@ class Trainer:
             "config_hash": self.config_hash,
             "config": self.cfg.model_dump(mode="json"),
             "data_cursor": self.update,
+            "world_size": self.dist.world_size,
+            "execution_changes": self.execution_changes,
             "optimizer_saved": bool(self.optimizer.state) or not self.parallel.distributed,
             **({"identity": self.identity} if self.identity is not None else {}),
             **({"best": self.best} if self.best is not None else {}),
@@ -321,11 +356,13 @@ class Trainer:
             )
         else:
             self._load_single(found)
-        rank_file = found.path / f"rng-rank{self.dist.rank}.pt"
-        if rank_file.is_file():
-            ckpt.restore_rng_states(found.rng_state(self.dist.rank))
+        saved_world = found.state.get("world_size")
+        rank = self.dist.rank if saved_world in (None, self.dist.world_size) else 0
+        if (found.path / f"rng-rank{rank}.pt").is_file():
+            ckpt.restore_rng_states(found.rng_state(rank))
         self.update = found.update
         self.resumed_from = found.path
+        self._record_execution_change(found)
         if self.from_parent:  # a child starts without metrics, best record or rollouts
             return True
         if self.cfg.checkpoint.keep_best is not None:
@@ -338,6 +375,34 @@ class Trainer:
             if self.cfg.checkpoint.save_rollouts:
                 self._resume_rollouts(found)
         return True
+
+    def _record_execution_change(self, found: ckpt.Checkpoint) -> None:
+        """Carry the checkpoint's record of execution changes and add this resume's, when
+        the world size or (resuming in place) an allowed config key differs from the
+        checkpoint's; rank 0 says so. Only changes the resume check let through reach
+        here, so a logical change is never recorded: it was refused."""
+        self.execution_changes = list(found.state.get("execution_changes", []))
+        before = found.state.get("world_size")
+        # a child's config differs from its parent's by design (its own record: "parent")
+        keys = [] if self.from_parent else diff_configs(found.state.get("config", {}), self.cfg)
+        moved = before is not None and before != self.dist.world_size
+        if not moved and not keys:
+            return
+        entry = {
+            "update": found.update,
+            "checkpoint": found.path.name,
+            "world_size": [before, self.dist.world_size],
+            "config_keys": keys,
+        }
+        self.execution_changes.append(entry)
+        if self.dist.is_main:
+            what = [f"world size {before} -> {self.dist.world_size}"] if moved else []
+            what += [f"config {', '.join(keys)}"] if keys else []
+            print(
+                f"execution change at update {found.update}: {'; '.join(what)} (the same "
+                "updates, computed in another order: float rounding, not bit for bit)",
+                flush=True,
+            )
 
     def _resume_rollouts(self, found: ckpt.Checkpoint) -> None:
         """Delete the rollout files of updates after the checkpoint; refuse when those it
@@ -374,6 +439,7 @@ class Trainer:
                 f"has {self.identity}; use a new run.output_dir"
             )
         check_resume(found, self.cfg)
+        check_world_size_change(found, self.dist.world_size, self.model)
 
     def _remeasures(self) -> bool:
         """A child started from its parent under `rollout_limit_change` re-measures the

@@ -3,7 +3,8 @@
 A checkpoint is a directory ``checkpoints/update-NNNNNN`` holding the model weights
 (safetensors; LoRA adapters alone when LoRA is on), optimizer and scheduler state (under
 ddp/fsdp2 instead: ``dcp/``, torch.distributed.checkpoint shards written by every rank,
-`unirl.train.state.sharded`), per-rank RNG states and ``state.json`` (update counter, data cursor, config hash and a manifest of
+`unirl.train.state.sharded`), per-rank RNG states and ``state.json`` (update counter, data cursor, config hash, the world
+size that wrote it and the execution changes met by earlier resumes, and a manifest of
 every file's size and SHA-256). It is written under a temporary name, every file and the
 directory are fsynced, and only then is it renamed into place; a directory without a
 valid manifest is never considered complete.

@@ -5,7 +5,8 @@ stored once) into ``<staging>/dcp/`` with `torch.distributed.checkpoint.save`; r
 then seals the staging directory (`checkpoint.seal_checkpoint`: manifest, fsync,
 rename) after a barrier, so a checkpoint is complete or absent exactly as in one
 process. DDP replicas are deduplicated by DCP's planner (written once). Loading reads the
-shards this rank needs whatever the world size that wrote them (DCP reshards).
+shards this rank needs whatever the world size that wrote them (DCP reshards: a 2-rank
+checkpoint resumes at 1 or 3 ranks with the same values, tests/test_reshard.py).
 
 The model state is keyed by the parameter names of the unwrapped model (FSDP2 keeps them)
 and restricted to `keys` (the LoRA adapters alone when LoRA is on). An optimizer with no
