@@ -19,7 +19,8 @@ SHORT_HASH_LEN = 12
 # invariance tests in tests/test_trainer.py prove it), how many rows the rollout engine
 # decodes together (per-row seeds), activation recomputation and deterministic kernels,
 # and whether rollouts and rewards run in Ray workers (`rollout.workers`,
-# `reward.workers`, `ray`: the same engine batches and scores, tests/test_ray_workers.py).
+# `reward.workers`, `ray`: the same engine batches and scores, tests/test_ray_workers.py),
+# and how many evaluation workers share a device (the same records, tests/test_eval_workers.py).
 # These change how the numbers are computed, not what is computed: a resume under a
 # changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (
@@ -41,6 +42,7 @@ ALWAYS_RESUMABLE = (
     "rollout.workers",
     "reward.workers",
     "ray",
+    "evaluation.workers_per_gpu",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
 SCHEDULE_KEYS = (
