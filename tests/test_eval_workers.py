@@ -85,6 +85,11 @@ def test_workers_equal_one_worker_and_resume(tmp_path, small_vq_dir, classifier_
     assert _records(tmp_path / "two") == expected and two == one
     assert set(worked_by.values()) == {0, 1}, f"both workers computed records: {worked_by}"
     assert len(worked_by) == 8
+    work = json.loads((tmp_path / "two" / "work.json").read_text())
+    assert work == {
+        "computed": [[sum(v == w for v in worked_by.values()) for w in (0, 1)]],
+        "kept": 0,
+    }
     # workers_per_gpu does not key the directory: N = 2 may resume N = 1's records
     assert (tmp_path / "two" / "config_hash").read_text() == (
         tmp_path / "one" / "config_hash"
@@ -105,3 +110,4 @@ def test_workers_equal_one_worker_and_resume(tmp_path, small_vq_dir, classifier_
     first3 = {(json.loads(x)["id"], json.loads(x)["member"]) for x in lines[:3]}
     assert len(worked_by) == 5 and not set(worked_by) & first3, "only the missing 5 recomputed"
     assert _records(partial) == expected and resumed == one
+    assert json.loads((partial / "work.json").read_text())["kept"] == 3

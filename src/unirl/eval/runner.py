@@ -317,6 +317,9 @@ def _check_hash(out: Path, cfg: UnirlConfig) -> None:
 
 
 WEIGHTS_HASH = "weights_sha256"
+WORK = "work.json"
+"""Who computed this attempt's records: `computed[r][w]` records by worker w of rank r,
+`kept` records an earlier attempt had committed (a resumed evaluation)."""
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -480,15 +483,23 @@ def evaluate(
                 committed.extend((s.id, m) for _, m, s in batch)
             if worked_by is not None:
                 worked_by.update({(s.id, m): worker for _, m, s in batch})
+            with lock:
+                counts[worker] += len(batch)
             progress.advance(bar, len(batch))
 
+        lock, counts = threading.Lock(), [0] * len(workers)
         run_claims(claims, run_batch, len(workers), model_device(model))
+    work = [counts]
     if world > 1:
-        torch.distributed.barrier(group=group)  # every rank's records are committed
+        work = [None] * world
+        # every rank's records are committed once every rank has sent its counts
+        torch.distributed.all_gather_object(work, counts, group=group)
+        torch.distributed.barrier(group=group)
         if rank > 0:
             return None
         queue.close()
         log = ResultLog(out)  # every rank's records
+    write_json(out / WORK, {"computed": work, "kept": len(samples) * n - sum(map(sum, work))})
     wanted = {(s.id, m) for s in samples for m in range(n)}
     position = {(s.id, m): j for j, (s, m) in enumerate((s, m) for s in samples for m in range(n))}
     # sample order, members in order: whatever rank or attempt committed a record
