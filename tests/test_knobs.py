@@ -1443,6 +1443,43 @@ def _evaluation(kit):
     assert run_eval(default) == tmp_path / "r" / "eval-train"
 
 
+@probe("evaluation.workers_per_gpu")
+def _evaluation_workers(kit):
+    """Two workers both compute records (a rollout whose first call per worker waits for
+    the other: neither drains the queue alone), equal to one worker's; one worker
+    computes them all (tests/test_eval_workers.py: resume, exact equality)."""
+    import threading
+
+    from unirl.eval.runner import engine_rollout
+
+    tmp_path = scratch(kit)
+    model = build_model(own_config(kit, {})).eval()
+    meet = threading.Barrier(2, timeout=30)
+
+    def meeting(m):
+        generate, first = engine_rollout(m), [True]
+
+        def rollout(requests):
+            if first[0]:
+                first[0] = False
+                meet.wait()
+            return generate(requests)
+
+        return rollout
+
+    def run(workers: int, **kwargs) -> tuple:
+        split = {"evaluation.split": "train", "rollout.batch_size": 1}  # 2 rows: 2 claims
+        c = own_config(kit, {**split, "evaluation.workers_per_gpu": workers})
+        out, worked_by = tmp_path / f"workers{next(_runs)}", {}
+        evaluate(c, model, out, worked_by=worked_by, **kwargs)
+        lines = (out / "results.jsonl").read_text().splitlines()
+        return sorted(lines), set(worked_by.values())
+
+    one, by_one = run(1)
+    two, by_two = run(2, rollout=meeting)
+    assert by_one == {0} and by_two == {0, 1} and one == two
+
+
 # -- health alarms (issue 34) -----------------------------------------------------------
 
 HEALTH_STREAM = [

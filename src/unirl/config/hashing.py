@@ -23,7 +23,8 @@ SHORT_HASH_LEN = 12
 # local workers `unirl train` spawns (`trainer.world_size`; under torchrun the world size
 # is not in the config at all): the data cursor and per-row seeds are functions of the
 # update alone, so a checkpoint resumes at another rank count (DCP reshards; the resume
-# records it, tests/test_reshard.py), unless dropout draws rank-local masks.
+# records it, tests/test_reshard.py), unless dropout draws rank-local masks, and how many
+# evaluation workers share a device (the same records, tests/test_eval_workers.py).
 # These change how the numbers are computed, not what is computed: a resume under a
 # changed one agrees with the uninterrupted run to float rounding, not bit for bit.
 ALWAYS_RESUMABLE = (
@@ -46,6 +47,7 @@ ALWAYS_RESUMABLE = (
     "rollout.workers",
     "reward.workers",
     "ray",
+    "evaluation.workers_per_gpu",
 )
 # Additionally changeable under checkpoint.resume_mode = allow_schedule_changes.
 SCHEDULE_KEYS = (

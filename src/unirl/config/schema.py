@@ -595,6 +595,13 @@ class EvaluationConfig(StrictModel):
     output_dir: str | None = Field(
         None, description="Results directory; null = <run.output_dir>/eval-<split>."
     )
+    workers_per_gpu: int = Field(
+        1,
+        ge=1,
+        description="Evaluation workers per process (per device): N threads, each with its "
+        "own copy of the model (N - 1 extra copies in memory) and, on CUDA, its own stream, "
+        "claiming engine batches from the evaluation's queue; the records do not depend on N.",
+    )
 
     @model_validator(mode="after")
     def _greedy_once(self) -> EvaluationConfig:

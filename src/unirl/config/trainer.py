@@ -199,14 +199,6 @@ class TrainerConfig(StrictModel):
                 "length buckets give ranks different numbers of micro-batches; fsdp2 "
                 "needs the same all-gathers on every rank (use micro_batch_size)",
             )
-        for name in ("eval_every", "eval_every_epochs"):
-            if self.parallel == "fsdp2" and getattr(self, name) > 0:
-                raise incompatible(
-                    name,
-                    "validation under fsdp2 is not built (its parameters are sharded; ddp "
-                    f"validates on every rank): set {name} 0 and run `unirl eval` on the "
-                    "exported model",
-                )
         for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
             name = first_changed(getattr(self, section))
             if name is not None and self.parallel != mode:

@@ -59,12 +59,16 @@ rank committed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
 import sys
+import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -295,8 +299,15 @@ def _records(cfg, model, log, batch, trajs, rewards: RewardService) -> None:
         log.commit(record, images)
 
 
+def records_config(cfg: UnirlConfig) -> UnirlConfig:
+    """`cfg` without its execution-only evaluation settings (`evaluation.workers_per_gpu`:
+    the records do not depend on it), the config an evaluation directory is keyed by."""
+    evaluation = cfg.evaluation.model_copy(update={"workers_per_gpu": 1})
+    return cfg.model_copy(update={"evaluation": evaluation})
+
+
 def _check_hash(out: Path, cfg: UnirlConfig) -> None:
-    path, digest = out / "config_hash", config_hash(cfg)
+    path, digest = out / "config_hash", config_hash(records_config(cfg))
     if path.is_file() and path.read_text().strip() != digest:
         raise ConfigError(
             f"{out} holds an evaluation of another config; choose a new evaluation.output_dir",
@@ -306,6 +317,9 @@ def _check_hash(out: Path, cfg: UnirlConfig) -> None:
 
 
 WEIGHTS_HASH = "weights_sha256"
+WORK = "work.json"
+"""Who computed this attempt's records: `computed[r][w]` records by worker w of rank r,
+`kept` records an earlier attempt had committed (a resumed evaluation)."""
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -346,16 +360,74 @@ def split_config(cfg: UnirlConfig, split: str) -> UnirlConfig:
     return cfg.model_copy(update={"evaluation": evaluation})
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without any)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def worker_models(model: UnifiedModel, n: int) -> list[UnifiedModel]:
+    """The models of `n` evaluation workers (`evaluation.workers_per_gpu`): `model` itself
+    and n - 1 deep copies (same weights, buffers and training flag, so every worker
+    computes what `model` would; each copy costs one more model of memory)."""
+    return [model] + [copy.deepcopy(model) for _ in range(n - 1)]
+
+
+def run_claims(
+    claims: Iterator[list[int]],
+    run_batch: Callable[[int, list[int]], None],
+    workers: int,
+    device: torch.device,
+) -> None:
+    """Run `run_batch(worker, claim)` for every claim `claims` yields. One worker: in
+    order, in this thread. Several: one thread per worker, each taking the next claim
+    (under a lock: the iterator may claim from the job's store) whenever it is free, on
+    CUDA in a stream of its own so the workers' kernels may overlap. The first error
+    stops every worker from claiming more and is raised here."""
+    if workers == 1:
+        for claim in claims:
+            run_batch(0, claim)
+        return
+    lock = threading.Lock()
+    failed = threading.Event()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies' weights are written before any stream reads
+
+    def next_claim() -> list[int] | None:
+        with lock:
+            if failed.is_set():
+                return None
+            return next(claims, None)
+
+    def work(worker: int) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                while (claim := next_claim()) is not None:
+                    run_batch(worker, claim)
+                if stream is not None:
+                    stream.synchronize()
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="unirl-eval") as pool:
+        futures = [pool.submit(work, w) for w in range(workers)]
+    for future in futures:
+        future.result()  # re-raises a worker's error
+
+
 def evaluate(
     cfg: UnirlConfig,
     model: UnifiedModel,
     out: Path,
-    rollout: Rollout | None = None,
+    rollout: Callable[[UnifiedModel], Rollout] = engine_rollout,
     per_task: int = 0,
     classifier_dir: Path | None = None,
     stale: Literal["refuse", "replace"] = "refuse",
     ranks: tuple[int, int, Any] | None = None,
     committed: list[tuple[str, int]] | None = None,
+    worked_by: dict[tuple[str, int], int] | None = None,
 ) -> dict[str, Any] | None:
     """Evaluate `model` as `cfg` says into `out` (module docstring); the summary.
     `per_task` > 0 keeps the first rows of each task (`eval_samples`); `classifier_dir`
@@ -364,7 +436,9 @@ def evaluate(
     size, process group; a collective, every rank calls it with the same arguments and
     the same weights): the ranks share the work (module docstring, "Several ranks"); the
     summary on rank 0, None on the others. `committed`: gets the (id, member) of every
-    record this call (this rank) committed."""
+    record this call (this rank) committed; `worked_by`: (id, member) -> the index of the
+    worker (`evaluation.workers_per_gpu`) that computed it. `rollout`: each worker's
+    rollout function, made from its model (default the engine)."""
     rank, world, group = ranks if ranks is not None else (0, 1, None)
     reward, source = evaluation_reward(cfg)
     indexed = indexed_eval_samples(cfg, model, per_task)
@@ -379,8 +453,6 @@ def evaluate(
         if rank > 0:
             log = ResultLog(out)
     classifier_dir = classifier_dir or Path(cfg.run.output_dir) / CLASSIFIER_DIR
-    rewards = eval_rewards(cfg, model, classifier_dir)
-    rollout = rollout or engine_rollout(model)
     grid = tuple(model.codec.grid)
     n = cfg.evaluation.rollouts_per_sample
     todo = [(k, m, s) for k, s in indexed for m in range(n) if (s.id, m) not in log.done]
@@ -394,23 +466,40 @@ def evaluate(
         if queue is not None
         else (list(range(i, min(i + size, len(todo)))) for i in range(0, len(todo), size))
     )
+    models = worker_models(model, cfg.evaluation.workers_per_gpu)
+    # the digits classifier is fitted (once) here, before any worker starts
+    workers = [(m, eval_rewards(cfg, m, classifier_dir), rollout(m)) for m in models]
     with Progress(disable=quiet or rank > 0, transient=False) as progress:
         bar = progress.add_task("eval", total=len(samples) * n, completed=len(log.done))
-        for claim in claims:
+
+        def run_batch(worker: int, claim: list[int]) -> None:
+            wmodel, rewards, generate = workers[worker]
             batch = [todo[i] for i in claim]
             requests = [make_request(cfg, s, k, m, grid) for k, m, s in batch]
             with torch.no_grad():
-                trajs = rollout(requests)
-            _records(cfg, model, log, batch, trajs, rewards)
+                trajs = generate(requests)
+            _records(cfg, wmodel, log, batch, trajs, rewards)
             if committed is not None:
-                committed += [(s.id, m) for _, m, s in batch]
+                committed.extend((s.id, m) for _, m, s in batch)
+            if worked_by is not None:
+                worked_by.update({(s.id, m): worker for _, m, s in batch})
+            with lock:
+                counts[worker] += len(batch)
             progress.advance(bar, len(batch))
+
+        lock, counts = threading.Lock(), [0] * len(workers)
+        run_claims(claims, run_batch, len(workers), model_device(model))
+    work = [counts]
     if world > 1:
-        torch.distributed.barrier(group=group)  # every rank's records are committed
+        work = [None] * world
+        # every rank's records are committed once every rank has sent its counts
+        torch.distributed.all_gather_object(work, counts, group=group)
+        torch.distributed.barrier(group=group)
         if rank > 0:
             return None
         queue.close()
         log = ResultLog(out)  # every rank's records
+    write_json(out / WORK, {"computed": work, "kept": len(samples) * n - sum(map(sum, work))})
     wanted = {(s.id, m) for s in samples for m in range(n)}
     position = {(s.id, m): j for j, (s, m) in enumerate((s, m) for s in samples for m in range(n))}
     # sample order, members in order: whatever rank or attempt committed a record

@@ -38,6 +38,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -82,7 +83,6 @@ from unirl.train.methods.sft.validation import validation_loss
 from unirl.train.preflight import EVALS, preflight
 from unirl.train.state import checkpoint as ckpt
 from unirl.train.state.checkpoint import write_text_atomic
-from unirl.train.state.sharded import full_model_state
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +192,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
         check_rank_geometry(cfg.trainer, info.world_size)  # before anything is written
         run_dir = prepare_run_dir(cfg, info)
         model = _prepare_model(cfg, run_dir, device)
-        if info.is_main:
-            baseline_evaluations(cfg, model, run_dir)
+        baseline_evaluations(cfg, model, run_dir, info)  # the ranks share it
         barrier(info)
         source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, info)
         trainer = Trainer(
@@ -205,7 +204,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
             info,
             model.special_ids.pad,
             trainable_state=(lambda: adapter_state(model)) if cfg.trainer.lora.enabled else None,
-            # under ddp every rank validates (its share of the queries); rank 0 logs
+            # under ddp and fsdp2 every rank validates (its share of the queries); rank 0 logs
             evaluator=_val_evaluator(cfg, model, run_dir, info)
             if info.is_main or info.enabled
             else None,
@@ -215,14 +214,9 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
             if health is not None:
                 health.update(update, metrics)
         if trainer.update >= cfg.trainer.total_updates:
-            final = model
-            if trainer.parallel.sharded:  # gather the whole model on rank 0 for the export
-                full = full_model_state(model)
-                if info.is_main:
-                    final = _prepare_model(cfg, run_dir, torch.device("cpu"))
-                    final.load_state_dict(full)
-            if info.is_main:
-                finish_run(cfg, final, run_dir)
+            # fsdp2: the whole model on every rank (export on rank 0, shared test evaluation)
+            with evaluation_model(cfg, model, run_dir) as final:
+                finish_run(cfg, final, run_dir, info)
         barrier(info)
         return run_dir
     finally:
@@ -291,38 +285,82 @@ def evaluate_split(
 
 
 def _val_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info=None):
-    """The task evaluator (`_task_evaluator`) and, for SFT, the teacher-forced validation
-    loss `val/loss`, `val/loss_text`, `val/loss_image_<head>` of the val rows
-    (`unirl.train.methods.sft.validation`) and, with Information Gain on, the IG metrics
-    `val/ig/...` of the same rows (cycle index pinned to 0): means, and the quantiles and
-    saturation rates of `ig_distributions`, whose whole report (per-event values
-    included) goes atomically to `evals/ig-val-update-NNNNNN.json` (`ig_report_path`).
-    `info` with several ranks (ddp): the task evaluation is shared by every rank
-    (`evaluate_split`); the SFT losses run on rank 0; the metrics on rank 0, {} elsewhere."""
+    """Validation metrics every `trainer.eval_every` updates, or None when the run has no
+    val rows: `val/<task>/<statistic>` (`evaluate_split` on the val split) and, for SFT,
+    the teacher-forced validation loss `val/loss`, `val/loss_text`, `val/loss_image_<head>`
+    of the val rows (`unirl.train.methods.sft.validation`) and, with Information Gain on,
+    the IG metrics `val/ig/...` of the same rows (cycle index pinned to 0): means, and the
+    quantiles and saturation rates of `ig_distributions`, whose whole report (per-event
+    values included) goes atomically to `evals/ig-val-update-NNNNNN.json`
+    (`ig_report_path`). Everything runs on `evaluation_model` (under fsdp2 an unsharded
+    copy). `info` with several ranks (ddp, fsdp2): the task evaluation is shared by every
+    rank (`evaluate_split`); the SFT losses run on rank 0; the metrics on rank 0, {}
+    elsewhere."""
     info = info or DistInfo()
-    tasks = _task_evaluator(cfg, model, run_dir, info)
-    if not isinstance(cfg.algorithm, SFTConfig) or not _rows_of(cfg, "val", cfg.data.val_size):
-        return tasks
-    ig = cfg.algorithm.information_gain
-    pad = model.special_ids.pad
+    if not _rows_of(cfg, "val", cfg.data.val_size):
+        return None
+    sft = isinstance(cfg.algorithm, SFTConfig)
+    ig = cfg.algorithm.information_gain if sft else None
     rows: list = []  # serialised at the first evaluation (none without an eval cadence)
 
     def evaluate_val(update: int) -> dict[str, float]:
-        metrics = tasks(update) if tasks is not None else {}
-        if not info.is_main:
+        with evaluation_model(cfg, model, run_dir) as evaluated:
+            found = evaluate_split(cfg, evaluated, run_dir, "val", update, info)
+            metrics = {f"val/{k}": v for k, v in found.items()}
+            if not sft or not info.is_main:
+                return metrics
+            pad = evaluated.special_ids.pad
+            if not rows:
+                rows.extend(sft_trajectories(cfg, evaluated, "val", cfg.data.val_size))
+            losses = validation_loss(cfg, evaluated, rows, pad)
+            metrics.update({f"val/{k}": v for k, v in losses.items()})
+            if ig.weight > 0:
+                gains, report = ig_evaluation(evaluated, rows, ig, pad)
+                metrics.update({f"val/{k}": v for k, v in gains.items()})
+                (run_dir / EVALS).mkdir(parents=True, exist_ok=True)
+                write_json_atomic(ig_report_path(run_dir, update), report, indent=1)
             return metrics
-        if not rows:
-            rows.extend(sft_trajectories(cfg, model, "val", cfg.data.val_size))
-        losses = validation_loss(cfg, model, rows, pad)
-        metrics.update({f"val/{k}": v for k, v in losses.items()})
-        if ig.weight > 0:
-            gains, report = ig_evaluation(model, rows, ig, pad)
-            metrics.update({f"val/{k}": v for k, v in gains.items()})
-            (run_dir / EVALS).mkdir(parents=True, exist_ok=True)
-            write_json_atomic(ig_report_path(run_dir, update), report, indent=1)
-        return metrics
 
     return evaluate_val
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s parameters are FSDP2 shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@contextmanager
+def evaluation_model(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path):
+    """The model the run's evaluations (validation, the SFT validation losses, the final
+    export and test evaluation) run on: `model` itself, or, when its parameters are FSDP2
+    shards, an unsharded copy on every rank. A collective then: every rank all-gathers
+    the whole state (`get_model_state_dict`, full, kept on the device) into a model
+    built as training built it (`_prepare_model`: LoRA, fp64, same training flag), so
+    the copy holds the very weights one process would hold and generates without any
+    collective: the ranks are then free to decode different claims of different
+    lengths, which lockstep forwards through the sharded layers could not do (every
+    layer's forward would be an all-gather that every rank must join). Memory: one whole
+    model (parameters and buffers in the training dtype) per rank while the evaluation
+    runs, freed after it."""
+    if not is_sharded(model):
+        yield model
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    device = next(iter(full.values())).device
+    copy = _prepare_model(cfg, run_dir, device)
+    copy.load_state_dict(full)
+    del full
+    copy.train(model.training)
+    try:
+        yield copy
+    finally:
+        del copy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def ig_report_path(run_dir: Path, update: int) -> Path:
@@ -330,41 +368,38 @@ def ig_report_path(run_dir: Path, update: int) -> Path:
     return run_dir / EVALS / f"ig-val-update-{update:06d}.json"
 
 
-def _task_evaluator(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info=None):
-    """Validation metrics `val/<task>/<statistic>` every `trainer.eval_every` updates
-    (`evaluate_split` on the val split, shared by the ranks of `info`), or None when the
-    run has no val rows."""
-    if not _rows_of(cfg, "val", cfg.data.val_size):
-        return None
+def finish_run(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo | None = None
+) -> None:
+    """Export the final model (atomically) and plot the curves (rank 0), evaluate it on
+    the test split (`evaluate_split`: the first `data.test_size` rows per task, into
+    `<run_dir>/evals/test-update-NNNNNN`; with several ranks in `info`, every rank calls
+    this and the ranks share the evaluation as they share validation) into eval.json,
+    then DONE and the report (rank 0). `model`: whole on every rank (`evaluation_model`)."""
+    info = info or DistInfo()
+    if info.is_main:
 
-    def evaluate_val(update: int) -> dict[str, float]:
-        metrics = evaluate_split(cfg, model, run_dir, "val", update, info)
-        return {f"val/{k}": v for k, v in metrics.items()}
+        def export(path: Path) -> None:
+            model.save_pretrained(path, state_dict=merged_state_dict(model))
+            inject_fault("model_write", cfg.trainer.total_updates)
 
-    return evaluate_val
-
-
-def finish_run(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
-    """Export the final model (atomically), evaluate it on the test split
-    (`evaluate_split`: the first `data.test_size` rows per task, into
-    `<run_dir>/evals/test-update-NNNNNN`) into eval.json, plot the curves (rank 0)."""
-
-    def export(path: Path) -> None:
-        model.save_pretrained(path, state_dict=merged_state_dict(model))
-        inject_fault("model_write", cfg.trainer.total_updates)
-
-    ckpt.write_dir_atomic(run_dir, "model", export)
-    if cfg.trainer.lora.enabled:  # the adapter alone, in peft's format (engine.adapters)
-        targets = lora_targets(model)
-        ckpt.write_dir_atomic(run_dir, ADAPTER_DIR, lambda p: save_adapter(model, cfg, p, targets))
-    plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        ckpt.write_dir_atomic(run_dir, "model", export)
+        if cfg.trainer.lora.enabled:  # the adapter alone, in peft's format (engine.adapters)
+            targets = lora_targets(model)
+            ckpt.write_dir_atomic(
+                run_dir, ADAPTER_DIR, lambda p: save_adapter(model, cfg, p, targets)
+            )
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if _rows_of(cfg, "test", cfg.data.test_size):
-        results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates)
-        write_text_atomic(
-            run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n"
-        )
-    write_text_atomic(run_dir / "DONE", json.dumps({"updates": cfg.trainer.total_updates}) + "\n")
-    report(run_dir, cfg.trainer.total_updates, "test")
+        results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates, info)
+        if info.is_main:
+            write_text_atomic(
+                run_dir / "eval.json", json.dumps(results, indent=2, sort_keys=True) + "\n"
+            )
+    if info.is_main:
+        done = json.dumps({"updates": cfg.trainer.total_updates}) + "\n"
+        write_text_atomic(run_dir / "DONE", done)
+        report(run_dir, cfg.trainer.total_updates, "test")
 
 
 def _evaluated_splits(cfg: UnirlConfig) -> list[str]:
@@ -378,16 +413,23 @@ def _evaluated_splits(cfg: UnirlConfig) -> list[str]:
     return splits
 
 
-def baseline_evaluations(cfg: UnirlConfig, model: UnifiedModel, run_dir: Path) -> None:
+def baseline_evaluations(
+    cfg: UnirlConfig, model: UnifiedModel, run_dir: Path, info: DistInfo | None = None
+) -> None:
     """With `health.baseline_eval`, evaluate the starting model (update 0) on every split
     the run evaluates (`<run_dir>/evals/<split>-update-000000`; an evaluation already
-    complete is kept), then write the run report (rank 0, before training)."""
+    complete is kept), then write the run report (before training). With several ranks
+    in `info` every rank calls this and the ranks share each evaluation (they all see
+    the same summary.json files: only rank 0 writes one, at the end of its split's
+    evaluation, after every rank has decided whether to run it); the report on rank 0."""
+    info = info or DistInfo()
     if not cfg.health.baseline_eval:
         return
     for split in _evaluated_splits(cfg):
         if not (run_dir / EVALS / f"{split}-update-{0:06d}" / "summary.json").is_file():
-            evaluate_split(cfg, model, run_dir, split, 0)
-    report(run_dir, 0, None)
+            evaluate_split(cfg, model, run_dir, split, 0, info)
+    if info.is_main:
+        report(run_dir, 0, None)
 
 
 def report(run_dir: Path, update: int, split: str | None) -> None:
