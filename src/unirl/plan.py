@@ -260,6 +260,7 @@ class Setup:
     gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
     reshard: bool = True  # trainer.fsdp.reshard_after_forward
     chosen: tuple[str, bool] | None = None  # the config's own (parallel, LoRA) row
+    host: bool = False  # --host: one CPU process (docs/plan.md, "On the host")
 
 
 def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
@@ -351,7 +352,9 @@ def table(s: Shapes, st: Setup) -> str:
     return "\n".join(lines)
 
 
-def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s: Shapes):
+def setup_from_config(
+    cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s: Shapes, host: bool = False
+):
     """The `Setup` a config trains with (docs/plan.md lists the keys read)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     samples = algo.name != "sft"
@@ -375,6 +378,7 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
         gather_bytes={"fp32": 4, "bf16": 2, "fp64": 8}[trainer.fsdp.param_dtype],
         reshard=trainer.fsdp.reshard_after_forward,
         chosen=("fsdp2" if trainer.parallel == "fsdp2" else "ddp", trainer.lora.enabled),
+        host=host,
     )
 
 
