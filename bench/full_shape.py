@@ -25,7 +25,8 @@ Each (precision, phase) runs in a fresh Python process (the RSS high-water mark 
 per-process quantity): after the model and the job are built the child resets the
 kernel's high-water mark (`/proc/self/clear_refs` <- 5), runs the update, and reads
 `VmHWM` (the step's peak RSS, the resident weights included). It also reports the
-process's lifetime peak (`ru_maxrss`, which includes loading). For the GRPO phases the
+setup's peak (VmHWM read just before the reset: loading the checkpoint included; not
+`ru_maxrss`, which the reset lowers too). For the GRPO phases the
 rollout-vs-replay log-prob gap is the trainer's own diagnostic (`mismatch/abs_dlogp_max`
 and `_mean`: |logp_rollout - logp_replay| over every sampled position, the replay being
 the update's teacher-forced forward at trainer precision).
@@ -47,8 +48,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -189,14 +188,14 @@ def run_phase(phase: str, precision: str, args) -> dict:
         )
         setup_s = time.perf_counter() - t0
         gc.collect()
-        before = rss_status()["VmRSS"]
+        status = rss_status()  # VmHWM so far: the setup's peak (loading included)
+        before, setup_peak = status["VmRSS"], status["VmHWM"]
         reset_high_water()
         t1 = time.perf_counter()
         (_, metrics), *_ = list(trainer.fit())
         step_s = time.perf_counter() - t1
         hwm = rss_status()["VmHWM"]
         source.close()
-    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     new = int(cfg.rollout.max_new_tokens) if phase != "sft" else 0
     return {
         "phase": phase,
@@ -208,11 +207,12 @@ def run_phase(phase: str, precision: str, args) -> dict:
         "train_s": metrics.get("time/train_s", step_s),
         "rss_before": before,
         "step_peak": hwm,
-        "lifetime_peak": lifetime,
+        "setup_peak": setup_peak,
         "gap_max": metrics.get("mismatch/abs_dlogp_max"),
         "gap_mean": metrics.get("mismatch/abs_dlogp_mean"),
         "prompt_tokens": len(prompt),  # SFT: the whole row (caption + image)
         "new_tokens": new,
+        "image_tokens": model.image_grid[0] * model.image_grid[1],
         "loss": float(metrics["loss"]),
         "params": sum(p.numel() for p in model.parameters()),
         "config": str(Path(args.model)),
@@ -222,34 +222,59 @@ def run_phase(phase: str, precision: str, args) -> dict:
 # ---- the parent: children, the plan, the table --------------------------------------------
 
 
-def planned(row: dict, model: str, clip: str | None) -> int:
-    """`unirl plan --host`'s peak for the phase's config, with the child's prompt length."""
-    from unirl.plan import GIB as _G  # noqa: F401  (same unit)
+def plan_prompt(row: dict, image_tokens: int) -> int:
+    """`--prompt-tokens` for the row: its measured prompt (SFT: the row less the image)."""
+    return row["prompt_tokens"] - (image_tokens if row["phase"] == "sft" else 0)
+
+
+def cli_plan(config: Path, prompt: int) -> tuple[int, float]:
+    """`unirl plan CONFIG --host` in a fresh process: its runtime line (bytes) and the
+    starred row's peak (GiB, as printed)."""
+    cmd = [sys.executable, "-m", "unirl", "plan", str(config), "--host", "--gpu-mem", "64",
+           "--prompt-tokens", str(prompt)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    runtime = float(out.split("torch, transformers) ")[1].split(" MiB")[0]) * 2**20
+    starred = next(ln for ln in out.splitlines() if ln.startswith("host LoRA *"))
+    return int(runtime), float(starred.split()[-2])
+
+
+def planned(row: dict, model: str, runtime: int) -> tuple[int, object]:
+    """The host plan's peak for the phase's config (`unirl.plan.account`, what `unirl plan
+    --host` prints), the prompt length the child measured, `runtime` resident bytes."""
     from unirl.plan import account, path_shapes, setup_from_config
 
     ns = argparse.Namespace(
-        model=model, clip=clip or "unused", image_tokens=row["new_tokens"] or 576,
+        model=model, clip="unused", image_tokens=row["image_tokens"],
         i2t_tokens=row["new_tokens"] or 8,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe_config(row["phase"], row["precision"], model, tmp, ns)
     s = path_shapes("janus_pro", model, cfg.trainer.lora)
-    prompt = row["prompt_tokens"] if row["phase"] != "sft" else 0
-    st = setup_from_config(cfg, 1, 0.0, prompt, s, host=True)
-    if row["phase"] == "sft":  # the SFT row is the whole sequence (prompt + image)
-        st.prompt_tokens, st.new_tokens = row["prompt_tokens"], 0
-    return account(s, st, "ddp", True)["peak"]
+    st = setup_from_config(cfg, 1, 64.0, plan_prompt(row, s.image_tokens), s, host=True)
+    st.runtime_bytes = runtime
+    return account(s, st, "ddp", True)["peak"], st
 
 
-def table(rows: list[dict], model: str, clip: str | None) -> tuple[str, dict]:
+def table(rows: list[dict], model: str) -> tuple[str, dict]:
+    # the runtime line comes from the CLI itself (a fresh `unirl plan --host` process), which
+    # also checks that the in-process accounting below prints what the CLI prints
+    r0 = rows[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        ns = argparse.Namespace(model=model, clip="unused", image_tokens=r0["image_tokens"],
+                                i2t_tokens=r0["new_tokens"] or 8)  # fmt: skip
+        recipe_config(r0["phase"], r0["precision"], model, tmp, ns)
+        runtime, cli_peak = cli_plan(Path(tmp) / "config.yaml", plan_prompt(r0, r0["image_tokens"]))
+    own, _ = planned(r0, model, runtime)
+    if abs(own / GIB - cli_peak) > 0.006:
+        raise SystemExit(f"plan mismatch: CLI {cli_peak} GiB, in-process {own / GIB:.3f} GiB")
     head = (
         f"{'phase':<5} {'prec':<5} {'step s':>7} {'rollout':>8} {'train':>7} {'setup s':>8} "
-        f"{'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} {'load GiB':>9} "
+        f"{'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} {'setup GiB':>9} "
         f"{'gap max':>9} {'gap mean':>9}"
     )
-    lines, result = [head], {}
+    lines, result = [f"plan runtime line (unirl plan --host): {runtime / 2**20:.1f} MiB", head], {}
     for r in rows:
-        plan = planned(r, model, clip)
+        plan, _ = planned(r, model, runtime)
         ratio = plan / r["step_peak"]
         gap = (
             (f"{r['gap_max']:9.2e} {r['gap_mean']:9.2e}")
@@ -259,7 +284,7 @@ def table(rows: list[dict], model: str, clip: str | None) -> tuple[str, dict]:
         lines.append(
             f"{r['phase']:<5} {r['precision']:<5} {r['step_s']:7.1f} {r['rollout_s']:8.1f} "
             f"{r['train_s']:7.1f} {r['setup_s']:8.1f} {r['step_peak'] / GIB:9.2f} "
-            f"{plan / GIB:9.2f} {ratio:9.3f} {r['lifetime_peak'] / GIB:9.2f} {gap}"
+            f"{plan / GIB:9.2f} {ratio:9.3f} {r['setup_peak'] / GIB:9.2f} {gap}"
         )
         key = f"{r['phase']}_{r['precision']}"
         result[f"{key}_s"] = f"{r['step_s']:.1f}"
@@ -308,7 +333,13 @@ def main() -> None:
         return
     if args.table_only:
         saved = json.loads(Path(args.table_only).read_text())
-        text, result = table(saved["rows"], saved["model"], None)
+        from transformers import JanusConfig
+
+        side = int(JanusConfig.from_pretrained(saved["model"]).vq_config.num_patches)
+        for row in saved["rows"]:  # rows saved before the field existed
+            row.setdefault("image_tokens", side * side)
+            row.setdefault("setup_peak", float("nan"))  # (rows of the first version)
+        text, result = table(saved["rows"], saved["model"])
         print(text)
         print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
         return
@@ -343,7 +374,7 @@ def main() -> None:
                           f"{row['step_peak'] / GIB:.2f} GiB (child {wall:.1f} s wall)", flush=True)  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
-        text, result = table(rows, args.model, clip)
+        text, result = table(rows, args.model)
     print(f"checkpoint {args.model}; {rows[0]['params']:,} parameters; threads {args.threads}")
     print(text)
     print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
