@@ -11,7 +11,16 @@ import torch
 
 from unirl import cli
 from unirl.config.trainer import LoRAConfig
-from unirl.plan import GIB, Setup, Shapes, account, layer_activation_bytes, path_shapes
+from unirl.plan import (
+    GIB,
+    KV_RESERVE,
+    Setup,
+    Shapes,
+    account,
+    kv_capacity,
+    layer_activation_bytes,
+    path_shapes,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +116,9 @@ def test_accounting_equals_a_hand_computation():
     assert a["act_full"] == 3 * (tokens * per_token + 2 * 1_000) + workspace
     assert a["act_ckpt"] == 3 * tokens * 64 * 4 + tokens * per_token + 2 * 1_000 + workspace
     assert a["logits"] == 2 * 8 * 1000 * (2 + 8)
-    assert a["kv"] == 10 * 16 * 3 * 2 * 2 * 16 * 2  # rows x T x layers x (k, v) x kv x d x 2B
+    # rows x buffer positions x layers x kv heads x head dim x (fp32 key + bf16 value); the
+    # buffer holds max(2 x 10, 10 + 64) = 74 positions after the prefill, enough for 16
+    assert a["kv"] == 10 * 74 * 3 * 2 * 16 * (4 + 2)
     static = a["params"] + a["optim"]  # gradients exist only in the update, not the rollout
     update = a["grads"] + a["act_ckpt"] + a["logits"]
     assert a["peak"] == static + max(update, a["kv"] + 10 * 1000 * 4)
@@ -168,3 +179,55 @@ def test_micro_token_budget_caps_the_activation_tokens():
     assert account(SHAPES, capped, "ddp", False)["act_full"] == half["act_full"]
     assert half["act_full"] < free["act_full"]
     assert GIB == 2**30
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kv_line_equals_the_bytes_of_a_real_decode_cache(janus_dir, bf16):
+    """The KV line against the cache a real decode leaves: the tiny Janus-Pro's language
+    model run as the rollout runs it (`preallocate`d growing buffers, a prefill then one
+    position per step, under bf16 autocast for `rollout.precision: bf16`), its buffers'
+    bytes summed. Under autocast the values are bf16 but the keys fp32 (RoPE promotes)."""
+    from transformers.cache_utils import DynamicCache
+
+    from unirl.models.build import load_model
+    from unirl.rollout.decode_cache import RESERVE, preallocate
+
+    assert KV_RESERVE == RESERVE
+    model = load_model(str(janus_dir)).eval()
+    lm = model.plain_decoder()
+    rows, prompt, new = 3, 9, 150  # 159 positions: the buffer grows twice (74 -> 150 -> 302)
+    cache = preallocate(DynamicCache())
+    ids = torch.randint(0, 50, (rows, prompt))
+    ctx = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if bf16
+        else torch.autocast("cpu", enabled=False)
+    )
+    with torch.no_grad(), ctx:
+        lm(input_ids=ids, past_key_values=cache, use_cache=True)
+        for _ in range(new):
+            lm(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    measured = sum(layer._keys.nbytes + layer._values.nbytes for layer in cache.layers)
+    dtypes = {(layer._keys.dtype, layer._values.dtype) for layer in cache.layers}
+    assert dtypes == {(torch.float32, torch.bfloat16 if bf16 else torch.float32)}
+    s = path_shapes("janus_pro", str(janus_dir), LORA)
+    st = Setup(rollout_rows=rows, rollout_bf16=bf16, prompt_tokens=prompt, new_tokens=new)
+    assert account(s, st, "ddp", True)["kv"] == measured
+
+
+def test_kv_capacity_follows_the_growth_rule():
+    """max(2p, p + 64) after the prefill, then max(2 need, need + 64) at each overflow."""
+    assert kv_capacity(10, 16) == 74 and kv_capacity(10, 75) == 150  # 75 > 74: need 75
+    assert kv_capacity(20, 596) == 686  # 84 -> 170 -> 342 -> 686 (the bench's T2I row)
+    assert kv_capacity(300, 400) == 600 and kv_capacity(300, 601) == 1202
+
+
+def test_plan_cli_host_mode(janus_dir, capsys):
+    argv = ["plan", JANUS_RECIPE, f"model.path={janus_dir}", "--host", "--gpu-mem", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "host: one CPU process" in out and "host LoRA *" in out and "fsdp2" not in out
+    runtime = float(out.split("torch, transformers) ")[1].split(" MiB")[0])
+    assert runtime > 50  # this process has torch and transformers imported
+    assert cli.main([*argv, "--gpus", "2"]) == 2
+    assert "--host" in capsys.readouterr().err

@@ -426,6 +426,12 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
         "--gpu-mem", type=float, default=80.0, metavar="GIB", help="memory per GPU (GiB)"
     )
     parser.add_argument(
+        "--host",
+        action="store_true",
+        help="plan one CPU process: peak resident memory (--gpu-mem is then the host's GiB), "
+        "the interpreter and libraries' resident size included",
+    )
+    parser.add_argument(
         "--preset",
         choices=("janus-pro-1b", "janus-pro-7b", "qwen3-vl-2b", "qwen3-vl-8b"),
         help="published architecture sizes instead of model.path's config.json",

@@ -20,6 +20,7 @@ from unirl.models.uniar.full_shape import QWEN3_VL_2B_TEXT, QWEN3_VL_2B_VISION
 
 GIB = 1024**3
 DEFAULT_PROMPT_TOKENS = 256
+KV_RESERVE = 64  # unirl.rollout.decode_cache.RESERVE (tests/test_plan.py checks they agree)
 
 # Published sizes (docs/plan.md names the source and what could not be verified).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -239,6 +240,31 @@ def layer_activation_bytes(
     return tokens * (res + inputs + attn + 4 * inter * compute_bytes)
 
 
+def kv_capacity(prompt: int, total: int, reserve: int = KV_RESERVE) -> int:
+    """Positions each layer's key/value buffer holds when a rollout of `total` positions
+    (after a prefill of `prompt`) ends: the decode loop's buffers (`GrowingLayer`,
+    unirl.rollout.decode_cache) start at max(2 prompt, prompt + reserve) and, when a step
+    overflows them, grow to max(2 need, need + reserve) positions."""
+    cap = max(2 * prompt, prompt + reserve)
+    while cap < total:
+        need = cap + 1
+        cap = max(2 * need, need + reserve)
+    return cap
+
+
+def runtime_rss() -> int:
+    """This process's resident bytes (Linux VmRSS; 0 elsewhere): `unirl plan --host` reads
+    it after importing torch and transformers, which a training process holds too."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 @dataclass
 class Setup:
     """What the accounting reads from the config and the command line."""
@@ -260,6 +286,8 @@ class Setup:
     gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
     reshard: bool = True  # trainer.fsdp.reshard_after_forward
     chosen: tuple[str, bool] | None = None  # the config's own (parallel, LoRA) row
+    host: bool = False  # --host: one CPU process (docs/plan.md, "On the host")
+    runtime_bytes: int = 0  # --host: the interpreter + libraries' resident size
 
 
 def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
@@ -299,18 +327,21 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     width = max(s.vocab, s.visual_outputs)
     # logits in compute dtype, log-softmax and its gradient in fp32, per chunk row
     logits = (2 if st.cfg else 1) * st.chunk * width * (cbytes + 8)
-    kv_bytes = 2 if st.rollout_bf16 else wbytes
+    # under bf16 autocast the values are bf16 but the keys are not: RoPE multiplies the
+    # bf16 projection by the fp32 cos/sin tables, and type promotion makes them fp32
+    kv_bytes = (4 + 2) if st.rollout_bf16 else 2 * wbytes  # one key + one value element
     rows = st.rollout_rows * (2 if st.cfg else 1)
-    kv = rows * (st.prompt_tokens + st.new_tokens) * s.layers * 2 * s.kv_heads * s.head_dim
-    kv *= kv_bytes
+    positions = kv_capacity(st.prompt_tokens, st.prompt_tokens + st.new_tokens)
+    kv = rows * positions * s.layers * s.kv_heads * s.head_dim * kv_bytes
     act = ckpt_act if st.checkpointing else full_act
     # gradients are freed after each update (zero_grad(set_to_none=True)): the rollout,
     # which holds the KV cache and one step's logits per row, never meets them
-    static = params + optim + ref
+    runtime = st.runtime_bytes if st.host else 0
+    static = params + optim + ref + runtime
     peak = static + max(grads + act + logits, kv + rows * width * 4)
     return {"params": params, "grads": grads, "optim": optim, "reference": ref,
             "act_full": full_act, "act_ckpt": ckpt_act, "logits": logits, "kv": kv,
-            "peak": peak}  # fmt: skip
+            "runtime": runtime, "peak": peak}  # fmt: skip
 
 
 def table(s: Shapes, st: Setup) -> str:
@@ -325,7 +356,13 @@ def table(s: Shapes, st: Setup) -> str:
         f"{'GiB':<14}{'params':>8}{'grads':>8}{'Adam':>8}{'ref':>8}{'act':>8}{'act-ck':>8}"
         f"{'logits':>8}{'KV':>8}{'peak':>8}  fits",
     ]
-    for parallel in ("ddp", "fsdp2"):
+    if st.host:
+        lines[1] = lines[1].replace(
+            f"per rank, {st.gpus} GPU(s) of {st.gpu_mem_gib:g} GiB",
+            f"host: one CPU process, {st.gpu_mem_gib:g} GiB of memory; runtime (interpreter, "
+            f"torch, transformers) {st.runtime_bytes / 2**20:.1f} MiB resident, in the peak",
+        )
+    for parallel in ("ddp",) if st.host else ("ddp", "fsdp2"):
         for lora in (False, True):
             a = account(s, st, parallel, lora)
             fits = "yes" if a["peak"] <= st.gpu_mem_gib * GIB else "NO"
@@ -344,18 +381,23 @@ def table(s: Shapes, st: Setup) -> str:
                 )  # fmt: skip
             )
             mark = " *" if st.chosen == (parallel, lora) else ""
-            label = f"{parallel} {'LoRA' if lora else 'full'}{mark}"
+            where = "host" if st.host else parallel
+            label = f"{where} {'LoRA' if lora else 'full'}{mark}"
             lines.append(f"{label:<14}{cells}  {fits}")
     if st.chosen is not None:
         lines.append("* the config's own row (trainer.parallel, trainer.lora.enabled)")
     return "\n".join(lines)
 
 
-def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s: Shapes):
+def setup_from_config(
+    cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s: Shapes, host: bool = False
+):
     """The `Setup` a config trains with (docs/plan.md lists the keys read)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     samples = algo.name != "sft"
     new = rollout.max_new_tokens if rollout.max_new_tokens is not None else s.image_tokens
+    if not samples:  # SFT rows are prompt + target: a whole image for text-to-image rows
+        new = s.image_tokens if "t2i" in cfg.data.tasks else rollout.max_new_tokens
     kl = getattr(algo, "kl", None)
     return Setup(
         gpus=gpus,
@@ -375,6 +417,7 @@ def setup_from_config(cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s
         gather_bytes={"fp32": 4, "bf16": 2, "fp64": 8}[trainer.fsdp.param_dtype],
         reshard=trainer.fsdp.reshard_after_forward,
         chosen=("fsdp2" if trainer.parallel == "fsdp2" else "ddp", trainer.lora.enabled),
+        host=host,
     )
 
 
@@ -420,7 +463,17 @@ def run(args: Any) -> int:
             s = path_shapes(cfg.model.kind, cfg.model.path, lora)
         except (OSError, ValueError) as err:
             raise ConfigError(str(err), key="model.path", source=args.config) from None
-    st = setup_from_config(cfg, args.gpus, args.gpu_mem, args.prompt_tokens, s)
+    host = bool(getattr(args, "host", False))
+    if host and (args.gpus != 1 or cfg.trainer.parallel == "fsdp2"):
+        raise ConfigError(
+            "--host plans one CPU process: give no --gpus and plan trainer.parallel none/ddp",
+            key="trainer.parallel",
+            source=args.config,
+        )
+    st = setup_from_config(cfg, args.gpus, args.gpu_mem, args.prompt_tokens, s, host=host)
+    if host:
+        st.runtime_bytes = runtime_rss()
+        st.chosen = ("ddp", st.chosen[1]) if st.chosen else None
     print(table(s, st))
     if not cfg.trainer.lora.enabled:
         print(f"(LoRA rows: trainer.lora is off; planned with r={lora.r} on "
