@@ -104,7 +104,7 @@ def test_fused_and_sequential_agree_with_one_backbone_call_fewer(micro):
 
 def test_fused_refuses_a_model_with_active_dropout():
     model = tiny_model("bsq", init=0.3).train()
-    model.attention_dropout = 0.1  # what `has_dropout` reads on attention modules
+    model.attention_dropout = 0.1  # what `draws_dropout` reads on attention modules
     batch = TrajectoryBatch.collate(_rows(model), model.special_ids.pad)
     objective = SFTObjective(_config("fused"))
     objective.begin_update(7, [batch], DistInfo())

@@ -53,17 +53,6 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was)
 
 
-def has_dropout(model: nn.Module) -> bool:
-    """Whether a training-mode forward of `model` would drop anything (a dropout module with
-    p > 0, or an attention module with `attention_dropout` > 0)."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout) and m.p > 0:
-            return True
-        if float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
-            return True
-    return False
-
-
 def weights_of(cfg: InformationGainConfig) -> dict[str, float]:
     """{direction: w_dir}."""
     return {

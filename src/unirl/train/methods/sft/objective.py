@@ -27,13 +27,13 @@ from unirl.models.base import UnifiedModel
 from unirl.train.dist.comm import DistInfo, all_gather_objects, all_reduce_sum
 from unirl.train.engine.ema import EMA
 from unirl.train.engine.protocols import Objective
+from unirl.train.engine.trainer import draws_dropout
 from unirl.train.methods.sft.information_gain import (
     IGTerms,
     contributing_rows,
     eval_mode,
     finalize_sums,
     full_logp,
-    has_dropout,
     ig_terms,
 )
 from unirl.train.methods.sft.necessity import Carriers, finalize_nd, nd_terms, teacher_carriers
@@ -222,7 +222,7 @@ class SFTObjective(Objective):
         if not self._carriers:
             raise RuntimeError("necessity distillation: begin_update was not called this update")
         car = self._carriers.pop(0)
-        clean = not noisy and not (model.training and has_dropout(model))
+        clean = not noisy and not (model.training and draws_dropout(model))
         loss_sum, n_rows, sums = nd_terms(model, micro, car, self.nd, out if clean else None)
         stats.update(sums)
         if n_rows == 0:
@@ -256,7 +256,7 @@ class SFTObjective(Objective):
         rows only) and no dropout is active; otherwise a separate clean eval-mode forward
         of the scored rows."""
         rows = self.ig_rows(micro)
-        dropout = model.training and has_dropout(model)
+        dropout = model.training and draws_dropout(model)
         fused = self.ig.student_full_view == "fused"
         if self.half and fused and dropout:
             raise RuntimeError(
