@@ -110,20 +110,3 @@ def fingerprint_cache(tmp_path_factory):
         os.environ.pop("UNIRL_CACHE_DIR", None)
     else:
         os.environ["UNIRL_CACHE_DIR"] = previous
-
-
-@pytest.fixture(scope="session")
-def opd_assets(tmp_path_factory, small_vq_dir, classifier_dir) -> dict:
-    """The tiny OPD assets of `trainer_helpers.opd_config`: the codec, the classifier and
-    a teacher built from that config with seed 9 (a different init than the student's)."""
-    from trainer_helpers import opd_config
-
-    from unirl.config import validate_config
-    from unirl.train.engine.build import build_model
-
-    root = tmp_path_factory.mktemp("opd_teacher")
-    assets = {"clf": classifier_dir, "vq": small_vq_dir}
-    build_model(validate_config(opd_config(root / "x", assets, seed=9))).save_pretrained(
-        root / "teacher"
-    )
-    return {**assets, "teacher_vq": root / "teacher"}

@@ -4,7 +4,6 @@ own-data tests (not collected: no test_ prefix)."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -57,25 +56,3 @@ def write_config(tmp_path: Path, data: Path, extra: str = "") -> Path:
         "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n" + extra
     )
     return path
-
-
-def meeting_rollout(workers: int, timeout: float = 60):
-    """A `rollout=` factory for `unirl.eval.runner.evaluate`: the engine's rollout, whose
-    first call in each worker thread waits for the other workers' first calls, so each of
-    `workers` evaluation workers holds a claim before any finishes one."""
-    from unirl.eval.runner import engine_rollout
-
-    meet = threading.Barrier(workers, timeout=timeout)
-
-    def make(model):
-        generate, first = engine_rollout(model), [True]
-
-        def rollout(requests):
-            if first[0]:
-                first[0] = False
-                meet.wait()
-            return generate(requests)
-
-        return rollout
-
-    return make

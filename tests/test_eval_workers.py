@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
-from eval_fixtures import meeting_rollout
 from trainer_helpers import tiny_config
 
 from unirl.config import validate_config
-from unirl.eval.runner import evaluate, split_config
+from unirl.eval.runner import engine_rollout, evaluate, split_config
 from unirl.train.engine.build import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,6 +44,26 @@ def _records(out):
     return sorted((json.loads(x) for x in lines), key=lambda r: (r["id"], r["member"]))
 
 
+def _meeting_rollout(workers: int):
+    """The engine's rollout, whose first call in each worker thread waits for the other
+    workers' first calls (so each worker holds a claim before any finishes one)."""
+    meet = threading.Barrier(workers, timeout=60)
+
+    def make(model):
+        generate = engine_rollout(model)
+        first = [True]
+
+        def rollout(requests):
+            if first[0]:
+                first[0] = False
+                meet.wait()
+            return generate(requests)
+
+        return rollout
+
+    return make
+
+
 def test_workers_equal_one_worker_and_resume(tmp_path, small_vq_dir, classifier_dir):
     one_cfg = _config(tmp_path / "run", small_vq_dir, 1)
     two_cfg = _config(tmp_path / "run", small_vq_dir, 2)
@@ -58,7 +78,7 @@ def test_workers_equal_one_worker_and_resume(tmp_path, small_vq_dir, classifier_
         two_cfg,
         model,
         tmp_path / "two",
-        rollout=meeting_rollout(2),
+        rollout=_meeting_rollout(2),
         worked_by=worked_by,
         **common,
     )

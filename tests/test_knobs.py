@@ -1448,11 +1448,24 @@ def _evaluation_workers(kit):
     """Two workers both compute records (a rollout whose first call per worker waits for
     the other: neither drains the queue alone), equal to one worker's; one worker
     computes them all (tests/test_eval_workers.py: resume, exact equality)."""
-    from eval_fixtures import meeting_rollout
+    import threading
+
+    from unirl.eval.runner import engine_rollout
 
     tmp_path = scratch(kit)
     model = build_model(own_config(kit, {})).eval()
-    meeting = meeting_rollout(2, timeout=30)
+    meet = threading.Barrier(2, timeout=30)
+
+    def meeting(m):
+        generate, first = engine_rollout(m), [True]
+
+        def rollout(requests):
+            if first[0]:
+                first[0] = False
+                meet.wait()
+            return generate(requests)
+
+        return rollout
 
     def run(workers: int, **kwargs) -> tuple:
         split = {"evaluation.split": "train", "rollout.batch_size": 1}  # 2 rows: 2 claims

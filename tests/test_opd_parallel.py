@@ -37,12 +37,13 @@ teacher replicated and diverging) moves an element by ~lr = 3e-3.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import free_port, opd_config
+from trainer_helpers import opd_config
 
 from unirl.config import validate_config
 
@@ -128,8 +129,25 @@ def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
         shutdown_distributed()
 
 
-def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_path, opd_assets):
-    assets = opd_assets
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, small_vq_dir, classifier_dir):
+    from unirl.train.engine.build import build_model
+
+    root = tmp_path_factory.mktemp("opd_parallel_teacher")
+    out = {"clf": classifier_dir, "vq": small_vq_dir}
+    build_model(validate_config(opd_config(root / "x", out, seed=9))).save_pretrained(
+        root / "teacher"
+    )
+    return {**out, "teacher_vq": root / "teacher"}
+
+
+def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_path, assets):
     from unirl.train.dist.comm import DistInfo
 
     reference = run_updates(config(tmp_path / "none", assets, "none"), DistInfo())
@@ -137,7 +155,7 @@ def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_pa
     configs = {m: config(tmp_path / m, assets, m) for m in ("ddp", "fsdp2")}
     out = tmp_path / "out"
     out.mkdir()
-    args = (2, free_port(), configs, str(out))
+    args = (2, _port(), configs, str(out))
     mp.start_processes(_worker, args=args, nprocs=2, join=True, start_method="spawn")
     for mode in ("ddp", "fsdp2"):
         ranks = [torch.load(out / f"{mode}-{r}.pt", weights_only=False) for r in range(2)]

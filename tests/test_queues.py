@@ -22,19 +22,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import (
-    free_port,
-    grpo_config,
-    opd_config,
-    run_cli,
-    tiny_config,
-    write_config,
-)
+from trainer_helpers import grpo_config, opd_config, run_cli, tiny_config, write_config
 
 from unirl.config import ConfigError, validate_config
 from unirl.rollout.queue import longest_first, round_robin
@@ -93,6 +87,24 @@ def _requests(source) -> list:
     ]
 
 
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def opd_assets(tmp_path_factory, small_vq_dir, classifier_dir):
+    from unirl.train.engine.build import build_model
+
+    root = tmp_path_factory.mktemp("opd_teacher")
+    assets = {"clf": classifier_dir, "vq": small_vq_dir}
+    build_model(validate_config(opd_config(root / "x", assets, seed=9))).save_pretrained(
+        root / "teacher"
+    )
+    return {**assets, "teacher_vq": root / "teacher"}
+
+
 def test_dynamic_equals_static_for_grpo_and_opd_at_1_2_3_ranks(
     tmp_path, small_vq_dir, classifier_dir, opd_assets
 ):
@@ -129,7 +141,7 @@ def test_dynamic_equals_static_for_grpo_and_opd_at_1_2_3_ranks(
     for world in (1, 2, 3):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        args = (world, free_port(), configs, str(out))
+        args = (world, _port(), configs, str(out))
         if world == 1:  # in this process: one spawn fewer (the same torchrun-style group)
             saved = {k: os.environ.get(k) for k in ENV}
             try:
@@ -295,7 +307,7 @@ def test_distributed_validation_equals_one_rank_and_resumes(tmp_path, small_vq_d
     shutil.copytree(tmp_path / "one" / "images", partial / "images")
     for name, out in (("fresh", tmp_path / "fresh"), ("resumed", tmp_path / "partial")):
         out.mkdir(exist_ok=True)
-        args = (2, free_port(), raw, str(out), str(classifier_dir))
+        args = (2, _port(), raw, str(out), str(classifier_dir))
         mp.start_processes(_eval_worker, args=args, nprocs=2, join=True, start_method="spawn")
         (summary, c0, d0), (none, c1, d1) = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
         assert d0 == d1 == digest, "the ranks evaluate the reference weights"

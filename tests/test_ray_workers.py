@@ -228,6 +228,16 @@ def test_worker_settings_are_refused_where_they_cannot_act(tmp_path, assets):
 # the teacher's scoring stay in the driver, so the run is the in-process one bitwise.
 
 
+@pytest.fixture(scope="module")
+def opd_assets(tmp_path_factory, assets):
+    root = tmp_path_factory.mktemp("opd_ray_teacher")
+    out = {"clf": assets["clf"], "vq": assets["vq"]}
+    build_model(validate_config(opd_config(root / "x", out, seed=9))).save_pretrained(
+        root / "teacher"
+    )
+    return {**out, "teacher_vq": root / "teacher"}
+
+
 def opd_ray_config(run_dir: Path, assets: dict, rollout_workers: int = 0, reward_workers: int = 0):
     """Tiny OPD (t2i + i2t_mc, 6 prompts, wrong rows against the answer-privileged
     teacher, failure GT replay): engine batches of 3 rows (two per update, one per

@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -267,10 +266,3 @@ def make_grpo_trainer(cfg: dict | UnirlConfig) -> Trainer:
 def fit_metrics(trainer: Trainer) -> list[dict]:
     """The metrics of every update of `trainer.fit()`."""
     return [metrics for _, metrics in trainer.fit()]
-
-
-def free_port() -> int:
-    """A free localhost TCP port (for a spawned process group's MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
