@@ -105,6 +105,9 @@ def recipe_config(phase: str, precision: str, model: str, run_dir: str, args) ->
     raw["checkpoint"] = {"every_updates": 0}
     raw["logging"] = {"every": 1, "tensorboard": False, "progress_bar": False}
     raw["run"].update(output_dir=run_dir, device="cpu")
+    if args.host_mmap_threshold is not None:  # "none": glibc's dynamic threshold
+        value = args.host_mmap_threshold
+        raw["run"]["host_mmap_threshold"] = None if value == "none" else int(value)
     if phase == "sft":  # caption -> image rows; no rollout, no reward
         raw["algorithm"] = {"name": "sft"}
         raw.pop("rollout")
@@ -150,6 +153,7 @@ def run_phase(phase: str, precision: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    from unirl.core.host_memory import set_mmap_threshold
     from unirl.train.dist.comm import DistInfo
     from unirl.train.engine.build import adapter_state
     from unirl.train.engine.trainer import Trainer
@@ -163,6 +167,9 @@ def run_phase(phase: str, precision: str, args) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = recipe_config(phase, precision, args.model, run_dir, args)
+        note = set_mmap_threshold(cfg.run.host_mmap_threshold)  # as `unirl train` does
+        if note is not None:
+            print(note, flush=True)
         model = _prepare_model(cfg, Path(run_dir), torch.device("cpu"))
         samples = bench_samples(phase, model.image_size[0], model.image_grid)
         prompt = model.prompt_trajectory(samples[0], add_generation_prompt=phase != "sft")
@@ -216,6 +223,7 @@ def run_phase(phase: str, precision: str, args) -> dict:
         "loss": float(metrics["loss"]),
         "params": sum(p.numel() for p in model.parameters()),
         "config": str(Path(args.model)),
+        "host_mmap_threshold": cfg.run.host_mmap_threshold,
     }
 
 
@@ -245,7 +253,7 @@ def planned(row: dict, model: str, runtime: int) -> tuple[int, object]:
 
     ns = argparse.Namespace(
         model=model, clip="unused", image_tokens=row["image_tokens"],
-        i2t_tokens=row["new_tokens"] or 8,
+        i2t_tokens=row["new_tokens"] or 8, host_mmap_threshold=None,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe_config(row["phase"], row["precision"], model, tmp, ns)
@@ -261,7 +269,7 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
     r0 = rows[0]
     with tempfile.TemporaryDirectory() as tmp:
         ns = argparse.Namespace(model=model, clip="unused", image_tokens=r0["image_tokens"],
-                                i2t_tokens=r0["new_tokens"] or 8)  # fmt: skip
+                                i2t_tokens=r0["new_tokens"] or 8, host_mmap_threshold=None)  # fmt: skip
         recipe_config(r0["phase"], r0["precision"], model, tmp, ns)
         runtime, cli_peak = cli_plan(Path(tmp) / "config.yaml", plan_prompt(r0, r0["image_tokens"]))
     own, _ = planned(r0, model, runtime)
@@ -270,12 +278,15 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
     head = (
         f"{'phase':<5} {'prec':<5} {'step s':>7} {'rollout':>8} {'train':>7} {'setup s':>8} "
         f"{'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} {'setup GiB':>9} "
-        f"{'gap max':>9} {'gap mean':>9}"
+        f"{'gap max':>9} {'gap mean':>9} {'mmap thr':>9}"
     )
     lines, result = [f"plan runtime line (unirl plan --host): {runtime / 2**20:.1f} MiB", head], {}
     for r in rows:
         plan, _ = planned(r, model, runtime)
         ratio = plan / r["step_peak"]
+        # run.host_mmap_threshold of the child (rows saved before the knob: glibc's dynamic)
+        value = r.get("host_mmap_threshold")
+        thr = "dynamic" if value is None else f"{value / 2**20:g}MiB"
         gap = (
             (f"{r['gap_max']:9.2e} {r['gap_mean']:9.2e}")
             if r["gap_max"] is not None
@@ -284,7 +295,7 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
         lines.append(
             f"{r['phase']:<5} {r['precision']:<5} {r['step_s']:7.1f} {r['rollout_s']:8.1f} "
             f"{r['train_s']:7.1f} {r['setup_s']:8.1f} {r['step_peak'] / GIB:9.2f} "
-            f"{plan / GIB:9.2f} {ratio:9.3f} {r['setup_peak'] / GIB:9.2f} {gap}"
+            f"{plan / GIB:9.2f} {ratio:9.3f} {r['setup_peak'] / GIB:9.2f} {gap} {thr:>9}"
         )
         key = f"{r['phase']}_{r['precision']}"
         result[f"{key}_s"] = f"{r['step_s']:.1f}"
@@ -319,6 +330,9 @@ def main() -> None:
     parser.add_argument("--one-process", action="store_true",
                         help="all phases of a precision in one child (VmHWM reset per phase; "
                         "later phases start from the earlier ones' heap): for --tiny's test")  # fmt: skip
+    parser.add_argument("--host-mmap-threshold", metavar="BYTES|none",
+                        help="run.host_mmap_threshold of every phase (default: the config's, "
+                        "1 MiB; none: glibc's dynamic threshold, what runs had before it)")  # fmt: skip
     parser.add_argument("--json", help="write the measured rows here")
     parser.add_argument("--table-only", help="re-plan and print the rows of a --json file")
     parser.add_argument("--child", nargs=2, metavar=("PHASE", "PRECISION"), help=argparse.SUPPRESS)
@@ -360,6 +374,8 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--child", phase, precision, "--model",
                        args.model, "--clip", clip, "--image-tokens", str(side * side),
                        "--i2t-tokens", str(args.i2t_tokens), "--threads", str(args.threads)]  # fmt: skip
+                if args.host_mmap_threshold is not None:
+                    cmd += ["--host-mmap-threshold", args.host_mmap_threshold]
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 found = [ln for ln in proc.stdout.splitlines() if ln.startswith("phase-json ")]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
 import socket
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -288,6 +289,21 @@ def _run_deterministic(kit):
         differs(kit, kernels, "run.deterministic", True, False)
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+@probe("run.host_mmap_threshold")
+def _run_host_mmap_threshold(kit):
+    """Freed host tensors stay resident under glibc's dynamic threshold (null) and go back
+    to the OS under a fixed one (tests/test_host_memory.py has the bounds)."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt thresholds are glibc's")
+    from allocator_helpers import resident_after_free
+
+    def resident(c):
+        value = c.run.host_mmap_threshold
+        return resident_after_free("none" if value is None else str(value))[1] > 4 * 2**20
+
+    differs(kit, resident, "run.host_mmap_threshold", None, 2**20)
 
 
 @probe(

@@ -152,6 +152,37 @@ def test_fsdp2_shards_params_grads_and_adam_by_n_ddp_replicates(lora):
         assert fsdp8[key] == ddp8[key]  # per-rank data: not sharded
 
 
+def test_opd_teacher_is_a_frozen_whole_model_sharded_like_the_policy():
+    """The teacher line: every teacher parameter in the weights' dtype, replicated under
+    DDP; under FSDP2 a 1/N shard plus its gathered root unit and two layers in flight. It
+    adds to the static part of the peak (it is resident for the whole run)."""
+    teacher = Shapes("t", hidden=64, layers=4, heads=4, kv_heads=4, head_dim=16,
+                     intermediate=160, vocab=1000, visual_outputs=300, image_tokens=16,
+                     total_params=20_000, trainable_params=0, layer_params=3_000,
+                     lora_params=0)  # fmt: skip
+    plain = account(SHAPES, Setup(precision="fp32"), "ddp", lora=True)
+    with_t = account(SHAPES, Setup(precision="fp32", teacher=teacher), "ddp", lora=True)
+    assert plain["teacher"] == 0 and with_t["teacher"] == 20_000 * 4
+    assert with_t["peak"] == plain["peak"] + 20_000 * 4
+    bf16 = account(SHAPES, Setup(precision="bf16", teacher=teacher), "ddp", lora=True)
+    assert bf16["teacher"] == 20_000 * 4  # autocast over fp32 weights: the teacher too
+    fsdp = account(SHAPES, Setup(gpus=8, precision="fp32", teacher=teacher, gather_bytes=2),
+                   "fsdp2", lora=True)  # fmt: skip
+    assert fsdp["teacher"] == 20_000 * 4 // 8 + (20_000 - 4 * 3_000 + 2 * 3_000) * 2
+
+
+def test_plan_cli_plans_the_opd_teacher_from_its_directory(janus_dir, capsys):
+    recipe = "recipes/janus_pro/opd_i2t_mc_lora.yaml"
+    base = ["plan", recipe, f"model.path={janus_dir}", "--host", "--gpu-mem", "4"]
+    assert cli.main([*base, f"algorithm.teacher.path={janus_dir}"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host LoRA"))
+    real = path_shapes("janus_pro", str(janus_dir), None).total_params * 4 / GIB
+    assert float(row.split()[7]) == pytest.approx(real, abs=0.005)  # printed to 2 decimals
+    assert cli.main([*base, "algorithm.teacher.path=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.teacher.path" in err and "/nonexistent" in err
+
+
 def test_plan_cli_reads_a_checkpoint_and_refuses_bad_input(janus_dir, capsys):
     argv = ["plan", JANUS_RECIPE, f"model.path={janus_dir}", "--gpus", "8", "--gpu-mem", "1"]
     assert cli.main(argv) == 0
@@ -229,5 +260,8 @@ def test_plan_cli_host_mode(janus_dir, capsys):
     assert "host: one CPU process" in out and "host LoRA *" in out and "fsdp2" not in out
     runtime = float(out.split("torch, transformers) ")[1].split(" MiB")[0])
     assert runtime > 50  # this process has torch and transformers imported
+    assert "host_mmap_threshold" not in out  # the default fixes it: the plan holds
+    assert cli.main([*argv, "run.host_mmap_threshold=null"]) == 0
+    assert "run.host_mmap_threshold is null" in capsys.readouterr().out
     assert cli.main([*argv, "--gpus", "2"]) == 2
     assert "--host" in capsys.readouterr().err

@@ -283,6 +283,7 @@ class Setup:
     token_budget: int | None = None  # trainer.micro_token_budget
     kl_copy: bool = False  # GRPO with a KL term (algorithm.kl.type != none)
     ref_copy_with_lora: bool = False  # LoRA from model.initial_adapter: the copy is kept too
+    teacher: Shapes | None = None  # OPD's frozen teacher (algorithm.teacher.path's sizes)
     gather_bytes: int = 4  # FSDP2's unsharded layers: trainer.fsdp.param_dtype
     reshard: bool = True  # trainer.fsdp.reshard_after_forward
     chosen: tuple[str, bool] | None = None  # the config's own (parallel, LoRA) row
@@ -310,6 +311,16 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     # the GRPO reference: a frozen copy of the policy (sharded with it under FSDP2), or,
     # for LoRA started from scratch, the same weights with the adapters off (no copy)
     ref = total * wbytes // n if st.kl_copy and (st.ref_copy_with_lora or not lora) else 0
+    # OPD's teacher: a frozen whole model in the weights' dtype (sharded with the policy
+    # under FSDP2, an objective.frozen_models entry; its root unit and two layers gathered
+    # while it scores). Its no-grad forward keeps one layer's temporaries at a time.
+    teacher = 0
+    if st.teacher is not None:
+        t = st.teacher
+        teacher = t.total_params * wbytes // n
+        if parallel == "fsdp2" and n > 1:
+            root = t.total_params - t.layers * t.layer_params
+            teacher += (root + (2 if st.reshard else t.layers) * t.layer_params) * st.gather_bytes
     tokens = st.micro_batch * (st.prompt_tokens + st.new_tokens)
     if st.token_budget is not None:  # trainer.micro_token_budget caps rows x longest row
         tokens = min(tokens, st.token_budget)
@@ -337,10 +348,10 @@ def account(s: Shapes, st: Setup, parallel: str, lora: bool) -> dict[str, int]:
     # gradients are freed after each update (zero_grad(set_to_none=True)): the rollout,
     # which holds the KV cache and one step's logits per row, never meets them
     runtime = st.runtime_bytes if st.host else 0
-    static = params + optim + ref + runtime
+    static = params + optim + ref + teacher + runtime
     peak = static + max(grads + act + logits, kv + rows * width * 4)
     return {"params": params, "grads": grads, "optim": optim, "reference": ref,
-            "act_full": full_act, "act_ckpt": ckpt_act, "logits": logits, "kv": kv,
+            "teacher": teacher, "act_full": full_act, "act_ckpt": ckpt_act, "logits": logits, "kv": kv,
             "runtime": runtime, "peak": peak}  # fmt: skip
 
 
@@ -353,7 +364,8 @@ def table(s: Shapes, st: Setup) -> str:
         f"per rank, {st.gpus} GPU(s) of {st.gpu_mem_gib:g} GiB; micro-batch {st.micro_batch} x "
         f"{st.prompt_tokens}+{st.new_tokens} tokens{' x2 (CFG)' if st.cfg else ''}; "
         f"precision {st.precision}; checkpointing {'on' if st.checkpointing else 'off'}",
-        f"{'GiB':<14}{'params':>8}{'grads':>8}{'Adam':>8}{'ref':>8}{'act':>8}{'act-ck':>8}"
+        f"{'GiB':<14}{'params':>8}{'grads':>8}{'Adam':>8}{'ref':>8}{'teacher':>8}{'act':>8}"
+        f"{'act-ck':>8}"
         f"{'logits':>8}{'KV':>8}{'peak':>8}  fits",
     ]
     if st.host:
@@ -373,6 +385,7 @@ def table(s: Shapes, st: Setup) -> str:
                     "grads",
                     "optim",
                     "reference",
+                    "teacher",
                     "act_full",
                     "act_ckpt",
                     "logits",
@@ -389,10 +402,28 @@ def table(s: Shapes, st: Setup) -> str:
     return "\n".join(lines)
 
 
+def teacher_shapes(cfg: Any, s: Shapes) -> Shapes | None:
+    """OPD's teacher sizes: the student's when `algorithm.teacher.path` is `model.path`,
+    else read from the teacher directory's config.json (a Janus-Pro or UniAR checkpoint).
+    None for the other methods. ValueError / OSError naming the directory otherwise."""
+    if cfg.algorithm.name != "opd":
+        return None
+    path = cfg.algorithm.teacher.path
+    if cfg.model.path is not None and Path(path).resolve() == Path(cfg.model.path).resolve():
+        return s
+    from unirl.models.registry import model_kind
+
+    kind = model_kind(path)
+    if kind not in ("janus_pro", "uniar"):
+        raise ValueError(f"{path}: a {kind} teacher; 'unirl plan' plans janus_pro and uniar")
+    return path_shapes(kind, path, None)
+
+
 def setup_from_config(
     cfg: Any, gpus: int, gpu_mem: float, prompt_tokens: int, s: Shapes, host: bool = False
 ):
-    """The `Setup` a config trains with (docs/plan.md lists the keys read)."""
+    """The `Setup` a config trains with (docs/plan.md lists the keys read). OPD: the
+    teacher's sizes too (`teacher_shapes`)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     samples = algo.name != "sft"
     new = rollout.max_new_tokens if rollout.max_new_tokens is not None else s.image_tokens
@@ -418,6 +449,7 @@ def setup_from_config(
         reshard=trainer.fsdp.reshard_after_forward,
         chosen=("fsdp2" if trainer.parallel == "fsdp2" else "ddp", trainer.lora.enabled),
         host=host,
+        teacher=teacher_shapes(cfg, s),
     )
 
 
@@ -470,11 +502,18 @@ def run(args: Any) -> int:
             key="trainer.parallel",
             source=args.config,
         )
-    st = setup_from_config(cfg, args.gpus, args.gpu_mem, args.prompt_tokens, s, host=host)
+    try:
+        st = setup_from_config(cfg, args.gpus, args.gpu_mem, args.prompt_tokens, s, host=host)
+    except (OSError, ValueError) as err:  # the teacher's directory (the student's was read)
+        raise ConfigError(str(err), key="algorithm.teacher.path", source=args.config) from None
     if host:
         st.runtime_bytes = runtime_rss()
         st.chosen = ("ddp", st.chosen[1]) if st.chosen else None
     print(table(s, st))
+    if host and cfg.run.host_mmap_threshold is None:
+        print("run.host_mmap_threshold is null: glibc's dynamic mmap threshold keeps freed "
+              "temporaries resident, so the step's peak can exceed this plan (1.05-1.61x on "
+              "Janus-Pro-1B; docs/plan.md, 'On the host')")  # fmt: skip
     if not cfg.trainer.lora.enabled:
         print(f"(LoRA rows: trainer.lora is off; planned with r={lora.r} on "
               f"{lora.target_modules!r})")  # fmt: skip

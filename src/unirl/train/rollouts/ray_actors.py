@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from unirl.config.schema import RewardConfig
+from unirl.core.host_memory import set_mmap_threshold
 from unirl.rewards import RewardError, RewardResult, build_reward_service
 from unirl.rollout import RolloutRequest, RolloutService
 from unirl.train.engine.build import set_determinism
@@ -34,6 +35,13 @@ def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
 
+def _host_allocator(mmap_threshold: int | None) -> None:
+    """`run.host_mmap_threshold` in an actor process (its log says when not applied)."""
+    note = set_mmap_threshold(mmap_threshold)
+    if note is not None:
+        print(note, flush=True)
+
+
 class RolloutWorker:
     """A policy copy and a `RolloutService` in an actor process."""
 
@@ -45,10 +53,12 @@ class RolloutWorker:
         device: str,
         threads: int,
         deterministic: bool,
+        mmap_threshold: int | None,
         die_at: int | None,
     ) -> None:
         torch.set_num_threads(threads)
         set_determinism(deterministic, torch.device(device))
+        _host_allocator(mmap_threshold)
         self.model = model.to(device)
         self.service = RolloutService(self.model, batch_size)
         self.version = version
@@ -89,9 +99,11 @@ class RewardWorker:
         decode_images: Any,
         resources: dict[str, Any],
         threads: int,
+        mmap_threshold: int | None,
         features: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
+        _host_allocator(mmap_threshold)
         # `features`: results carry the scorer's features (GRPO's diversity metrics)
         self.service = build_reward_service(
             cfg, decode_images=decode_images, resources=resources, features=features

@@ -234,12 +234,18 @@ class RolloutWorkers:
         die_at = int(spec.split(":")[1]) if spec.startswith(f"{FAULT}:") else None
         remote = ray.remote(RolloutWorker).options(**plan.rollout_options)
         args = (plan.rollout_device, threads_for(plan.rollout_options["num_cpus"]))
-        deterministic = cfg.run.deterministic
+        run = cfg.run
 
         def make(index: int, first: bool):
             die = die_at if index == 0 and first else None
             actor = remote.remote(
-                self.model_ref, self.version, self.batch_size, *args, deterministic, die
+                self.model_ref,
+                self.version,
+                self.batch_size,
+                *args,
+                run.deterministic,
+                run.host_mmap_threshold,
+                die,
             )
             if self.weights_ref is not None:
                 actor.load_weights.remote(self.version, self.weights_ref)
@@ -294,16 +300,18 @@ class RewardWorkers:
         decode_images: Any,
         resources: dict[str, Any],
         features: bool = True,
+        mmap_threshold: int | None = None,
     ) -> None:
         """`features`: the actors' results carry the scorer's features (GRPO's diversity
-        metrics; OPD's verification needs none)."""
+        metrics; OPD's verification needs none). `mmap_threshold`: `run.host_mmap_threshold`
+        in each actor process."""
         import ray
 
         remote = ray.remote(RewardWorker).options(**plan.reward_options)
         threads = threads_for(plan.reward_options["num_cpus"])
 
         def make(index: int, first: bool):
-            return remote.remote(cfg, decode_images, resources, threads, features)
+            return remote.remote(cfg, decode_images, resources, threads, mmap_threshold, features)
 
         self.pool = ActorPool(make, plan.reward_workers, plan.max_restarts, "reward")
 
@@ -362,7 +370,9 @@ def start_workers(
             rollout = RolloutWorkers(plan, model, version, cfg)
         if plan.reward_workers:
             decode = model.codec.decode
-            rewards = RewardWorkers(plan, cfg.reward, decode, resources, features)
+            rewards = RewardWorkers(
+                plan, cfg.reward, decode, resources, features, cfg.run.host_mmap_threshold
+            )
     except BaseException:
         Workers(session, rollout, rewards).close()
         raise
