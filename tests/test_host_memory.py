@@ -29,7 +29,10 @@ def test_a_fixed_threshold_returns_freed_tensors_and_the_dynamic_one_keeps_them(
     peak_dyn, after_dyn = resident_after_free("none")
     peak_fix, after_fix = resident_after_free(str(MiB))
     for peak in (peak_dyn, peak_fix):
-        assert peak >= 32 * MiB, peak  # every page of the 8 blocks was written
+        # every page of the 8 blocks was written; up to 1 MiB of them may land on heap
+        # pages resident before the base (glibc's 128 KiB top pad, the warm-up's freed
+        # pages), which add nothing to RSS (seen: 33,501,184 bytes = 32 MiB - 52 KiB)
+        assert peak >= 31 * MiB, peak
     assert after_dyn >= 28 * MiB, after_dyn
     assert after_fix < 4 * MiB, after_fix
 
