@@ -153,7 +153,7 @@ def run_phase(phase: str, precision: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from unirl.core.host_memory import set_mmap_threshold
+    from unirl.core.host_memory import apply_mmap_threshold
     from unirl.train.dist.comm import DistInfo
     from unirl.train.engine.build import adapter_state
     from unirl.train.engine.trainer import Trainer
@@ -167,9 +167,7 @@ def run_phase(phase: str, precision: str, args) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = recipe_config(phase, precision, args.model, run_dir, args)
-        note = set_mmap_threshold(cfg.run.host_mmap_threshold)  # as `unirl train` does
-        if note is not None:
-            print(note, flush=True)
+        apply_mmap_threshold(cfg.run.host_mmap_threshold)  # as `unirl train` does
         model = _prepare_model(cfg, Path(run_dir), torch.device("cpu"))
         samples = bench_samples(phase, model.image_size[0], model.image_grid)
         prompt = model.prompt_trajectory(samples[0], add_generation_prompt=phase != "sft")

@@ -13,6 +13,7 @@ import pytest
 from allocator_helpers import MiB, resident_after_free
 
 from unirl.config import ConfigError, load_config
+from unirl.core.host_memory import MAX_THRESHOLD
 
 pytestmark = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"
@@ -37,9 +38,12 @@ def test_a_fixed_threshold_returns_freed_tensors_and_the_dynamic_one_keeps_them(
     assert after_fix < 4 * MiB, after_fix
 
 
-@pytest.mark.parametrize("value", [0, 32 * MiB + 1])
+@pytest.mark.parametrize("value", [0, MAX_THRESHOLD + 1])
 def test_values_glibc_would_refuse_are_config_errors(tmp_path, value):
     path = tmp_path / "c.yaml"
     path.write_text(f"run:\n  host_mmap_threshold: {value}\n")
     with pytest.raises(ConfigError, match="host_mmap_threshold"):
         load_config(path)
+    # the schema's bound is glibc's own limit, which the process setting also accepts
+    path.write_text(f"run:\n  host_mmap_threshold: {MAX_THRESHOLD}\n")
+    assert load_config(path).run.host_mmap_threshold == MAX_THRESHOLD == 32 * MiB

@@ -71,7 +71,7 @@ class RunConfig(StrictModel):
     host_mmap_threshold: int | None = Field(
         1024 * 1024,
         gt=0,
-        le=32 * 1024 * 1024,
+        le=32 * 1024 * 1024,  # unirl.core.host_memory.MAX_THRESHOLD (config imports no torch)
         description="Bytes from which a freed host (CPU) block goes straight back to the "
         "OS (glibc mallopt M_MMAP_THRESHOLD, fixed): the resident set then follows the "
         "live tensors, as `unirl plan --host` predicts. null: glibc's dynamic threshold "

@@ -62,19 +62,10 @@ def set_mmap_threshold(nbytes: int | None) -> str | None:
     return None
 
 
-def mmapped_bytes() -> int | None:
-    """Bytes the allocator holds in mmapped blocks now (glibc >= 2.33 `mallinfo2().hblkhd`;
-    None elsewhere): what tells whether a block was served by mmap."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return None
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                         "fsmblks", "uordblks", "fordblks", "keepcost")
-        ]  # fmt: skip
-
-    libc.mallinfo2.restype = MallInfo2
-    return int(libc.mallinfo2().hblkhd)
+def apply_mmap_threshold(nbytes: int | None) -> None:
+    """`set_mmap_threshold` for a process that starts a run (`unirl train`, `unirl eval`, a
+    Ray actor, bench/full_shape.py): the line saying why it was not applied goes to the
+    process's log."""
+    note = set_mmap_threshold(nbytes)
+    if note is not None:
+        print(note, flush=True)

@@ -78,7 +78,7 @@ from rich.progress import Progress
 
 from unirl.config import ConfigError, UnirlConfig, config_hash
 from unirl.core.atomic import write_text_atomic
-from unirl.core.host_memory import set_mmap_threshold
+from unirl.core.host_memory import apply_mmap_threshold
 from unirl.core.sample import ImagePart, Part, Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.data.digits import make_task_samples
@@ -532,9 +532,7 @@ def run_eval(cfg: UnirlConfig) -> Path:
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
     evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads
-    note = set_mmap_threshold(cfg.run.host_mmap_threshold)
-    if note is not None:
-        print(note, flush=True)
+    apply_mmap_threshold(cfg.run.host_mmap_threshold)
     model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
     evaluate(cfg, model, out)
     return out

@@ -46,7 +46,7 @@ import torch
 from unirl.config import ConfigError, UnirlConfig, config_hash, to_yaml
 from unirl.config.algorithms import SFTConfig
 from unirl.core.atomic import write_json_atomic
-from unirl.core.host_memory import set_mmap_threshold
+from unirl.core.host_memory import apply_mmap_threshold
 from unirl.data.rows import has_split
 from unirl.eval.health import HealthMonitor
 from unirl.eval.run_report import write_report
@@ -187,9 +187,7 @@ def run_train(cfg: UnirlConfig, stop_after: int | None = None) -> Path:
         evaluation_reward(cfg)  # a task nothing can score: a ConfigError before anything runs
     device = resolve_device(cfg.run.device)
     set_determinism(cfg.run.deterministic, device)
-    allocator_note = set_mmap_threshold(cfg.run.host_mmap_threshold)
-    if allocator_note is not None:
-        print(allocator_note, flush=True)
+    apply_mmap_threshold(cfg.run.host_mmap_threshold)
     info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
     source = None
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from unirl.config.schema import RewardConfig
-from unirl.core.host_memory import set_mmap_threshold
+from unirl.core.host_memory import apply_mmap_threshold
 from unirl.rewards import RewardError, RewardResult, build_reward_service
 from unirl.rollout import RolloutRequest, RolloutService
 from unirl.train.engine.build import set_determinism
@@ -33,13 +33,6 @@ class StaleWeightsError(RuntimeError):
 def threads_for(cpus: float) -> int:
     """Torch threads of an actor with `cpus` CPUs: max(1, floor(cpus))."""
     return max(1, int(cpus))
-
-
-def _host_allocator(mmap_threshold: int | None) -> None:
-    """`run.host_mmap_threshold` in an actor process (its log says when not applied)."""
-    note = set_mmap_threshold(mmap_threshold)
-    if note is not None:
-        print(note, flush=True)
 
 
 class RolloutWorker:
@@ -58,7 +51,7 @@ class RolloutWorker:
     ) -> None:
         torch.set_num_threads(threads)
         set_determinism(deterministic, torch.device(device))
-        _host_allocator(mmap_threshold)
+        apply_mmap_threshold(mmap_threshold)  # run.host_mmap_threshold
         self.model = model.to(device)
         self.service = RolloutService(self.model, batch_size)
         self.version = version
@@ -103,7 +96,7 @@ class RewardWorker:
         features: bool = True,
     ) -> None:
         torch.set_num_threads(threads)
-        _host_allocator(mmap_threshold)
+        apply_mmap_threshold(mmap_threshold)  # run.host_mmap_threshold
         # `features`: results carry the scorer's features (GRPO's diversity metrics)
         self.service = build_reward_service(
             cfg, decode_images=decode_images, resources=resources, features=features
