@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -74,6 +75,16 @@ def _worker(rank: int, world_size: int, port: int, entry: str, argv: list[str]) 
     code = getattr(importlib.import_module(module), name)(argv)
     if code:
         raise SystemExit(code)
+    # A rank that finished leaves without interpreter finalization. The run has closed
+    # its files and destroyed its process groups (run_train's finally), but gloo's C++
+    # threads can still be joinable when finalization destroys them, and that aborts the
+    # finished rank (SIGABRT, "terminate called without an active exception" after
+    # "unirl train: done"; seen twice in about ten CI runs, in test_opd_parallel and
+    # test_distributed_eval). _exit skips only atexit handlers and C++ static
+    # destructors; unirl registers no atexit handler.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_workers(world_size: int, entry: str, argv: Sequence[str]) -> int:
