@@ -19,6 +19,12 @@ from typing import Any
 from unirl.models.uniar.full_shape import QWEN3_VL_2B_TEXT, QWEN3_VL_2B_VISION
 
 GIB = 1024**3
+# Measured step peak / `plan --host` peak under glibc's dynamic mmap threshold
+# (`run.host_mmap_threshold: null`, the default): the lowest and highest ratio over the
+# Janus-Pro-1B rows of docs/plan.md, "On the host" (bench/full_shape.py
+# --host-mmap-threshold none). glibc keeps a step's freed temporaries resident, by an
+# amount that depends on the order of frees, so the planner states the range it allows.
+GLIBC_RETENTION = (1.05, 1.61)
 DEFAULT_PROMPT_TOKENS = 256
 KV_RESERVE = 64  # unirl.rollout.decode_cache.RESERVE (tests/test_plan.py checks they agree)
 
@@ -402,6 +408,19 @@ def table(s: Shapes, st: Setup) -> str:
     return "\n".join(lines)
 
 
+def glibc_range(peak: int) -> str:
+    """The line `plan --host` prints under `run.host_mmap_threshold: null`: the range of
+    step peaks glibc's retention allowed at Janus-Pro-1B (`GLIBC_RETENTION`) applied to
+    the config's own planned peak."""
+    lo, hi = GLIBC_RETENTION
+    return (
+        f"run.host_mmap_threshold is null (glibc's dynamic threshold): freed temporaries "
+        f"stay resident, so expect the config's step to peak at {lo * peak / GIB:.2f}-"
+        f"{hi * peak / GIB:.2f} GiB ({lo:g}-{hi:g}x the plan, measured on Janus-Pro-1B; "
+        f"docs/plan.md, 'On the host'); run.host_mmap_threshold=1048576 holds the plan"
+    )
+
+
 def teacher_shapes(cfg: Any, s: Shapes) -> Shapes | None:
     """OPD's teacher sizes: the student's when `algorithm.teacher.path` is `model.path`,
     else read from the teacher directory's config.json (a Janus-Pro or UniAR checkpoint).
@@ -511,9 +530,7 @@ def run(args: Any) -> int:
         st.chosen = ("ddp", st.chosen[1]) if st.chosen else None
     print(table(s, st))
     if host and cfg.run.host_mmap_threshold is None:
-        print("run.host_mmap_threshold is null: glibc's dynamic mmap threshold keeps freed "
-              "temporaries resident, so the step's peak can exceed this plan (1.05-1.61x on "
-              "Janus-Pro-1B; docs/plan.md, 'On the host')")  # fmt: skip
+        print(glibc_range(account(s, st, "ddp", cfg.trainer.lora.enabled)["peak"]))
     if not cfg.trainer.lora.enabled:
         print(f"(LoRA rows: trainer.lora is off; planned with r={lora.r} on "
               f"{lora.target_modules!r})")  # fmt: skip

@@ -69,15 +69,17 @@ class RunConfig(StrictModel):
         "to float rounding (~1e-7), which can grow over updates.",
     )
     host_mmap_threshold: int | None = Field(
-        1024 * 1024,
+        None,
         gt=0,
         le=32 * 1024 * 1024,  # unirl.core.host_memory.MAX_THRESHOLD (config imports no torch)
         description="Bytes from which a freed host (CPU) block goes straight back to the "
         "OS (glibc mallopt M_MMAP_THRESHOLD, fixed): the resident set then follows the "
-        "live tensors, as `unirl plan --host` predicts. null: glibc's dynamic threshold "
-        "(or MALLOC_MMAP_THRESHOLD_): a Janus-Pro-1B SFT step grew the resident set by "
-        "4.56 GiB under it and by 0.52 GiB at 1 MiB. Cost: none measurable in fp32, "
-        "1.45-2.09x slower steps under CPU bf16 autocast (docs/plan.md, 'On the host'). "
+        "live tensors, as `unirl plan --host` predicts, at the price of a fresh mapping "
+        "per large temporary (tiny SFT recipe 1.6x slower, CPU bf16 steps at Janus-Pro-1B "
+        "1.45-2.09x; docs/plan.md, 'On the host'). null (default): glibc's dynamic "
+        "threshold (or MALLOC_MMAP_THRESHOLD_), which keeps freed temporaries resident "
+        "for reuse: fastest, and a step's peak can exceed the plan by the range "
+        "`unirl plan --host` prints. 1048576 (1 MiB) for predictable host memory. "
         "Not glibc: not applied, said in the log.",
     )
 
