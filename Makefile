@@ -36,7 +36,7 @@ test-fast: lint
 test-full: test
 
 demo: $(STAMP)
-	$(BIN)/unirl demo --out runs/demo
+	$(BIN)/uniweave demo --out runs/demo
 
 # Every recipe after the recipes its header names (`# needs:`), 2 updates each, in a temporary
 # copy of recipes/ and examples/ (tests/recipe_chains.py; also tests/test_recipes.py, slow).

@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from unirl.config import load_config
-from unirl.eval.runner import evaluate, split_config, task_metrics
-from unirl.train.engine.build import build_model
+from uniweave.config import load_config
+from uniweave.eval.runner import evaluate, split_config, task_metrics
+from uniweave.train.engine.build import build_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """Full-shape CPU bench: one step of each method on a random-weight Janus-Pro checkpoint at
-its published sizes, with the memory `unirl plan --host` predicts next to the measured one.
+its published sizes, with the memory `uniweave plan --host` predicts next to the measured one.
 
-The checkpoint is `unirl models write-full-shape janus-pro-1b` (written to --model DIR when
-that directory does not exist yet; default /tmp/unirl_full_shape/janus-pro-1b). Every
-step runs the project's own code: the model is prepared as `unirl train` prepares it
-(`unirl.train.run._prepare_model`: LoRA from the recipe, gradient checkpointing), the job
+The checkpoint is `uniweave models write-full-shape janus-pro-1b` (written to --model DIR when
+that directory does not exist yet; default /tmp/uniweave_full_shape/janus-pro-1b). Every
+step runs the project's own code: the model is prepared as `uniweave train` prepares it
+(`uniweave.train.run._prepare_model`: LoRA from the recipe, gradient checkpointing), the job
 is the method's job builder (`build_grpo_job`, `build_opd_job`; SFT: the `DatasetSource`
 + `SFTObjective` that `build_sft_job` assembles) and one update is `Trainer.fit`. The
 phases, each with the Janus-Pro recipe of `recipes/janus_pro/` (LoRA r=16 on the
@@ -31,8 +31,8 @@ rollout-vs-replay log-prob gap is the trainer's own diagnostic (`mismatch/abs_dl
 and `_mean`: |logp_rollout - logp_replay| over every sampled position, the replay being
 the update's teacher-forced forward at trainer precision).
 
-The table puts each phase's measured step peak next to `unirl plan`'s host prediction for
-the same config (`unirl.plan.account` with `Setup.host`: the `--host` mode of the CLI,
+The table puts each phase's measured step peak next to `uniweave plan`'s host prediction for
+the same config (`uniweave.plan.account` with `Setup.host`: the `--host` mode of the CLI,
 docs/plan.md), with the prompt length the child measured, and their ratio.
 
     python bench/full_shape.py                              # Janus-Pro-1B, everything
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "janus_pro"
 PHASES = ("t2i", "i2t", "opd", "sft")
 PRECISIONS = ("fp32", "bf16")
-DEFAULT_MODEL = Path(tempfile.gettempdir()) / "unirl_full_shape" / "janus-pro-1b"
+DEFAULT_MODEL = Path(tempfile.gettempdir()) / "uniweave_full_shape" / "janus-pro-1b"
 CAPTION = "a red apple on a wooden table"
 GIB = 1024**3
 
@@ -85,7 +85,7 @@ def recipe_config(phase: str, precision: str, model: str, run_dir: str, args) ->
     """The phase's config: its Janus-Pro recipe, shortened to one update of 2 rows."""
     import yaml
 
-    from unirl.config import load_config
+    from uniweave.config import load_config
 
     name = {
         "t2i": "grpo_t2i_pickscore_lora.yaml",
@@ -134,7 +134,7 @@ def bench_samples(phase: str, image_size: int, grid: tuple[int, int]):
     """The phase's one prompt (GRPO/OPD) or one training row (SFT)."""
     import numpy as np
 
-    from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+    from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 
     rng = np.random.default_rng(0)
     pixels = rng.uniform(0.0, 1.0, (image_size, image_size, 3)).astype(np.float32)
@@ -153,21 +153,21 @@ def run_phase(phase: str, precision: str, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from unirl.core.host_memory import apply_mmap_threshold
-    from unirl.train.dist.comm import DistInfo
-    from unirl.train.engine.build import adapter_state
-    from unirl.train.engine.trainer import Trainer
-    from unirl.train.methods.grpo.job import build_grpo_job
-    from unirl.train.methods.opd.job import build_opd_job
-    from unirl.train.methods.sft.objective import SFTObjective
-    from unirl.train.methods.sft.source import DatasetSource
-    from unirl.train.rollouts.prompts import PromptSampler
-    from unirl.train.run import _prepare_model
+    from uniweave.core.host_memory import apply_mmap_threshold
+    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.engine.build import adapter_state
+    from uniweave.train.engine.trainer import Trainer
+    from uniweave.train.methods.grpo.job import build_grpo_job
+    from uniweave.train.methods.opd.job import build_opd_job
+    from uniweave.train.methods.sft.objective import SFTObjective
+    from uniweave.train.methods.sft.source import DatasetSource
+    from uniweave.train.rollouts.prompts import PromptSampler
+    from uniweave.train.run import _prepare_model
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = recipe_config(phase, precision, args.model, run_dir, args)
-        apply_mmap_threshold(cfg.run.host_mmap_threshold)  # as `unirl train` does
+        apply_mmap_threshold(cfg.run.host_mmap_threshold)  # as `uniweave train` does
         model = _prepare_model(cfg, Path(run_dir), torch.device("cpu"))
         samples = bench_samples(phase, model.image_size[0], model.image_grid)
         prompt = model.prompt_trajectory(samples[0], add_generation_prompt=phase != "sft")
@@ -234,9 +234,9 @@ def plan_prompt(row: dict, image_tokens: int) -> int:
 
 
 def cli_plan(config: Path, prompt: int) -> tuple[int, float]:
-    """`unirl plan CONFIG --host` in a fresh process: its runtime line (bytes) and the
+    """`uniweave plan CONFIG --host` in a fresh process: its runtime line (bytes) and the
     starred row's peak (GiB, as printed)."""
-    cmd = [sys.executable, "-m", "unirl", "plan", str(config), "--host", "--gpu-mem", "64",
+    cmd = [sys.executable, "-m", "uniweave", "plan", str(config), "--host", "--gpu-mem", "64",
            "--prompt-tokens", str(prompt)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     runtime = float(out.split("torch, transformers) ")[1].split(" MiB")[0]) * 2**20
@@ -245,9 +245,9 @@ def cli_plan(config: Path, prompt: int) -> tuple[int, float]:
 
 
 def planned(row: dict, model: str, runtime: int) -> tuple[int, object]:
-    """The host plan's peak for the phase's config (`unirl.plan.account`, what `unirl plan
+    """The host plan's peak for the phase's config (`uniweave.plan.account`, what `uniweave plan
     --host` prints), the prompt length the child measured, `runtime` resident bytes."""
-    from unirl.plan import account, path_shapes, setup_from_config
+    from uniweave.plan import account, path_shapes, setup_from_config
 
     ns = argparse.Namespace(
         model=model, clip="unused", image_tokens=row["image_tokens"],
@@ -262,7 +262,7 @@ def planned(row: dict, model: str, runtime: int) -> tuple[int, object]:
 
 
 def table(rows: list[dict], model: str) -> tuple[str, dict]:
-    # the runtime line comes from the CLI itself (a fresh `unirl plan --host` process), which
+    # the runtime line comes from the CLI itself (a fresh `uniweave plan --host` process), which
     # also checks that the in-process accounting below prints what the CLI prints
     r0 = rows[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -278,7 +278,10 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
         f"{'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} {'setup GiB':>9} "
         f"{'gap max':>9} {'gap mean':>9} {'mmap thr':>9}"
     )
-    lines, result = [f"plan runtime line (unirl plan --host): {runtime / 2**20:.1f} MiB", head], {}
+    lines, result = (
+        [f"plan runtime line (uniweave plan --host): {runtime / 2**20:.1f} MiB", head],
+        {},
+    )
     for r in rows:
         plan, _ = planned(r, model, runtime)
         ratio = plan / r["step_peak"]
@@ -309,7 +312,7 @@ def ensure_model(args) -> None:
     if Path(args.model).is_dir():
         return
     shape = "small" if args.tiny else "full"
-    cmd = [sys.executable, "-m", "unirl", "models", "write-full-shape", "janus-pro-1b",
+    cmd = [sys.executable, "-m", "uniweave", "models", "write-full-shape", "janus-pro-1b",
            args.model, "--shape", shape]  # fmt: skip
     print("writing", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)

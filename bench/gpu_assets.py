@@ -49,7 +49,7 @@ def write_clip(path: Path, dry: bool = False) -> None:
 def write_janus(path: Path, dry: bool = False) -> None:
     """`TinyJanusSpec` at Janus-Pro-1B's language-model sizes. The spec has no MLP width
     (it uses 2 x hidden = 4096); `tiny_config` is wrapped to set Janus-Pro-1B's 5632."""
-    import unirl.models.janus_pro.tiny as tiny
+    import uniweave.models.janus_pro.tiny as tiny
 
     dims = JANUS_DRY if dry else JANUS_1B
     spec = tiny.TinyJanusSpec(
@@ -89,8 +89,8 @@ def write_janus(path: Path, dry: bool = False) -> None:
 def write_uniar(path: Path, dry: bool = False) -> None:
     """`build_tiny_uniar` at Qwen3-VL-2B's text sizes with a 384 px `BSQTokenizer`
     (16 px cells grouped 4 x 4 x 64 bits: a 6 x 6 grid, as recipes/uniar/grpo_lora.yaml)."""
-    from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
-    from unirl.models.uniar import TinyUniARSizes, build_tiny_uniar
+    from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig
+    from uniweave.models.uniar import TinyUniARSizes, build_tiny_uniar
 
     dims = UNIAR_DRY if dry else QWEN3_VL_2B
     sizes = TinyUniARSizes(

@@ -3,7 +3,7 @@
 #  (a) the three smoke scripts in their tiny mode: janus_gpu_smoke.py --tiny, uniar_gpu_smoke.py
 #      --tiny (both with a tiny random CLIP scorer, so T2I / GRPO run too), and
 #      parallel_gpu_smoke.py under none / ddp / fsdp2 x tiny / janus on 1 rank;
-#  (b) full shapes: random-weight checkpoints written by `unirl models write-full-shape`
+#  (b) full shapes: random-weight checkpoints written by `uniweave models write-full-shape`
 #      (janus-pro-1b: SigLIP-L/16 384 px, width 2048 x 24 layers, vocab 102,400, VQ 16,384
 #      codes; qwen3-vl-2b: Qwen3-VL-2B's text and vision towers + UniAR's BSQ head), one
 #      GRPO I2T + one T2I update (Janus) and one SFT + one GRPO T2I update (UniAR), LoRA;
@@ -11,7 +11,7 @@
 #      varied lengths and all-to-cap, vs HF generate) and bench/rollout_t2i.py (16 and 64
 #      images, CFG w = 5, vs transformers' Janus image generation), each `--repeats 3`,
 #      identical tokens checked by the bench; their `result:` lines end up in one table.
-# MODEL_DIR arguments replace (b)'s random checkpoints: a directory with `unirl_model.json`
+# MODEL_DIR arguments replace (b)'s random checkpoints: a directory with `uniweave_model.json`
 # is a UniAR one, one whose config.json says `"model_type": "janus"` a Janus-Pro one.
 # --dry-run (CPU): every step above at tiny shapes (`write-full-shape --shape small`, the
 # same files and keys at widths of 16-64; the tiny Janus at a 4x4 image grid), with 2 rows
@@ -29,7 +29,7 @@
 # Environment: PY (default .venv/bin/python), GPU_CHECK_REV (commit to print), GPU_CHECK_WHEELS (a folder of wheels to
 # install into /tmp/site first), GPU_CHECK_DEADLINE (seconds for everything, default 450;
 # a check gets what is left, and is skipped under 20 s).
-# On the H200 image (torch 2.11, transformers 5.17, no pydantic) unirl needs newer
+# On the H200 image (torch 2.11, transformers 5.17, no pydantic) uniweave needs newer
 # transformers (5.17 lacks activation_checkpointing_enable and returns Qwen3-VL's
 # deepstack_features in another shape): the first run carried pydantic 2.14.4 (+ core,
 # annotated-types, typing-inspection, typing-extensions) and transformers 5.25.0 (+
@@ -54,12 +54,12 @@ for arg in "$@"; do
       echo "gpu_check.sh: '$arg' is not a directory" >&2
       exit 2
     }
-    if [ -f "$dir/unirl_model.json" ]; then
+    if [ -f "$dir/uniweave_model.json" ]; then
       kind=UNIAR_DIR
     elif grep -qE '"model_type": *"janus"' "$dir/config.json" 2>/dev/null; then
       kind=JANUS_DIR
     else
-      echo "gpu_check.sh: '$arg' is neither a UniAR directory (unirl_model.json) nor a" \
+      echo "gpu_check.sh: '$arg' is neither a UniAR directory (uniweave_model.json) nor a" \
         "Janus-Pro one (config.json with \"model_type\": \"janus\")" >&2
       exit 2
     fi
@@ -144,9 +144,9 @@ if torch.cuda.is_available():
           f"{p.multi_processor_count} SMs, bf16 {torch.cuda.is_bf16_supported()}")
 else:
     print("no CUDA device: CPU run")
-import unirl  # noqa: F401
+import uniweave  # noqa: F401
 
-print("unirl imports")
+print("uniweave imports")
 EOF
 }
 
@@ -193,8 +193,8 @@ main() {
   # (b) larger shapes: the given checkpoint, else write the random one; both updates in one
   # sub-check
   local janus="$assets/janus" uniar="$assets/uniar"
-  local write_janus="'$PY' -m unirl models write-full-shape janus-pro-1b '$janus' --shape $shape"
-  local write_uniar="'$PY' -m unirl models write-full-shape qwen3-vl-2b '$uniar' --shape $shape"
+  local write_janus="'$PY' -m uniweave models write-full-shape janus-pro-1b '$janus' --shape $shape"
+  local write_uniar="'$PY' -m uniweave models write-full-shape qwen3-vl-2b '$uniar' --shape $shape"
   [ -n "$JANUS_DIR" ] && janus=$JANUS_DIR write_janus="echo 'checkpoint $JANUS_DIR (given)'"
   [ -n "$UNIAR_DIR" ] && uniar=$UNIAR_DIR write_uniar="echo 'checkpoint $UNIAR_DIR (given)'"
   check janus-big 260 bash -c "set -e
@@ -232,7 +232,7 @@ main() {
   echo "|---|---|---|---|---|---|---|---|---|"
   [ "${#results[@]}" -gt 0 ] && printf '%s\n' "${results[@]}"
   echo
-  echo "## rollout benches (unirl continuous engine / transformers, useful tokens/s)"
+  echo "## rollout benches (uniweave continuous engine / transformers, useful tokens/s)"
   [ "${#benches[@]}" -gt 0 ] && printf '%s\n' "${benches[@]}"
   echo
   echo "## sub-checks"

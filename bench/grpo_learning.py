@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from unirl.config import load_config
-from unirl.eval.drift import drift_to_noise
-from unirl.train.engine.build import build_model
-from unirl.train.engine.metrics import read_metrics
-from unirl.train.run import evaluate_split, run_train
+from uniweave.config import load_config
+from uniweave.eval.drift import drift_to_noise
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.metrics import read_metrics
+from uniweave.train.run import evaluate_split, run_train
 
 HELD_OUT = ("accuracy", "score", "exact_match")
 

@@ -1,4 +1,4 @@
-"""Seconds per GRPO update: unirl's trainer vs TRL's `GRPOTrainer`, like for like.
+"""Seconds per GRPO update: uniweave's trainer vs TRL's `GRPOTrainer`, like for like.
 
 Both sides train their own copy of one model: the tiny model's transformers `LlamaModel`
 body (no conv prior) and its text head (for TRL wrapped as a `LlamaForCausalLM` that
@@ -7,21 +7,21 @@ ChatML prompts (identical token ids, checked), reward function, group size G, pr
 update P, max new tokens, learning rate, AdamW settings, grad clip 1.0, temperature 1, no
 top-k/top-p, and no reference model (beta 0 / `kl.type: none`). One optimizer step per
 generation on both sides, one forward/backward over all P·G completions (TRL:
-`per_device_train_batch_size` = P·G; unirl: `micro_batch_size` = P·G), and no separate
-old-log-prob pass on either (TRL: `num_iterations` 1 aligned with the step; unirl:
+`per_device_train_batch_size` = P·G; uniweave: `micro_batch_size` = P·G), and no separate
+old-log-prob pass on either (TRL: `num_iterations` 1 aligned with the step; uniweave:
 `old_logp_source: replay`, one update per batch, so the ratio is 1 by construction in both).
-Token-mean aggregation over the global batch (TRL's default `dapo`, unirl's
+Token-mean aggregation over the global batch (TRL's default `dapo`, uniweave's
 `token_mean`), group-normalised advantages (sample std). TRL runs its default
 transformers `generate` path.
 
 Alternation in one process: a TRL trainer callback times each TRL step (on_step_begin ..
-on_step_end) and, at the end of each step, runs one update of each unirl variant on the
+on_step_end) and, at the end of each step, runs one update of each uniweave variant on the
 prompts TRL just used (the variants' order alternates step by step). Each variant trains
 its own copy of the initial weights: "shared" prefills each distinct prompt once in the
 rollout (the engine's default) and runs it once in the update's replay
 (`algorithm.share_prompt_prefix`); "unshared" runs every row on its own in both (the A/B
 baseline; TRL, too, runs every row on its own). The first `--warmup` steps are dropped. Printed: median
-wall seconds and CPU seconds per update for each side, the ratios unirl / TRL, the mean
+wall seconds and CPU seconds per update for each side, the ratios uniweave / TRL, the mean
 generated length on all sides (random init: most rows run to the cap), and the phase
 splits.
 
@@ -45,21 +45,21 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
-from unirl.algorithms.grpo import group_advantages
-from unirl.codecs import build_codec
-from unirl.config import validate_config
-from unirl.config.algorithms import GRPOConfig as UnirlGRPOConfig
-from unirl.core.sample import Sample
-from unirl.core.seeding import seed_for
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.objective import GRPOObjective
+from uniweave.algorithms.grpo import group_advantages
+from uniweave.codecs import build_codec
+from uniweave.config import validate_config
+from uniweave.config.algorithms import GRPOConfig as UniweaveGRPOConfig
+from uniweave.core.sample import Sample
+from uniweave.core.seeding import seed_for
+from uniweave.data.digits import TASKS, make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.rollout import RolloutRequest, RolloutService, SamplingParams
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.objective import GRPOObjective
 
 LR = 1e-4
 
@@ -106,8 +106,8 @@ class Timings:
         self.phases.setdefault(name, []).append(seconds)
 
 
-class UnirlSide:
-    """unirl's GRPO update: rollout service -> reward -> group advantages -> the shared
+class UniweaveSide:
+    """uniweave's GRPO update: rollout service -> reward -> group advantages -> the shared
     trainer's step with the GRPO objective (one micro-batch of P·G rows)."""
 
     def __init__(
@@ -144,7 +144,7 @@ class UnirlSide:
                 "reward": {"plugins": [{"name": "mc_exact"}]},
             }
         )
-        self.algo: UnirlGRPOConfig = cfg.algorithm
+        self.algo: UniweaveGRPOConfig = cfg.algorithm
         self.model = model
         self.group = args.group
         self.params = SamplingParams(
@@ -207,15 +207,15 @@ def _plen(traj) -> int:
 
 
 class Alternate(TrainerCallback):
-    """Times each TRL step and runs one unirl update after it, on TRL's prompts."""
+    """Times each TRL step and runs one uniweave update after it, on TRL's prompts."""
 
     def __init__(
         self,
-        unirl: dict[str, UnirlSide],
+        uniweave: dict[str, UniweaveSide],
         by_text: dict[str, Sample],
         generate_seconds: list[float],
     ) -> None:
-        self.unirl, self.by_text = unirl, by_text
+        self.uniweave, self.by_text = uniweave, by_text
         self.generate_seconds = generate_seconds
         self.generate_mark = 0
         self.trl = Timings()
@@ -237,8 +237,8 @@ class Alternate(TrainerCallback):
         self.trl.add_phase("generate (transformers)", gen)
         self.trl.add_phase("rest (scoring, loss, backward, AdamW)", w - gen)
         unique = list(dict.fromkeys(self.step_prompts))
-        sides = list(self.unirl.values())
-        if state.global_step % 2:  # alternate which unirl variant runs first
+        sides = list(self.uniweave.values())
+        if state.global_step % 2:  # alternate which uniweave variant runs first
             sides.reverse()
         for side in sides:
             side.update([self.by_text[p] for p in unique], state.global_step)
@@ -292,16 +292,16 @@ def run(args: argparse.Namespace) -> None:
     n = args.n_prompts * args.group
     with tempfile.TemporaryDirectory() as tmp:
         start = copy.deepcopy(model)
-        unirl = {
-            variant: UnirlSide(
+        uniweave = {
+            variant: UniweaveSide(
                 model if k == 0 else copy.deepcopy(start),
                 args,
-                f"{tmp}/unirl_{variant}",
+                f"{tmp}/uniweave_{variant}",
                 share=variant == "shared",
             )
             for k, variant in enumerate(args.variants)
         }
-        cb = Alternate(unirl, by_text, generate_seconds)
+        cb = Alternate(uniweave, by_text, generate_seconds)
         config = GRPOConfig(
             output_dir=f"{tmp}/trl",
             per_device_train_batch_size=n,
@@ -339,14 +339,14 @@ def run(args: argparse.Namespace) -> None:
             callbacks=[cb],
         )
         trainer.train()
-    report(args, cb.trl, {k: side.timings for k, side in unirl.items()})
+    report(args, cb.trl, {k: side.timings for k, side in uniweave.items()})
 
 
 def med(xs: list[float], skip: int) -> float:
     return statistics.median(xs[skip:])
 
 
-def report(args: argparse.Namespace, trl: Timings, unirl: dict[str, Timings]) -> None:
+def report(args: argparse.Namespace, trl: Timings, uniweave: dict[str, Timings]) -> None:
     k = args.warmup
     print(
         f"\n[{args.n_prompts} prompts x G={args.group}] max_new_tokens {args.max_new_tokens}, "
@@ -354,15 +354,15 @@ def report(args: argparse.Namespace, trl: Timings, unirl: dict[str, Timings]) ->
         f"{len(trl.wall) - k} timed updates per side (after {k} warm-up)"
     )
     print(f"  {'':8s} {'wall s/update':>14s} {'CPU s/update':>13s} {'mean gen length':>16s}")
-    sides = [("TRL", trl)] + [(f"unirl {v}", t) for v, t in unirl.items()]
+    sides = [("TRL", trl)] + [(f"uniweave {v}", t) for v, t in uniweave.items()]
     for name, t in sides:
         print(
             f"  {name:14s} {med(t.wall, k):8.3f} {med(t.cpu, k):13.3f} "
             f"{statistics.mean(t.lengths[k:]):16.2f}"
         )
-    for v, t in unirl.items():
+    for v, t in uniweave.items():
         print(
-            f"  ratio unirl {v} / TRL: seconds per update {med(t.wall, k) / med(trl.wall, k):.2f}x"
+            f"  ratio uniweave {v} / TRL: seconds per update {med(t.wall, k) / med(trl.wall, k):.2f}x"
             f", CPU seconds {med(t.cpu, k) / med(trl.cpu, k):.2f}x"
         )
     for side, t in sides:
@@ -390,7 +390,7 @@ def main() -> None:
         nargs="+",
         choices=["shared", "unshared"],
         default=["shared", "unshared"],
-        help="unirl variants, each on its own copy of the initial weights: shared = each "
+        help="uniweave variants, each on its own copy of the initial weights: shared = each "
         "prompt prefilled once in rollout and run once in the update's replay "
         "(algorithm.share_prompt_prefix); unshared = every row on its own",
     )

@@ -2,11 +2,11 @@
 
 Each run directory `ROOT/hint_<arm>_s<seed>` holds a training run of
 `recipes/digits/hint/<arm>.yaml` (its `eval.json`: the i2t_hint test split, hint right 70%
-of the time) and `eval_wrong/`, a `unirl eval` of the same model on `i2t_hint_wrong`
+of the time) and `eval_wrong/`, a `uniweave eval` of the same model on `i2t_hint_wrong`
 (the hint always names a wrong digit):
 
-    unirl train recipes/digits/hint/sft.yaml run.seed=0 run.output_dir=ROOT/hint_sft_s0
-    unirl eval recipes/digits/hint/sft.yaml model.path=ROOT/hint_sft_s0/model \\
+    uniweave train recipes/digits/hint/sft.yaml run.seed=0 run.output_dir=ROOT/hint_sft_s0
+    uniweave eval recipes/digits/hint/sft.yaml model.path=ROOT/hint_sft_s0/model \\
         data.tasks=[i2t_hint_wrong] evaluation.output_dir=ROOT/hint_sft_s0/eval_wrong
 
 Prints per arm the mean ± standard error over seeds of the i2t_hint accuracy, the

@@ -20,17 +20,17 @@ import time
 
 import torch
 
-from unirl.codecs import build_codec
-from unirl.config.algorithms import SFTConfig
-from unirl.core.seeding import seed_for
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.codecs import build_codec
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.seeding import seed_for
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.sft.objective import SFTObjective
 
 
 def main() -> None:

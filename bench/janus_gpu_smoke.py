@@ -1,6 +1,6 @@
 """GPU smoke test of Janus-Pro GRPO: one I2T and one T2I update on a local checkpoint.
 
-Each update runs the real loop (`unirl.train.methods.grpo.objective.build_grpo_job` + `Trainer`) from the
+Each update runs the real loop (`uniweave.train.methods.grpo.objective.build_grpo_job` + `Trainer`) from the
 recipe in `recipes/janus_pro/` (LoRA r=16 on the language model, gradient checkpointing,
 replay-anchored ratio), on synthetic prompts: I2T multiple-choice questions about
 random 384x384 images (rewarded by `mc_exact`), T2I captions (576 exact-count tokens with
@@ -25,15 +25,15 @@ import numpy as np
 import torch
 from transformers import JanusConfig
 
-from unirl.config import load_config
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import adapter_state, apply_lora, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.grpo.source import PromptSampler
+from uniweave.config import load_config
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.grpo.source import PromptSampler
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "janus_pro"
 COLOURS = {

@@ -7,7 +7,7 @@ training loss and accuracy on 256 fresh sequences every 50 steps; chance is 0.25
 `--shift K` adds learned maps of the K previous positions to each input embedding,
 `--layer-shift K` does so before every layer (a causal "token shift"; the probe that
 measured how many examples binding needs, issue 4 note). `--conv K` installs the tiny
-model's own prior instead (`unirl.models.tiny.mixer`: a depthwise causal conv of kernel K
+model's own prior instead (`uniweave.models.tiny.mixer`: a depthwise causal conv of kernel K
 after each layer norm, issue 15).
 
     .venv/bin/python bench/mc_binding_probe.py [--steps 600] [--batch 128] [--lr 1e-3]
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
-from unirl.models.tiny.mixer import install_mixers
+from uniweave.models.tiny.mixer import install_mixers
 
 DIGITS, QUERIES, LETTERS, PAREN, STOP, FILL, ASK = 0, 10, 20, 24, 25, 26, 27
 VOCAB = 32

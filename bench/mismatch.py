@@ -46,18 +46,18 @@ from pathlib import Path
 
 import torch
 
-from unirl.algorithms.grpo import k3_mismatch, mismatch_delta, sequence_k3
-from unirl.codecs import build_codec
-from unirl.core.sample import GenerationRequest, Sample, TextPart
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer
-from unirl.models.janus_pro.model import JanusProModel
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.replay import replay_logprobs
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from uniweave.algorithms.grpo import k3_mismatch, mismatch_delta, sequence_k3
+from uniweave.codecs import build_codec
+from uniweave.core.sample import GenerationRequest, Sample, TextPart
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.tokenizer import build_tokenizer
+from uniweave.models.janus_pro.model import JanusProModel
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 JANUS_TEXTS = [f"draw the digit {d} in red on a dark square" for d in range(10)]
 
@@ -131,11 +131,11 @@ def grpo_run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from grpo_learning import main as learning
 
-    from unirl.config import load_config
-    from unirl.train.engine.metrics import read_metrics
-    from unirl.train.run import run_train
+    from uniweave.config import load_config
+    from uniweave.train.engine.metrics import read_metrics
+    from uniweave.train.run import run_train
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="unirl-mismatch-"))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="uniweave-mismatch-"))
     start = args.start
     if start is None:
         sft = work / "sft"

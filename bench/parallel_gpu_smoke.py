@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from unirl.config import validate_config
-from unirl.data.digits import vocabulary_texts
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.dist.comm import barrier, init_distributed, shutdown_distributed
-from unirl.train.engine.build import build_model, resolve_device
-from unirl.train.engine.trainer import Trainer
-from unirl.train.run import JOBS, _prepare_model
+from uniweave.config import validate_config
+from uniweave.data.digits import vocabulary_texts
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.train.dist.comm import barrier, init_distributed, shutdown_distributed
+from uniweave.train.engine.build import build_model, resolve_device
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.run import JOBS, _prepare_model
 
 
 def config(root: Path, mode: str, model: str, device: str, updates: int, fit: bool = False):
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     info, device = init_distributed(device, args.mode, 600.0)
-    root = Path(args.root or tempfile.gettempdir()) / f"unirl-smoke-{args.mode}-{args.model}"
+    root = Path(args.root or tempfile.gettempdir()) / f"uniweave-smoke-{args.mode}-{args.model}"
     try:
         if info.is_main:  # shared assets, made once
             if args.model == "janus":

@@ -2,7 +2,7 @@
 (2 gloo processes on CPU); the acceptance bar is fsdp2 <= 0.6x ddp.
 
 Each mode runs one real SFT update (AdamW, so the optimizer holds exp_avg and
-exp_avg_sq for every trainable element) on a tiny unirl model of `--layers` decoder
+exp_avg_sq for every trainable element) on a tiny uniweave model of `--layers` decoder
 layers of width `--hidden`, then every rank counts the bytes it holds: the local storage
 of each parameter (a DTensor's local shard under fsdp2, the full replica under ddp) and
 of each optimizer-state tensor. Gradients are excluded (freed by zero_grad). The counts
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from unirl.config import validate_config
-from unirl.train.dist.comm import init_distributed, shutdown_distributed
-from unirl.train.engine.build import build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.run import JOBS, _prepare_model
+from uniweave.config import validate_config
+from uniweave.train.dist.comm import init_distributed, shutdown_distributed
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.run import JOBS, _prepare_model
 
 BAR = 0.6
 

@@ -1,4 +1,4 @@
-"""`unirl plan`'s activation formula against what autograd really keeps, on CPU.
+"""`uniweave plan`'s activation formula against what autograd really keeps, on CPU.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/plan_activations.py
 
@@ -29,7 +29,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaModel
 
-from unirl.plan import Setup, Shapes, account, layer_activation_bytes
+from uniweave.plan import Setup, Shapes, account, layer_activation_bytes
 
 B, T = 2, 256
 SIZES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""Where one unirl GRPO update's time goes: a torch profiler table per phase.
+"""Where one uniweave GRPO update's time goes: a torch profiler table per phase.
 
 Builds the update of `bench/grpo_vs_trl.py` (the tiny model's Llama body and text head,
 text-only prompts, P prompts x G, `max_new_tokens`, no reference, replay anchoring), runs
@@ -22,9 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_vs_trl import UnirlSide, build_model, text_prompts  # noqa: E402
+from grpo_vs_trl import UniweaveSide, build_model, text_prompts  # noqa: E402
 
-from unirl.data.tokenizer import SpecialIds  # noqa: E402
+from uniweave.data.tokenizer import SpecialIds  # noqa: E402
 
 PHASES = ("rollout", "reward+advantages", "old log-probs", "update (fwd+bwd+AdamW)")
 
@@ -55,7 +55,7 @@ def main() -> None:
     args.digit_ids = frozenset(i for w, i in tok.get_vocab().items() if w.isdigit())
     samples = text_prompts(tok, 64)
     with tempfile.TemporaryDirectory() as tmp:
-        side = UnirlSide(
+        side = UniweaveSide(
             model,
             args,
             tmp,
@@ -69,7 +69,7 @@ def main() -> None:
             side.update(samples[u * args.prompts : (u + 1) * args.prompts], u)
     events = prof.events()
     print(
-        f"\none unirl GRPO update: {args.prompts} prompts x G={args.group}, max_new_tokens "
+        f"\none uniweave GRPO update: {args.prompts} prompts x G={args.group}, max_new_tokens "
         f"{args.max_new_tokens}, mean generated length {side.timings.lengths[-1]:.1f}, "
         f"threads {torch.get_num_threads()}"
     )

@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unirl.codecs import build_codec
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.rollout import RolloutRequest, RolloutService, SamplingParams
+from uniweave.codecs import build_codec
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.rollout import RolloutRequest, RolloutService, SamplingParams
 
 
 def build_model() -> TinyUnifiedModel:

@@ -3,14 +3,14 @@
 Both score the same batch of text trajectories (`--batch` rows of 512 positions, the
 last `--response` of them policy-owned) with the same tiny model, whose tokenizer has
 Janus-Pro's 102,400 ids. Naive: head on every position, [B, T, V] logits, log-softmax,
-gather the targets at the policy positions (what `model(...).logits` leads to). unirl:
-`unirl.replay.replay_logprobs` (heads only at policy positions, 128 at a time). The two
+gather the targets at the policy positions (what `model(...).logits` leads to). uniweave:
+`uniweave.replay.replay_logprobs` (heads only at policy positions, 128 at a time). The two
 results are checked to agree.
 
 Peak memory method: Linux's resident-set high-water mark. Before each call the script
 resets it (`echo 5 > /proc/self/clear_refs`) and reads VmRSS; after the call it reads
 VmHWM from /proc/self/status; peak = VmHWM - VmRSS(before). Large tensors are mmap'd and
-returned to the OS on free, so the measurements in one process are independent; unirl's
+returned to the OS on free, so the measurements in one process are independent; uniweave's
 replay is measured before and after the naive forward and the larger value is kept.
 Time: median of `--repeats` calls. `--grad` also measures forward + backward of the
 summed log-probs (training-time scoring; replay checkpoints each chunk).
@@ -21,7 +21,7 @@ frozen, perturbed copy of the model at every scored position), forward + backwar
 against plain replay's forward + backward. The reference's distributions are rebuilt per
 chunk from its hidden states, so its peak should stay within 1.2x of plain replay's.
 
-`--opd` adds on-policy distillation's loss (`unirl.train.methods.opd.objective.OPDObjective`, teacher = a
+`--opd` adds on-policy distillation's loss (`uniweave.train.methods.opd.objective.OPDObjective`, teacher = a
 frozen perturbed copy, top-K `--top-k` union with a tail, forward + backward) against
 computing the full distributions of both models at once: [B, T, V] student log-probs with
 gradient and [B, T, V] teacher log-probs, the dense generalised JSD (core's
@@ -48,20 +48,20 @@ from collections.abc import Callable
 
 import torch
 
-from unirl.codecs import build_codec
-from unirl.config.algorithms import GRPOConfig, OPDConfig
-from unirl.core.distributions import jsd_from_logp
-from unirl.core.trajectory import Trajectory, TrajectoryBatch
-from unirl.core.types import Owner
-from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer, build_vocab
-from unirl.forward import body_hidden
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.replay import replay_logprobs
-from unirl.rollout import SamplingParams, SamplingRecord
-from unirl.train.methods.grpo.objective import GRPOObjective, Reference, scored_mask
-from unirl.train.methods.opd.objective import OPDObjective
-from unirl.train.methods.opd.source import DistillRecord
+from uniweave.codecs import build_codec
+from uniweave.config.algorithms import GRPOConfig, OPDConfig
+from uniweave.core.distributions import jsd_from_logp
+from uniweave.core.trajectory import Trajectory, TrajectoryBatch
+from uniweave.core.types import Owner
+from uniweave.data.digits_images import load_split
+from uniweave.data.tokenizer import build_tokenizer, build_vocab
+from uniweave.forward import body_hidden
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import SamplingParams, SamplingRecord
+from uniweave.train.methods.grpo.objective import GRPOObjective, Reference, scored_mask
+from uniweave.train.methods.opd.objective import OPDObjective
+from uniweave.train.methods.opd.source import DistillRecord
 
 VOCAB = 102_400
 SEQ = 512

@@ -1,4 +1,4 @@
-"""Rollout throughput: unirl's engine vs transformers' `generate` on the same decoder body.
+"""Rollout throughput: uniweave's engine vs transformers' `generate` on the same decoder body.
 
 Like for like: one tiny model (a transformers `LlamaModel` body + text head); the
 baseline is a `LlamaForCausalLM` that *shares* that body and head (same weights, same
@@ -39,13 +39,13 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from unirl.codecs import build_codec
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from uniweave.codecs import build_codec
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 
 def build() -> tuple[TinyUnifiedModel, LlamaForCausalLM]:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from unirl.rollout import RolloutEngine
-from unirl.rollout.continuous import SlotBatch
-from unirl.rollout.decode_batch import DecodeBatch
+from uniweave.rollout import RolloutEngine
+from uniweave.rollout.continuous import SlotBatch
+from uniweave.rollout.decode_batch import DecodeBatch
 
 _spec = importlib.util.spec_from_file_location(
     "rollout_bench", Path(__file__).with_name("rollout.py")

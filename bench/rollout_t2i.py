@@ -1,7 +1,7 @@
-"""Text-to-image rollout throughput: unirl's engine vs transformers' Janus image generation.
+"""Text-to-image rollout throughput: uniweave's engine vs transformers' Janus image generation.
 
-Like for like: one tiny Janus-Pro checkpoint (`unirl.models.janus_pro.tiny`, the
-builder the Janus tests use; `--grid` x `--grid` image tokens), loaded once by unirl
+Like for like: one tiny Janus-Pro checkpoint (`uniweave.models.janus_pro.tiny`, the
+builder the Janus tests use; `--grid` x `--grid` image tokens), loaded once by uniweave
 (`JanusProModel`) and once by transformers (`JanusForConditionalGeneration`); both
 decode the same left-padded prompts greedily with classifier-free guidance w = 5 (a
 conditional and an unconditional row per image), and the script checks that the codes
@@ -36,10 +36,10 @@ import time
 import torch
 from transformers import JanusForConditionalGeneration
 
-from unirl.core.sample import GenerationRequest, Sample, TextPart
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from uniweave.core.sample import GenerationRequest, Sample, TextPart
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 WORDS = ["red", "blue", "cat", "dog", "on", "the", "mat", "a", "two", "birds", "draw", "big"]
 W = 5.0
@@ -104,7 +104,7 @@ def run_bare(model, ids: torch.Tensor, mask: torch.Tensor, grid: int) -> list[li
     prefill, then model-only greedy CFG steps."""
     from transformers import DynamicCache
 
-    from unirl.rollout.lean_step import lean_step
+    from uniweave.rollout.lean_step import lean_step
 
     inner, step = model.model, lean_step(model)
     tokens = model.tokens

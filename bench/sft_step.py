@@ -1,5 +1,5 @@
 """SFT step throughput of the tiny model against this machine's measured GEMM peak,
-with sequence packing off and on (`trainer.packing`, `unirl.train.engine.batching`).
+with sequence packing off and on (`trainer.packing`, `uniweave.train.engine.batching`).
 
 Prints, for the same mixed digits batch (one micro-batch) collated plainly (right-padded
 to the longest row) and packed (first-fit into rows as long as the longest, block-causal
@@ -16,7 +16,7 @@ of the decoder's linear layers plus the heads at the scored positions.
         [--threads 2] [--mixer-kernel 4] [--deterministic on|off]
 
 The defaults are the default tiny body; `--width 512 --layers 8` is a larger one.
-`--deterministic` is `run.deterministic` (default on, as in `unirl train`): compare the
+`--deterministic` is `run.deterministic` (default on, as in `uniweave train`): compare the
 two to see what deterministic kernels cost on this machine.
 
 `--ig` instead compares Information Gain against vanilla SFT on the same batch, both
@@ -38,19 +38,19 @@ from pathlib import Path
 
 import torch
 
-from unirl.codecs import build_codec
-from unirl.config.algorithms import SFTConfig
-from unirl.core.trajectory import Trajectory, TrajectoryBatch
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.forward import forward_interleaved
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.batching import pack, padded_fraction
-from unirl.train.engine.build import set_determinism
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.codecs import build_codec
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.trajectory import Trajectory, TrajectoryBatch
+from uniweave.data.digits import TASKS, make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.forward import forward_interleaved
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.batching import pack, padded_fraction
+from uniweave.train.engine.build import set_determinism
+from uniweave.train.methods.sft.objective import SFTObjective
 
 
 def body_config(args: argparse.Namespace) -> TinyArchitecture:

@@ -1,9 +1,9 @@
 """What the host allocator setting (`run.host_mmap_threshold`) costs a small run: the tiny
 SFT (and GRPO) recipe trained for a few updates under the config's default and under
-glibc's own behaviour, alternating, one `unirl train` child per run, all children of
+glibc's own behaviour, alternating, one `uniweave train` child per run, all children of
 this process.
 
-Each child is the same command a user types (`unirl train RECIPE`), with evaluation and
+Each child is the same command a user types (`uniweave train RECIPE`), with evaluation and
 checkpoints off so that the updates dominate; the variants differ only in the allocator:
 
 - `default`: the config's default `run.host_mmap_threshold` (no override);
@@ -62,13 +62,13 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "top_pad": (["run.host_mmap_threshold=null"], {"MALLOC_TOP_PAD_": str(64 * MiB)}),
 }
 
-# The child: `unirl train ARGV`, with malloc_trim(0) after every update when asked. The
+# The child: `uniweave train ARGV`, with malloc_trim(0) after every update when asked. The
 # trim is wrapped around the trainer's own update (Trainer.step) so that it runs where a
 # built-in step-boundary trim would.
 CHILD = """
 import ctypes, os, sys
 if os.environ.get("BENCH_TRIM_EVERY_UPDATE"):
-    from unirl.train.engine import trainer as _t
+    from uniweave.train.engine import trainer as _t
     _libc = ctypes.CDLL(None)
     _step = _t.Trainer.step
     def step(self):
@@ -76,7 +76,7 @@ if os.environ.get("BENCH_TRIM_EVERY_UPDATE"):
         _libc.malloc_trim(0)
         return out
     _t.Trainer.step = step
-from unirl.cli import main
+from uniweave.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 

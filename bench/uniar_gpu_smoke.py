@@ -22,17 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
-from unirl.config import load_config
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import adapter_state, apply_lora, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.grpo.source import PromptSampler
-from unirl.train.methods.sft.objective import SFTObjective
-from unirl.train.methods.sft.source import DatasetSource
+from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig
+from uniweave.config import load_config
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.grpo.source import PromptSampler
+from uniweave.train.methods.sft.objective import SFTObjective
+from uniweave.train.methods.sft.source import DatasetSource
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "uniar"
 CAPTIONS = ["draw a 3", "draw a 7", "draw a red apple", "draw a blue bird"]

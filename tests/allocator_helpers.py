@@ -20,7 +20,7 @@ MiB = 2**20
 PATTERN = textwrap.dedent(
     """
     import sys, torch
-    from unirl.core.host_memory import set_mmap_threshold
+    from uniweave.core.host_memory import set_mmap_threshold
     def rss():
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS"):

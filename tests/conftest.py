@@ -36,8 +36,8 @@ def small_bsq_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def vq32_codec():
     """A fitted VQ codec of 32 codewords (10 k-means iterations on 300 train images)."""
-    from unirl.codecs import build_codec
-    from unirl.data.digits_images import load_split
+    from uniweave.codecs import build_codec
+    from uniweave.data.digits_images import load_split
 
     codec = build_codec("vq", codebook_size=32, n_init=1, max_iter=10)
     return codec.fit(load_split("train").images[:300])
@@ -47,8 +47,8 @@ def vq32_codec():
 def classifier_dir(tmp_path_factory) -> Path:
     """A digits classifier fitted on the first 400 train images, saved: the `path` of a
     `digit_classifier` reward plugin."""
-    from unirl.data.digits_images import load_split
-    from unirl.rewards.digit_classifier import DigitClassifier
+    from uniweave.data.digits_images import load_split
+    from uniweave.rewards.digit_classifier import DigitClassifier
 
     train = load_split("train")
     path = tmp_path_factory.mktemp("classifier") / "clf"
@@ -60,7 +60,7 @@ def classifier_dir(tmp_path_factory) -> Path:
 def digits_classifier():
     """The digits classifier a run fits when it has none (`load_or_fit_classifier`: the
     whole train split, seed 0)."""
-    from unirl.rewards.digit_classifier import load_or_fit_classifier
+    from uniweave.rewards.digit_classifier import load_or_fit_classifier
 
     return load_or_fit_classifier(None)
 
@@ -99,14 +99,14 @@ def one_thread():
 
 @pytest.fixture(scope="session", autouse=True)
 def fingerprint_cache(tmp_path_factory):
-    """Content hashes of run inputs (`unirl.config.fingerprint`) cached in a session
-    directory, not the user's ~/.cache (inherited by `unirl` subprocesses)."""
+    """Content hashes of run inputs (`uniweave.config.fingerprint`) cached in a session
+    directory, not the user's ~/.cache (inherited by `uniweave` subprocesses)."""
     import os
 
-    previous = os.environ.get("UNIRL_CACHE_DIR")
-    os.environ["UNIRL_CACHE_DIR"] = str(tmp_path_factory.mktemp("unirl_cache"))
+    previous = os.environ.get("UNIWEAVE_CACHE_DIR")
+    os.environ["UNIWEAVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("uniweave_cache"))
     yield
     if previous is None:
-        os.environ.pop("UNIRL_CACHE_DIR", None)
+        os.environ.pop("UNIWEAVE_CACHE_DIR", None)
     else:
-        os.environ["UNIRL_CACHE_DIR"] = previous
+        os.environ["UNIWEAVE_CACHE_DIR"] = previous

@@ -1,4 +1,4 @@
-"""A custom colour-square dataset and an `unirl eval` config for it, shared by the eval and
+"""A custom colour-square dataset and an `uniweave eval` config for it, shared by the eval and
 own-data tests (not collected: no test_ prefix)."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unirl.algorithms.grpo import percentile_keep, replay_bound_keep
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.grpo.mismatch import global_threshold, population_quantiles
+from uniweave.algorithms.grpo import percentile_keep, replay_bound_keep
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.grpo.mismatch import global_threshold, population_quantiles
 
 
 def rank_worker(rank: int, init_file: str, data_dir: str) -> None:

@@ -16,8 +16,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from unirl.codecs.bsq import BSQCodec
-from unirl.models.uniar import SMALL_SIZES
+from uniweave.codecs.bsq import BSQCodec
+from uniweave.models.uniar import SMALL_SIZES
 
 UNIAR_SIZES = SMALL_SIZES.model_copy(update={"initializer_range": 0.5})
 """The tiny Qwen3-VL sizes of the UniAR tests (init 0.5: logits far from uniform)."""

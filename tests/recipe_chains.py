@@ -5,14 +5,14 @@ KEY=VALUE overrides their commands take, in order; or `nothing`) and an `# input
 (what it reads; `external: ...` for checkpoints and data that do not ship). For every
 recipe the check copies recipes/ and examples/ (the tracked and new files, as a fresh
 clone has them) into a temporary directory and, from there, runs its chain in process
-with `unirl.cli.main`: each needed command (its own needs first), then
-`unirl train RECIPE` (after an SFT run, `unirl eval` of its model on the test split must
+with `uniweave.cli.main`: each needed command (its own needs first), then
+`uniweave train RECIPE` (after an SFT run, `uniweave eval` of its model on the test split must
 reproduce the run's `eval.json`: the same metric names and values), every one with the tiny overrides of `tiny_overrides` (2 updates,
 batches of at most two GRPO groups, 16 digits train rows and 2 val/test rows per task). A
 command shared by two chains runs once (the same directory), and a codec an earlier
 step fitted with the same settings and seed is loaded (`model.codec.path`) instead of
 fitted again: the fit is seeded, so it is the same codec. A recipe whose input is
-external is checked with `unirl inspect` (its config resolves and validates; nothing
+external is checked with `uniweave inspect` (its config resolves and validates; nothing
 runs).
 
     python tests/recipe_chains.py [RECIPE ...]     # exit 0 when every chain passed
@@ -41,13 +41,13 @@ SHIPPED = ("recipes", "examples")
 
 @dataclass(frozen=True)
 class Step:
-    """One `unirl train` command: a recipe (relative to the repository root) and overrides."""
+    """One `uniweave train` command: a recipe (relative to the repository root) and overrides."""
 
     recipe: str
     overrides: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return shlex.join(["unirl", "train", self.recipe, *self.overrides])
+        return shlex.join(["uniweave", "train", self.recipe, *self.overrides])
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def header(recipe: str) -> Header:
 
 def placeholders(text: str) -> list[str]:
     """`KEY=<what>` of an external input line as `KEY=/external/<what>` overrides: the
-    paths `unirl inspect` needs set (it reads none of them)."""
+    paths `uniweave inspect` needs set (it reads none of them)."""
     out = []
     for key, what in re.findall(r"([\w.]+)=<([^>]*)>", text):
         name = re.sub(r"[^\w.-]+", "_", what)
@@ -117,7 +117,7 @@ def tiny_overrides(step: Step, codecs: dict[tuple, str] | None = None) -> list[s
     """KEY=VALUE overrides that make `step` a 2-update trial of itself. `codecs` maps a
     `codec_key` to a codec an earlier step fitted with the same settings and seed: the
     same codec, loaded through model.codec.path instead of fitted again."""
-    from unirl.config import load_config
+    from uniweave.config import load_config
 
     cfg = load_config(step.recipe, list(step.overrides))
     key = codec_key(cfg)
@@ -156,8 +156,8 @@ def copy_shipped(dest: Path) -> None:
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:
-    """`unirl ARGV` in this process; (exit code, its stdout and stderr)."""
-    from unirl.cli import main
+    """`uniweave ARGV` in this process; (exit code, its stdout and stderr)."""
+    from uniweave.cli import main
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
@@ -166,7 +166,7 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def recheck_eval(step: Step, extra: list[str], run_dir: Path) -> str | None:
-    """`unirl eval` of an SFT step's model on its test split with the step's own config
+    """`uniweave eval` of an SFT step's model on its test split with the step's own config
     and overrides: None when its per-task summary has exactly the metric names and
     values of the run's end-of-run `eval.json` (one evaluator, issue 30), else what
     differs."""
@@ -190,7 +190,7 @@ def recheck_eval(step: Step, extra: list[str], run_dir: Path) -> str | None:
 
 def check(recipes: list[str], work: Path, log=print) -> list[str]:
     """Run every chain of `recipes` in `work`; the failures (one line each)."""
-    from unirl.config import ConfigError, load_config
+    from uniweave.config import ConfigError, load_config
 
     copy_shipped(work)
     done: set[Step] = set()
@@ -203,9 +203,11 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
             head = header(recipe)
             if head.external:
                 code, text = run_cli(["inspect", recipe, *placeholders(head.input)])
-                log(f"{'ok ' if code == 0 else 'FAIL'} unirl inspect {recipe}  ({head.input})")
+                log(f"{'ok ' if code == 0 else 'FAIL'} uniweave inspect {recipe}  ({head.input})")
                 if code:
-                    failures.append(f"unirl inspect {recipe}: exit {code}: {text.strip()[-300:]}")
+                    failures.append(
+                        f"uniweave inspect {recipe}: exit {code}: {text.strip()[-300:]}"
+                    )
                 continue
             for step in chain(recipe):
                 if step in done:
@@ -227,9 +229,9 @@ def check(recipes: list[str], work: Path, log=print) -> list[str]:
                 cfg = load_config(step.recipe, list(step.overrides))
                 if cfg.algorithm.name == "sft":
                     problem = recheck_eval(step, extra, work / cfg.run.output_dir)
-                    log(f"{'ok ' if problem is None else 'FAIL'} unirl eval {step.recipe}")
+                    log(f"{'ok ' if problem is None else 'FAIL'} uniweave eval {step.recipe}")
                     if problem is not None:
-                        failures.append(f"unirl eval {step.recipe}: {problem}")
+                        failures.append(f"uniweave eval {step.recipe}: {problem}")
                         break
                 key, own = codec_key(cfg), work / cfg.run.output_dir / "codec"
                 if key in codecs and not own.exists():

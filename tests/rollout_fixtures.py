@@ -13,14 +13,14 @@ from functools import cache
 
 import torch
 
-from unirl.codecs import build_codec
-from unirl.core.sample import Sample, TextPart
-from unirl.core.seeding import seed_for
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.rollout import RolloutRequest, SamplingParams
+from uniweave.codecs import build_codec
+from uniweave.core.sample import Sample, TextPart
+from uniweave.core.seeding import seed_for
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.tokenizer import build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.rollout import RolloutRequest, SamplingParams
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 

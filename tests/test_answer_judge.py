@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.config import ConfigError
-from unirl.config.schema import RewardConfig, RewardPluginConfig
-from unirl.core.sample import Sample, TextPart
-from unirl.rewards import RewardError, build_reward_service
-from unirl.rewards.judge import SYSTEM, judge_prompt, parse_verdict
+from uniweave.config import ConfigError
+from uniweave.config.schema import RewardConfig, RewardPluginConfig
+from uniweave.core.sample import Sample, TextPart
+from uniweave.rewards import RewardError, build_reward_service
+from uniweave.rewards.judge import SYSTEM, judge_prompt, parse_verdict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -282,12 +282,12 @@ def test_local_judge_verdict_is_the_yes_no_logit_comparison(tmp_path):
 
 
 def test_a_grpo_run_trains_on_the_http_judge(endpoint, tmp_path, monkeypatch, small_vq_dir):
-    """`unirl train` (in process) of a recipe-like config whose reward is answer_judge on
+    """`uniweave train` (in process) of a recipe-like config whose reward is answer_judge on
     the local endpoint: an update with every row scored, the judged share logged, and
     every judge request one the parser left unresolved."""
     import yaml
 
-    from unirl.cli import main
+    from uniweave.cli import main
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "examples" / "grpo_tiny.yaml"
     judge = {"base_url": endpoint.url, "model": "judge-1", "timeout": 5.0, "retries": 1}

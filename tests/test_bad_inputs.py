@@ -1,8 +1,8 @@
 """Every mistake is one line naming its culprit, and touches nothing (issue 18).
 
-Each case runs the real CLI (`python -m unirl train ...`; `eval`, `generate`, `probe` and
+Each case runs the real CLI (`python -m uniweave train ...`; `eval`, `generate`, `probe` and
 `data export` too, issue 30: one error contract) in its own scratch directory
-and asserts: the exit code; stderr is exactly one line `unirl: error: ...` holding the
+and asserts: the exit code; stderr is exactly one line `uniweave: error: ...` holding the
 culprit's fragments (file, file:line, dotted key); no traceback; and then either, for a
 fresh `run.output_dir`, that nothing was created (the output directory does not exist
 and the scratch directory holds only the inputs the case wrote), or, for an existing
@@ -10,8 +10,8 @@ run (a private copy of one short checkpointed run made once for the module), tha
 file of the run is byte-for-byte unchanged (config.yaml, config_hash, checkpoints,
 metrics, model). The subprocesses run a few at a time; almost all fail in the preflight
 before any model is built. Each case is its own process forked from a server that imported
-unirl once (`trainer_helpers.ForkedCLI`): the exit code, stderr and cwd are the child's
-own, as with `python -m unirl`, without paying Python's and torch's start-up per case.
+uniweave once (`trainer_helpers.ForkedCLI`): the exit code, stderr and cwd are the child's
+own, as with `python -m uniweave`, without paying Python's and torch's start-up per case.
 Only the selected cases' processes start (`-k exact_length` runs one).
 """
 
@@ -35,10 +35,10 @@ import yaml
 from PIL import Image
 from trainer_helpers import ForkedCLI, run_cli
 
-from unirl.codecs import build_codec
-from unirl.config import validate_config
-from unirl.data.digits_images import load_split
-from unirl.train.engine.build import build_model
+from uniweave.codecs import build_codec
+from uniweave.config import validate_config
+from uniweave.data.digits_images import load_split
+from uniweave.train.engine.build import build_model
 
 WORKERS = 3
 
@@ -130,7 +130,7 @@ def grpo(out: Path, w: SimpleNamespace, **reward) -> dict:
 @dataclass(frozen=True)
 class Case:
     """`make(d, out, w)` writes the case's inputs into scratch dir `d` and returns the
-    arguments after `unirl <command>` (default `train`); `out` is the run directory to
+    arguments after `uniweave <command>` (default `train`); `out` is the run directory to
     name."""
 
     id: str
@@ -337,7 +337,7 @@ def _opd_row_without_answer(d: Path, out: Path, w) -> list[str]:
 
 
 def _scored(out: Path, w: SimpleNamespace, rows: Path, **data) -> dict:
-    """A config `unirl eval` / `probe` take: the saved tiny model, own rows with answers
+    """A config `uniweave eval` / `probe` take: the saved tiny model, own rows with answers
     scored by text_exact, the word tokenizer."""
     cfg = own(out, w, rows, **data)
     cfg["model"]["path"] = str(w.saved)
@@ -600,7 +600,9 @@ CASES: list[Case] = [
         _model_path("header"),
     ),
     Case(
-        "model_dir_without_kind", ("model", "not a unirl model directory"), _model_path("no_kind")
+        "model_dir_without_kind",
+        ("model", "not a uniweave model directory"),
+        _model_path("no_kind"),
     ),
     Case("codec_weights_truncated", ("codec", "safetensors", "model.codec.path"), _codec_truncated),
     # -- reward settings ----------------------------------------------------------------
@@ -775,7 +777,7 @@ CASES: list[Case] = [
     ),
     Case(
         "output_dir_not_a_run",
-        ("c.yaml", "run.output_dir", "not a unirl run", "thesis.tex"),
+        ("c.yaml", "run.output_dir", "not a uniweave run", "thesis.tex"),
         _output_dir_not_a_run,
     ),
     Case(
@@ -949,7 +951,7 @@ def test_bad_input(case: Case, results):
     assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
     assert done.returncode == case.code, done.stderr
     lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("unirl: error: "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("uniweave: error: "), done.stderr
     for fragment in case.culprit:
         assert fragment in lines[0], (fragment, lines[0])
     if case.existing:

@@ -13,17 +13,17 @@ import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
 
-import unirl.train.methods.sft.objective as objective_module
-from unirl.algorithms.sft import bitflip, bitflip_rates, half_partition
-from unirl.codecs.base import single_thread
-from unirl.config import ConfigError, validate_config
-from unirl.config.algorithms import SFTConfig
-from unirl.core.seeding import seed_for
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.sft.objective import SFTObjective
+import uniweave.train.methods.sft.objective as objective_module
+from uniweave.algorithms.sft import bitflip, bitflip_rates, half_partition
+from uniweave.codecs.base import single_thread
+from uniweave.config import ConfigError, validate_config
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.seeding import seed_for
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.sft.objective import SFTObjective
 
 P = 0.3
 

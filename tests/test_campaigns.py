@@ -2,7 +2,7 @@
 parent-linked runs (`run.parent`) under each `checkpoint.resume_mode`; the input
 fingerprints every checkpoint records and a resume checks.
 
-Runs are the tiny model on a pre-fitted codec, in process through `unirl.cli.main` (the
+Runs are the tiny model on a pre-fitted codec, in process through `uniweave.cli.main` (the
 same code path as the command line, without a Python start-up per run), except the
 SIGKILL test, which needs a real process to kill.
 """
@@ -27,25 +27,25 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl import cli
-from unirl.config import validate_config
-from unirl.config.fingerprint import cache_path, fingerprint
-from unirl.config.hashing import (
+from uniweave import cli
+from uniweave.config import validate_config
+from uniweave.config.fingerprint import cache_path, fingerprint
+from uniweave.config.hashing import (
     ALWAYS_RESUMABLE,
     RESUME_MODES,
     check_extension,
     resume_conflicts,
 )
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.export import export_task
-from unirl.data.tokenizer import SpecialIds
-from unirl.forward import forward_interleaved
-from unirl.models.registry import load_model
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.sft.source import sft_trajectories
-from unirl.train.run import _prepare_model
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.export import export_task
+from uniweave.data.tokenizer import SpecialIds
+from uniweave.forward import forward_interleaved
+from uniweave.models.registry import load_model
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.sft.source import sft_trajectories
+from uniweave.train.run import _prepare_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
@@ -73,7 +73,7 @@ def _path_config(run_dir: Path, codec_dir: Path, base: Path, **sections) -> dict
 
 
 def _train(tmp_path: Path, cfg: dict, *extra: str, capsys=None) -> tuple[int, str, str]:
-    """`unirl train` in process: (exit code, stdout, stderr)."""
+    """`uniweave train` in process: (exit code, stdout, stderr)."""
     path = write_config(tmp_path / f"{Path(cfg['run']['output_dir']).name}.yaml", cfg)
     if capsys is not None:
         capsys.readouterr()
@@ -126,7 +126,7 @@ def test_a_lora_run_exports_a_peft_adapter_equal_to_its_final_model(tmp_path, lo
 
     run_dir, cfg = lora_run
     adapter = run_dir / "adapter"
-    record = json.loads((adapter / "unirl_adapter.json").read_text())
+    record = json.loads((adapter / "uniweave_adapter.json").read_text())
     assert (
         record["r"] == 4
         and record["alpha"] == 8.0
@@ -196,10 +196,10 @@ def test_initial_adapter_starts_a_run_from_base_plus_adapter(
         assert torch.equal(start[f"{stem}.default.{leaf}"], value), name
     after = load_file(str(ckpts / "update-000001" / "model.safetensors"))
     assert any(not torch.equal(after[k], start[k]) for k in start)
-    record = json.loads((tmp_path / method / "adapter" / "unirl_adapter.json").read_text())
+    record = json.loads((tmp_path / method / "adapter" / "uniweave_adapter.json").read_text())
     assert (
         record["base_digest"]
-        == json.loads((adapter / "unirl_adapter.json").read_text())["base_digest"]
+        == json.loads((adapter / "uniweave_adapter.json").read_text())["base_digest"]
     )  # the next link of a chain starts on the same base
 
 
@@ -516,7 +516,7 @@ def test_a_killed_child_resumes_from_its_own_checkpoint(tmp_path, sft_parent):
         child = _child(cfg, tmp_path / name, parent, "epoch_extension", **changes)
         path = write_config(tmp_path / f"{name}.yaml", child)
         if fault is not None:
-            killed = forked.run(["train", str(path)], tmp_path, {**env, "UNIRL_FAULT": fault})
+            killed = forked.run(["train", str(path)], tmp_path, {**env, "UNIWEAVE_FAULT": fault})
             assert killed.returncode == -9, killed.stderr
             assert "starting from the parent checkpoint" in killed.stdout
         done = forked.run(["train", str(path)], tmp_path, env)
@@ -557,9 +557,9 @@ def test_a_replaced_model_file_refuses_the_resume_naming_it(tmp_path, codec_dir,
     assert line.startswith("model.path") and line.endswith("content changed")
     assert any(x.startswith("model.path") and x.endswith("  ok") for x in lines)
     light = (  # reads JSON and hashes files: no torch, no model package
-        "import sys; from unirl import cli; "
+        "import sys; from uniweave import cli; "
         f"assert cli.main(['inspect', '--fingerprints', {str(tmp_path / 'run')!r}]) == 0; "
-        "assert 'torch' not in sys.modules and 'unirl.models' not in sys.modules"
+        "assert 'torch' not in sys.modules and 'uniweave.models' not in sys.modules"
     )
     proc = subprocess.run([sys.executable, "-c", light], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import run_cli, tiny_config, write_config
 
-from unirl.train.state import checkpoint as ckpt
+from uniweave.train.state import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_stale_temporaries_and_half_pruned_checkpoints_are_removed_with_a_log_li
     (tmp_path / ".model.tmp-new").mkdir()
     (tmp_path / ".config.yaml.tmp").write_text("half")
     (tmp_path / ".tokenizer.tmp-abc").mkdir()
-    with caplog.at_level(logging.WARNING, logger="unirl.train.state.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="uniweave.train.state.checkpoint"):
         removed = ckpt.tidy_run_dir(tmp_path)
     assert len(removed) == 5
     assert _names(root) == ["update-000001"]
@@ -87,14 +87,14 @@ def test_two_corrupt_newest_checkpoints_then_a_kill_resume_from_the_newest_good_
     both good ones), and the next run resumes from 3, not from update 0."""
     run_dir = tmp_path / "run"
     first = write_config(tmp_path / "a.yaml", tiny_config(run_dir, codec_dir))
-    assert run_cli(["train", str(first)], {"UNIRL_FAULT": "after_update:7"}).returncode == -9
+    assert run_cli(["train", str(first)], {"UNIWEAVE_FAULT": "after_update:7"}).returncode == -9
     root = run_dir / "checkpoints"
     assert _names(root) == [f"update-{u:06d}" for u in (0, 2, 4, 6)]
     for update in (4, 6):
         _corrupt(root / f"update-{update:06d}")
     again = tiny_config(run_dir, codec_dir, checkpoint={"every_updates": 3, "keep_last": 2})
     second = write_config(tmp_path / "b.yaml", again)
-    killed = run_cli(["train", str(second)], {"UNIRL_FAULT": "checkpoint_write:6"})
+    killed = run_cli(["train", str(second)], {"UNIWEAVE_FAULT": "checkpoint_write:6"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert "moved corrupt checkpoint aside" in killed.stderr
     assert _names(root / "corrupt") == ["update-000004", "update-000006"]
@@ -112,7 +112,7 @@ def test_a_kill_during_the_final_model_write_leaves_no_temporary(tmp_path, codec
     run_dir = tmp_path / "run"
     cfg = tiny_config(run_dir, codec_dir, trainer={"total_updates": 2})
     path = write_config(tmp_path / "c.yaml", cfg)
-    killed = run_cli(["train", str(path)], {"UNIRL_FAULT": "model_write:2"})
+    killed = run_cli(["train", str(path)], {"UNIWEAVE_FAULT": "model_write:2"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert ".model.tmp-new" in _names(run_dir) and "model" not in _names(run_dir)
     again = run_cli(["train", str(path)])

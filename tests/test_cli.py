@@ -1,4 +1,4 @@
-"""The `unirl` command line, mostly through real subprocesses of the installed entry point."""
+"""The `uniweave` command line, mostly through real subprocesses of the installed entry point."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from unirl import cli
-from unirl.config import config_hash, load_config
+from uniweave import cli
+from uniweave.config import config_hash, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "recipes" / "examples"
-SCRIPT = Path(sys.executable).with_name("unirl")
-ENTRY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "unirl"]
+SCRIPT = Path(sys.executable).with_name("uniweave")
+ENTRY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "uniweave"]
 
 
 def run_cli(args: list[str], cwd: Path, entry: list[str] = ENTRY) -> subprocess.CompletedProcess:
@@ -155,7 +155,7 @@ def test_bad_config_exits_2_with_one_line_and_creates_nothing(tmp_path, files, a
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("unirl: error: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("uniweave: error: "), proc.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
@@ -166,7 +166,10 @@ def test_bad_config_exits_2_with_one_line_and_creates_nothing(tmp_path, files, a
 def test_debug_shows_the_traceback(tmp_path):
     proc = run_cli(["--debug", "inspect", "nope.yaml"], cwd=tmp_path)
     assert proc.returncode == 2
-    assert "Traceback" in proc.stderr and proc.stderr.strip().endswith("nope.yaml: file not found")
+    assert (
+        "Traceback" in proc.stderr
+        and "nope.yaml: file not found (nor a packaged recipe" in proc.stderr
+    )
     assert cli.main(["inspect", "nope.yaml", "--debug"]) == 2  # also after the subcommand
 
 
@@ -174,7 +177,9 @@ def test_inspect_prints_yaml_and_a_hash_stable_across_processes(tmp_path):
     config = str(EXAMPLES / "grpo_tiny.yaml")
     first = run_cli(["inspect", config, "run.name=123"], cwd=tmp_path)
     second = run_cli(
-        ["inspect", config, "run.name=123"], cwd=tmp_path, entry=[sys.executable, "-m", "unirl.cli"]
+        ["inspect", config, "run.name=123"],
+        cwd=tmp_path,
+        entry=[sys.executable, "-m", "uniweave.cli"],
     )
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout
@@ -192,9 +197,9 @@ def test_inspect_prints_yaml_and_a_hash_stable_across_processes(tmp_path):
 # the parser's `data export` options come from the config layer (no numpy, PIL, torch).
 LIGHT_IMPORTS = """
 import json, sys
-import unirl.cli
-assert unirl.cli.main(["--help"]) == 0
-assert unirl.cli.main(["inspect", "recipes/digits/sft_vq.yaml"]) == 0
+import uniweave.cli
+assert uniweave.cli.main(["--help"]) == 0
+assert uniweave.cli.main(["inspect", "recipes/digits/sft_vq.yaml"]) == 0
 print(json.dumps(sorted(sys.modules)))
 """
 HEAVY = ("torch", "transformers", "numpy", "PIL", "tokenizers", "safetensors", "peft", "sklearn")
@@ -212,24 +217,26 @@ def test_help_and_inspect_import_no_model_and_no_torch():
     assert proc.returncode == 0, proc.stderr
     assert "\nhash: " in proc.stdout
     modules = json.loads(proc.stdout.rstrip("\n").rsplit("\n", 1)[-1])
-    models = [m for m in modules if m.startswith("unirl.models.")]
-    assert models == ["unirl.models.registry"], models
+    models = [m for m in modules if m.startswith("uniweave.models.")]
+    assert models == ["uniweave.models.registry"], models
     assert [m for m in modules if m.split(".")[0] in HEAVY] == []
-    assert not [m for m in modules if m.startswith(("unirl.core", "unirl.train", "unirl.codecs"))]
+    assert not [
+        m for m in modules if m.startswith(("uniweave.core", "uniweave.train", "uniweave.codecs"))
+    ]
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["train"], ["generate"], ["eval"]])
 def test_help_for_every_subcommand(argv, capsys):
     assert cli.main([*argv, "--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: unirl {' '.join(argv)}".rstrip())
+    assert out.startswith(f"usage: uniweave {' '.join(argv)}".rstrip())
     if argv:
         assert "CONFIG" in out and "KEY=VALUE" in out and "--debug" in out
 
 
 def test_help_via_subprocess(tmp_path):
     proc = run_cli(["train", "--help"], cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: unirl train")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: uniweave train")
 
 
 def test_eval_checks_the_config_first(tmp_path, capsys):
@@ -247,7 +254,7 @@ def test_eval_checks_the_config_first(tmp_path, capsys):
 def test_usage_errors_exit_2_with_one_line(argv, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("unirl: error: ") and err.count("\n") == 1
+    assert err.startswith("uniweave: error: ") and err.count("\n") == 1
 
 
 def test_a_new_subcommand_plugs_into_the_dispatch_table(capsys):
@@ -260,7 +267,7 @@ def test_a_new_subcommand_plugs_into_the_dispatch_table(capsys):
     commands = [*cli.COMMANDS, cli.Command("boom", "fail on purpose", configure, boom)]
     assert cli.main(["boom", "--times", "2"], commands=commands) == 1
     err = capsys.readouterr().err
-    assert err == "unirl: error: RuntimeError: exploded 2 time(s) second line\n"
+    assert err == "uniweave: error: RuntimeError: exploded 2 time(s) second line\n"
     assert cli.main(["--debug", "boom"], commands=commands) == 1
     assert "Traceback" in capsys.readouterr().err
     assert cli.main(["boom"]) == 2  # not in the default table
@@ -278,7 +285,9 @@ def test_generate_and_eval_refuse_random_weights_without_random_init(tmp_path, a
     command, *rest = [str(out) if a == "OUT" else a for a in argv]
     assert cli.main([command, config, *rest, f"run.output_dir={out}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"unirl: error: {config}: model.path: not set")
+    assert err.count("\n") == 1 and err.startswith(
+        f"uniweave: error: {config}: model.path: not set"
+    )
     assert "--random-init" in err and not out.exists()
 
 
@@ -315,11 +324,11 @@ def re_line(line: str) -> tuple[str, str, str]:
 
 
 def test_a_run_refuses_a_directory_that_is_not_a_run(tmp_path):
-    """`run.output_dir` may be new, empty, a unirl run, or hold only what unirl writes
+    """`run.output_dir` may be new, empty, a uniweave run, or hold only what uniweave writes
     there before a run (eval-<split>/, classifier/, generations/, codec/, tokenizer/,
     evals/, temporaries); anything else is refused naming the key and what it holds."""
-    from unirl.config import ConfigError
-    from unirl.train.preflight import check_run_dir
+    from uniweave.config import ConfigError
+    from uniweave.train.preflight import check_run_dir
 
     out = tmp_path / "out"
     check_run_dir(out)
@@ -333,14 +342,14 @@ def test_a_run_refuses_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError) as info:
         check_run_dir(out)
     assert info.value.key == "run.output_dir" and "notes.txt" in str(info.value)
-    (out / "config.yaml").write_text("run: {}\n")  # a unirl run (its record) is resumed
+    (out / "config.yaml").write_text("run: {}\n")  # a uniweave run (its record) is resumed
     check_run_dir(out)
 
 
 def test_config_yaml_records_absolute_paths_beside_the_given_ones(tmp_path, monkeypatch):
     """The comment lines resolve each relative path from the working directory; the
     record loads back to the same config (comments are ignored)."""
-    from unirl.train.run import absolute_paths
+    from uniweave.train.run import absolute_paths
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text(
@@ -354,7 +363,7 @@ def test_config_yaml_records_absolute_paths_beside_the_given_ones(tmp_path, monk
     assert "/abs/t.jsonl" not in text  # already absolute
     assert all(line.startswith("#") for line in text.splitlines())
     record = tmp_path / "config.yaml"
-    from unirl.config import to_yaml
+    from uniweave.config import to_yaml
 
     record.write_text(to_yaml(cfg) + text)
     assert config_hash(load_config(record)) == config_hash(cfg)

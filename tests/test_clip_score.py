@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPProcessor
 
-from unirl.codecs.base import single_thread
-from unirl.config import ConfigError, RewardConfig, RewardPluginConfig
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.rewards import PLUGINS, Response, build_plugin, build_reward_service
-from unirl.rewards.clip_score import ClipScore, prompt_text
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from uniweave.codecs.base import single_thread
+from uniweave.config import ConfigError, RewardConfig, RewardPluginConfig
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.rewards import PLUGINS, Response, build_plugin, build_reward_service
+from uniweave.rewards.clip_score import ClipScore, prompt_text
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
 
 
 @pytest.fixture(scope="module", autouse=True)

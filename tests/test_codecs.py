@@ -10,12 +10,12 @@ import pytest
 import torch
 from sklearn.cluster import KMeans
 
-from unirl.codecs import BSQCodec, VQCodec, build_codec, load_codec
-from unirl.codecs.base import to_patches
-from unirl.codecs.bsq import bsq_entropy_terms, group_bits, quantize, sub_codebook, ungroup_bits
-from unirl.codecs.vq import DIST_ROWS, _sq_dists, kmeans
-from unirl.data.digits_images import load_split
-from unirl.rewards.codec_report import codec_report
+from uniweave.codecs import BSQCodec, VQCodec, build_codec, load_codec
+from uniweave.codecs.base import to_patches
+from uniweave.codecs.bsq import bsq_entropy_terms, group_bits, quantize, sub_codebook, ungroup_bits
+from uniweave.codecs.vq import DIST_ROWS, _sq_dists, kmeans
+from uniweave.data.digits_images import load_split
+from uniweave.rewards.codec_report import codec_report
 
 
 @pytest.fixture(scope="module")

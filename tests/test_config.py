@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from unirl.config import (
+from uniweave.config import (
     COMMAND_LINE,
     ConfigError,
     GRPOConfig,
-    UnirlConfig,
+    UniweaveConfig,
     canonical_json,
     config_hash,
     diff_configs,
@@ -24,7 +24,7 @@ from unirl.config import (
     to_yaml,
     validate_config,
 )
-from unirl.config.introspect import dotted_keys
+from uniweave.config.introspect import dotted_keys
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "recipes" / "examples"
 
@@ -36,7 +36,7 @@ def write(path: Path, text: str) -> Path:
 
 
 def models(model: type[BaseModel]) -> set[type[BaseModel]]:
-    from unirl.config.introspect import field_node, is_model, strip_optional, union_branches
+    from uniweave.config.introspect import field_node, is_model, strip_optional, union_branches
 
     found = {model}
     for name in model.model_fields:
@@ -50,7 +50,7 @@ def models(model: type[BaseModel]) -> set[type[BaseModel]]:
 
 
 def test_every_field_has_type_default_and_description():
-    all_models = models(UnirlConfig)
+    all_models = models(UniweaveConfig)
     assert len(all_models) >= 20
     for model in all_models:
         assert model.model_config["extra"] == "forbid", model
@@ -66,8 +66,8 @@ def test_empty_file_is_refused_and_an_empty_section_is_the_default_config(tmp_pa
             load_config(write(tmp_path / "empty.yaml", text))
         assert str(err.value).startswith(str(tmp_path / "empty.yaml"))
     cfg = load_config(write(tmp_path / "run.yaml", "run: {}\n"))
-    assert cfg == UnirlConfig()
-    assert cfg.run.output_dir == "runs/unirl"
+    assert cfg == UniweaveConfig()
+    assert cfg.run.output_dir == "runs/uniweave"
     assert cfg.algorithm.name == "sft"
 
 
@@ -288,7 +288,7 @@ BASE_GRPO = {"algorithm": {"name": "grpo"}, "reward": {"plugins": [{"name": "mc_
     ],
 )
 def test_invalid_combinations_name_the_key(patch, key):
-    from unirl.config.yaml_io import deep_merge
+    from uniweave.config.yaml_io import deep_merge
 
     data = deep_merge(json.loads(json.dumps(BASE_GRPO)), patch)
     if data["algorithm"]["name"] != "grpo":
@@ -386,7 +386,7 @@ def test_diff_and_resume_conflicts():
     b = validate_config({**BASE_GRPO, "algorithm": {"name": "grpo", "scope": "global"}})
     assert diff_configs(a, b) == ["algorithm.scope"]
     c = validate_config({"trainer": {"total_updates": 500}, "logging": {"every": 10}})
-    sft = UnirlConfig()
+    sft = UniweaveConfig()
     assert diff_configs(sft, c) == ["trainer.total_updates", "logging.every"]
     switched = diff_configs(sft, a)  # a branch switch lists the keys of both branches
     assert {"reward.plugins", "algorithm.name", "algorithm.lambda_visual"} <= set(switched)
@@ -446,11 +446,11 @@ def test_shipped_recipes_load():
 
 
 def test_schema_keys_and_digits_size():
-    from unirl.config.schema import DIGITS_IMAGE_SIZE
-    from unirl.data.digits_images import IMAGE_SIZE
+    from uniweave.config.schema import DIGITS_IMAGE_SIZE
+    from uniweave.data.digits_images import IMAGE_SIZE
 
     assert DIGITS_IMAGE_SIZE == IMAGE_SIZE
-    keys = set(dotted_keys(UnirlConfig))
+    keys = set(dotted_keys(UniweaveConfig))
     assert {"trainer.optimizer.lr", "algorithm.kl.type", "algorithm.teacher.path"} <= keys
 
 
@@ -472,7 +472,7 @@ def test_an_inert_setting_names_the_file_that_set_it_and_its_default_is_harmless
     back = write(
         tmp_path / "back.yaml", "defaults: base.yaml\ntrainer: {lora: {enabled: false, r: 8}}\n"
     )
-    assert load_config(back).trainer.lora.model_dump() == UnirlConfig().trainer.lora.model_dump()
+    assert load_config(back).trainer.lora.model_dump() == UniweaveConfig().trainer.lora.model_dump()
     with pytest.raises(ConfigError) as info:
         load_config(back, ["trainer.lora.alpha=32"])
     assert info.value.key == "trainer.lora.alpha" and info.value.source == COMMAND_LINE

@@ -1,4 +1,4 @@
-"""The config reference (issue 30 item 2): `unirl config describe [KEY]` prints each
+"""The config reference (issue 30 item 2): `uniweave config describe [KEY]` prints each
 field's dotted key, type, default and description from the schema, and docs/config.md is
 generated from the same function (this test fails when it is stale)."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unirl import cli
-from unirl.config import UnirlConfig
-from unirl.config.introspect import dotted_keys
-from unirl.config.reference import field_docs, markdown
+from uniweave import cli
+from uniweave.config import UniweaveConfig
+from uniweave.config.introspect import dotted_keys
+from uniweave.config.reference import field_docs, markdown
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-REGENERATE = "python -m unirl config describe --markdown > docs/config.md"
+REGENERATE = "python -m uniweave config describe --markdown > docs/config.md"
 
 
 def test_docs_config_md_is_up_to_date():
@@ -24,7 +24,7 @@ def test_every_schema_key_is_described():
         d.key.replace("[sft]", "").replace("[grpo]", "").replace("[opd]", "") for d in field_docs()
     }
     listed = {k for k in plain if ".<i>." not in k}
-    assert set(dotted_keys(UnirlConfig)) <= listed
+    assert set(dotted_keys(UniweaveConfig)) <= listed
     assert all(d.type and d.default and d.description for d in field_docs())
 
 
@@ -62,8 +62,8 @@ def test_describe_stays_light():
     import sys
 
     code = (
-        "import json, sys\nimport unirl.cli\n"
-        "assert unirl.cli.main(['config', 'describe', 'run.seed']) == 0\n"
+        "import json, sys\nimport uniweave.cli\n"
+        "assert uniweave.cli.main(['config', 'describe', 'run.seed']) == 0\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     proc = subprocess.run(

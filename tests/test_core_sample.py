@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.core import (
+from uniweave.core import (
     GenerationRequest,
     ImagePart,
     Sample,

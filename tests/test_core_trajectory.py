@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from unirl.core import Modality, Owner, Trajectory, TrajectoryBatch
-from unirl.core.trajectory import validate_all
+from uniweave.core import Modality, Owner, Trajectory, TrajectoryBatch
+from uniweave.core.trajectory import validate_all
 
 PAD, IMG = 0, 9
 P, POL, C = int(Owner.PROMPT), int(Owner.POLICY), int(Owner.CONTROLLER)

@@ -1,5 +1,5 @@
 """`run.deterministic` (default on): the same command gives the same bits at a fixed thread
-count, also across a SIGKILL and a resume, for SFT and GRPO. The runs are real `unirl
+count, also across a SIGKILL and a resume, for SFT and GRPO. The runs are real `uniweave
 train` subprocesses at two intra-op threads (OMP_NUM_THREADS=2), where the
 non-deterministic kernels used to make two identical runs differ at ~1e-7."""
 
@@ -48,7 +48,7 @@ def grpo(run_dir: Path, assets: dict) -> dict:
 
 
 def train(cfg: dict, path: Path, fault: str | None = None) -> int:
-    env = {**TWO_THREADS, **({"UNIRL_FAULT": fault} if fault else {})}
+    env = {**TWO_THREADS, **({"UNIWEAVE_FAULT": fault} if fault else {})}
     done = run_cli(["train", str(write_config(path, cfg))], env_extra=env)
     assert done.returncode == (-9 if fault else 0), done.stderr[-2000:]
     return done.returncode

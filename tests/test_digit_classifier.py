@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.data.digits_images import load_split
-from unirl.rewards.digit_classifier import DigitClassifier
+from uniweave.data.digits_images import load_split
+from uniweave.rewards.digit_classifier import DigitClassifier
 
 
 @pytest.fixture(scope="module")

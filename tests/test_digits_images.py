@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from unirl.data.digits_images import SPLITS, load_split, split_indices
+from uniweave.data.digits_images import SPLITS, load_split, split_indices
 
 
 def test_splits_are_disjoint_and_cover_the_dataset():

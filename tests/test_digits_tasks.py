@@ -7,8 +7,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from unirl.core.sample import ImagePart, TextPart
-from unirl.data.digits import (
+from uniweave.core.sample import ImagePart, TextPart
+from uniweave.data.digits import (
     LETTERS,
     NEXT_PROMPT,
     TASKS,
@@ -17,7 +17,7 @@ from unirl.data.digits import (
     make_task_samples,
     permute_quadrants,
 )
-from unirl.data.digits_images import load_split, split_indices
+from uniweave.data.digits_images import load_split, split_indices
 
 OPTION_RE = re.compile(r"([A-D])\) ([0-9 ]+?)(?= [A-D]\)|\.)")
 
@@ -188,7 +188,7 @@ def test_i2t_open():
 
 
 def test_i2t_hint_names_the_digit_seventy_percent_of_the_time():
-    from unirl.data.tokenizer import build_tokenizer
+    from uniweave.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     n = 2000

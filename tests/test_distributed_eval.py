@@ -1,9 +1,9 @@
 """The run's evaluations shared across ranks under `trainer.parallel` ddp and fsdp2
-(`unirl.train.run`: `evaluation_model`, `evaluate_split`; `unirl.eval.runner`, "Several
+(`uniweave.train.run`: `evaluation_model`, `evaluate_split`; `uniweave.eval.runner`, "Several
 ranks"): the baseline evaluations (update 0), validation and the end-of-run test
 evaluation, all through one code path.
 
-`unirl train` with 2 spawned workers (gloo on CPU) runs one update with `eval_every` 1.
+`uniweave train` with 2 spawned workers (gloo on CPU) runs one update with `eval_every` 1.
 Every evaluation directory must hold exactly the records (every field, images included)
 that one process evaluating the same weights writes: the exported model for update 1,
 the model the config builds for update 0 (its weights_sha256 is checked first). No
@@ -25,9 +25,9 @@ import pytest
 from safetensors.torch import load_file
 from trainer_helpers import run_cli, tiny_config, write_config
 
-from unirl.config import validate_config
-from unirl.eval.runner import evaluate, split_config, task_metrics, weights_sha256
-from unirl.train.engine.build import build_model
+from uniweave.config import validate_config
+from uniweave.eval.runner import evaluate, split_config, task_metrics, weights_sha256
+from uniweave.train.engine.build import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributions import Bernoulli, Categorical, kl_divergence
 
-from unirl.core import TextCategorical, VisualBits, VisualCategorical, generator_for
+from uniweave.core import TextCategorical, VisualBits, VisualCategorical, generator_for
 
 SHAPES = [(7,), (3, 11), (2, 4, 5)]
 TEMPS = [1.0, 0.7, 2.5]

@@ -1,4 +1,4 @@
-"""GRPO's per-prompt diversity metrics (`unirl.train.rollouts.diversity`) against
+"""GRPO's per-prompt diversity metrics (`uniweave.train.rollouts.diversity`) against
 independent numpy computations on fixed samples: the code distance by broadcasting, the
 Vendi score from the singular values of the normalised features (eigenvalues of
 K / n = X̂ X̂ᵀ / n are the squared singular values of X̂ / √n), the classifier's features
@@ -14,14 +14,14 @@ import pytest
 import torch
 from trainer_helpers import grpo_config
 
-from unirl.config import validate_config
-from unirl.core.sample import ImagePart, Sample, TextPart
-from unirl.rewards import DigitClassifierReward, PluginSpec, RewardService
-from unirl.rewards.digit_classifier import DigitClassifier
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.rollouts.diversity import code_distance, diversity_metrics, vendi_score
+from uniweave.config import validate_config
+from uniweave.core.sample import ImagePart, Sample, TextPart
+from uniweave.rewards import DigitClassifierReward, PluginSpec, RewardService
+from uniweave.rewards.digit_classifier import DigitClassifier
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.rollouts.diversity import code_distance, diversity_metrics, vendi_score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,8 +169,8 @@ def test_a_grpo_rollout_logs_the_diversity_of_its_groups(tmp_path, small_vq_dir,
 def test_round_robin_merge_keeps_each_rows_features_and_sums_counts():
     """Rank r scored rows r, r + 2, ...: the merged features are in batch order, a shard
     without features gets NaN rows, and plugin counts add up."""
-    from unirl.rewards import RewardResult
-    from unirl.train.rollouts.scoring import merge_round_robin
+    from uniweave.rewards import RewardResult
+    from uniweave.train.rollouts.scoring import merge_round_robin
 
     def part(ids, features, counts):
         n = len(ids)
@@ -207,8 +207,8 @@ def test_round_robin_merge_keeps_each_rows_features_and_sums_counts():
 def test_clip_features_are_the_image_embeddings_its_score_uses(tiny_clip_dir):
     """cos(text embedding, ClipScore.features) is the cosine the score is built from
     (`ClipScore.similarity`), and rows without one image get NaN features."""
-    from unirl.rewards.base import Response
-    from unirl.rewards.clip_score import ClipScore
+    from uniweave.rewards.base import Response
+    from uniweave.rewards.clip_score import ClipScore
 
     rng = np.random.default_rng(3)
     clip = ClipScore(tiny_clip_dir)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from unirl.eval.drift import drift_to_noise
+from uniweave.eval.drift import drift_to_noise
 
 
 def _closed_form(y: np.ndarray) -> tuple[float, float]:

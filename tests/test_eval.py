@@ -1,4 +1,4 @@
-"""`unirl eval` end to end on the tiny model and a custom colour dataset."""
+"""`uniweave eval` end to end on the tiny model and a custom colour dataset."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 from eval_fixtures import make_dataset, write_config
 from PIL import Image
 
-from unirl.config import load_config
-from unirl.core.types import TRUNCATED_REASONS
-from unirl.eval import evaluate
-from unirl.train.engine.build import build_model
+from uniweave.config import load_config
+from uniweave.core.types import TRUNCATED_REASONS
+from uniweave.eval import evaluate
+from uniweave.train.engine.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_eval_resumes_after_sigkill(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "unirl",
+        "uniweave",
         "eval",
         str(config),
         "rollout.batch_size=1",
@@ -137,8 +137,8 @@ def test_eval_refuses_another_config_in_the_same_directory(tmp_path):
 
 def test_training_validates_and_tests_with_the_evaluator(tmp_path):
     """data.path runs: `val/<task>/*` every eval_every updates and eval.json at the end
-    come from the `unirl eval` evaluator (first data.<split>_size rows per task)."""
-    from unirl.train.run import run_train
+    come from the `uniweave eval` evaluator (first data.<split>_size rows per task)."""
+    from uniweave.train.run import run_train
 
     data = make_dataset(tmp_path / "data", 8)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -171,18 +171,18 @@ def _flat(summary: dict) -> dict[str, float]:
     return {f"{t}/{k}": v for t, stats in summary["tasks"].items() for k, v in stats.items()}
 
 
-def test_unirl_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
+def test_uniweave_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
     """One evaluator (issue 29): a short digits SFT run validates every eval_every
-    updates and writes eval.json at the end; `unirl eval` on the run's model/ with the
+    updates and writes eval.json at the end; `uniweave eval` on the run's model/ with the
     run's config and its test split gives exactly those numbers, and the logged val/
     metrics are the val evaluations' summaries."""
     from trainer_helpers import fit_small_codec, tiny_config
 
-    from unirl.cli import main
-    from unirl.config import validate_config
-    from unirl.data.digits_images import load_split
-    from unirl.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
-    from unirl.train.run import run_train
+    from uniweave.cli import main
+    from uniweave.config import validate_config
+    from uniweave.data.digits_images import load_split
+    from uniweave.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
+    from uniweave.train.run import run_train
 
     run_dir = tmp_path / "run"
     train = load_split("train")  # a small classifier where the run looks for its own
@@ -212,7 +212,7 @@ def test_unirl_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
     assert results["t2i/n_samples"] == 4.0 and "t2i/finish_length_exact_frac" in results
     for key in ("exact_match", "exact_match_unmasked", "exact_match_masked_image"):
         assert f"draw_then_answer/{key}" in results  # the masked-image probe is part of it
-    out = tmp_path / "unirl-eval"
+    out = tmp_path / "uniweave-eval"
     argv = [
         "eval",
         str(run_dir / "config.yaml"),
@@ -251,8 +251,8 @@ def test_unirl_eval_of_a_trained_run_reproduces_its_eval_json(tmp_path):
 
 
 def test_every_digits_task_declares_a_default_verifier():
-    from unirl.config import DIGITS_TASKS
-    from unirl.rewards import PLUGINS, TASK_VERIFIERS
+    from uniweave.config import DIGITS_TASKS
+    from uniweave.rewards import PLUGINS, TASK_VERIFIERS
 
     assert set(TASK_VERIFIERS) == set(DIGITS_TASKS)
     assert all(v.plugin in PLUGINS for v in TASK_VERIFIERS.values())
@@ -261,9 +261,9 @@ def test_every_digits_task_declares_a_default_verifier():
 def test_a_task_nothing_can_score_is_a_config_error(tmp_path):
     """data.path rows of a task without a default verifier and no reward.plugins: a
     ConfigError naming reward.plugins before anything is written (no silent zeros)."""
-    from unirl.config import ConfigError, UnirlConfig
-    from unirl.eval import run_eval
-    from unirl.train.run import run_train
+    from uniweave.config import ConfigError, UniweaveConfig
+    from uniweave.eval import run_eval
+    from uniweave.train.run import run_train
 
     data = make_dataset(tmp_path / "data", 4)
     path = write_config(tmp_path, data)
@@ -271,7 +271,7 @@ def test_a_task_nothing_can_score_is_a_config_error(tmp_path):
         "reward: {plugins: [{name: text_exact, tasks: [colour_qa]}]}\n", ""
     )
     path.write_text(text + f"evaluation: {{output_dir: {tmp_path / 'out'}}}\n")
-    cfg: UnirlConfig = load_config(path)
+    cfg: UniweaveConfig = load_config(path)
     with pytest.raises(ConfigError, match="colour_qa.*no default verifier") as err:
         run_eval(cfg)
     assert err.value.key == "reward.plugins" and not (tmp_path / "out").exists()
@@ -285,9 +285,9 @@ def test_one_definition_of_passing():
     a classifier's 0.9999 passes), in evaluation and in GRPO/OPD's accuracy."""
     import torch
 
-    from unirl.config import EvaluationConfig
-    from unirl.rewards import RewardResult, passes
-    from unirl.train.rollouts.stats import row_passes, task_accuracy
+    from uniweave.config import EvaluationConfig
+    from uniweave.rewards import RewardResult, passes
+    from uniweave.train.rollouts.stats import row_passes, task_accuracy
 
     threshold = EvaluationConfig().pass_threshold
     total = torch.tensor([0.9999, 1.0, 0.5, 0.4999, 0.0])
@@ -352,10 +352,10 @@ def test_max_samples_is_stratified_by_task(tmp_path):
     assert len(others | {frozenset(four)}) > 1  # the draw depends on data.seed
 
 
-def test_unirl_eval_of_a_task_nothing_can_score_exits_2(tmp_path, capsys):
-    """The command line: `unirl eval` with the quickstart recipe and no reward plugin exits
+def test_uniweave_eval_of_a_task_nothing_can_score_exits_2(tmp_path, capsys):
+    """The command line: `uniweave eval` with the quickstart recipe and no reward plugin exits
     2 with one line naming the key, before a model is built or anything written."""
-    from unirl.cli import main
+    from uniweave.cli import main
 
     out = tmp_path / "eval"
     recipe = str(ROOT / "recipes" / "examples" / "own_data_tiny.yaml")

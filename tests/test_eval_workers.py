@@ -1,4 +1,4 @@
-"""`evaluation.workers_per_gpu` (unirl.eval.runner): N evaluation workers in one process,
+"""`evaluation.workers_per_gpu` (uniweave.eval.runner): N evaluation workers in one process,
 each a thread with its own deep copy of the model, claiming engine batches from the same
 queue.
 
@@ -21,9 +21,9 @@ import threading
 import pytest
 from trainer_helpers import tiny_config
 
-from unirl.config import validate_config
-from unirl.eval.runner import engine_rollout, evaluate, split_config
-from unirl.train.engine.build import build_model
+from uniweave.config import validate_config
+from uniweave.eval.runner import engine_rollout, evaluate, split_config
+from uniweave.train.engine.build import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,7 @@
 """The masked-drawn-image answer evaluation: where it cuts, that the mask removes every
 path from the drawn image (codes changed -> same hidden state), that without mixers it
 equals deleting those positions (positions kept), and the end-to-end metrics (the probe
-runs inside the one evaluator, `unirl.eval.runner.evaluate`, on its rollouts)."""
+runs inside the one evaluator, `uniweave.eval.runner.evaluate`, on its rollouts)."""
 
 import dataclasses
 import json
@@ -10,18 +10,18 @@ import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
 
-from unirl.config import validate_config
-from unirl.core.types import Modality, Owner
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.eval.masked import (
+from uniweave.config import validate_config
+from uniweave.core.types import Modality, Owner
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.eval.masked import (
     TASK,
     cut_after_drawn_image,
     evaluate_masked_answer,
     last_hidden,
 )
-from unirl.eval.runner import engine_rollout, eval_samples, evaluate, make_request
-from unirl.models.base import ModelInputs, image_positions
+from uniweave.eval.runner import engine_rollout, eval_samples, evaluate, make_request
+from uniweave.models.base import ModelInputs, image_positions
 
 
 def _prefixes(model, n=3):

@@ -1,6 +1,6 @@
-"""`unirl models write-full-shape`: the hub's file layout, the published sizes' key set at
-tiny widths (`--shape small`), the loaders reading exactly that layout, and `unirl
-inspect` / `unirl plan` accepting the directory.
+"""`uniweave models write-full-shape`: the hub's file layout, the published sizes' key set at
+tiny widths (`--shape small`), the loaders reading exactly that layout, and `uniweave
+inspect` / `uniweave plan` accepting the directory.
 
 The hub lists below are written from knowledge of the two repositories (no copy is
 reachable from here); `NOT_WRITTEN` names each hub file the writer leaves out and why.
@@ -16,11 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from unirl import cli
-from unirl.models.full_shape import write_full_shape
-from unirl.models.hub_layout import INDEX, iter_hub_files, meta_state_shapes
-from unirl.models.janus_pro.full_shape import JANUS_IDS, JANUS_TOKENS, janus_config, janus_tokenizer
-from unirl.models.uniar.full_shape import QWEN_ADDED, QWEN_BASE
+from uniweave import cli
+from uniweave.models.full_shape import write_full_shape
+from uniweave.models.hub_layout import INDEX, iter_hub_files, meta_state_shapes
+from uniweave.models.janus_pro.full_shape import (
+    JANUS_IDS,
+    JANUS_TOKENS,
+    janus_config,
+    janus_tokenizer,
+)
+from uniweave.models.uniar.full_shape import QWEN_ADDED, QWEN_BASE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,13 +43,13 @@ HUB_FILES = {
     },
 }  # fmt: skip
 NOT_WRITTEN = {
-    # unirl renders its own chat templates (janus_pro.template, uniar.template)
+    # uniweave renders its own chat templates (janus_pro.template, uniar.template)
     "chat_template.jinja",
     "chat_template.json",
     # the BPE's slow-tokenizer files: the writer's tokenizer is WordLevel (no merges)
     "merges.txt",
     "vocab.json",
-    # video input is not built in unirl
+    # video input is not built in uniweave
     "video_preprocessor_config.json",
 }
 CONFIG_KEYS = {
@@ -134,8 +139,8 @@ def test_small_shape_has_the_full_shape_key_set(small):
     else:
         from transformers import Qwen3VLForConditionalGeneration
 
-        from unirl.models.uniar.full_shape import codec, qwen_config, qwen_tokenizer
-        from unirl.models.uniar.model import UniARModel
+        from uniweave.models.uniar.full_shape import codec, qwen_config, qwen_tokenizer
+        from uniweave.models.uniar.model import UniARModel
 
         tok = qwen_tokenizer(True)  # the small tokenizer: only the shapes differ
         config = qwen_config(False, tok)
@@ -157,14 +162,14 @@ def test_the_loaders_read_the_layout_exactly(small):
     if name == "janus-pro-1b":
         from transformers import JanusForConditionalGeneration
 
-        from unirl.models.janus_pro.loading import load_parts
+        from uniweave.models.janus_pro.loading import load_parts
 
         _, info = JanusForConditionalGeneration.from_pretrained(str(out), output_loading_info=True)
         assert not any(info.values()), info  # no missing / unexpected / mismatched key
         model, tokenizer, _ = load_parts(out)
         loaded = model.model.language_model.embed_tokens.weight
     else:
-        from unirl.models.uniar.model import UniARModel
+        from uniweave.models.uniar.model import UniARModel
 
         model = UniARModel.from_pretrained(out)
         loaded = model.model.language_model.embed_tokens.weight
@@ -177,7 +182,7 @@ def test_uniar_loader_refuses_a_missing_shard(tmp_path):
     write_full_shape("qwen3-vl-2b", out, "small")
     last = sorted(set(json.loads((out / INDEX).read_text())["weight_map"].values()))[-1]
     (out / last).unlink()
-    from unirl.models.uniar.model import UniARModel
+    from uniweave.models.uniar.model import UniARModel
 
     with pytest.raises(ValueError, match=f"names shard {last}, which is missing"):
         UniARModel.from_pretrained(out)
@@ -196,7 +201,7 @@ def test_full_shape_tokenizers_have_the_real_ids_and_sizes():
     tok = janus_tokenizer(False)
     assert len(tok) == JANUS_TOKENS
     assert {t: tok.convert_tokens_to_ids(t) for t in JANUS_IDS} == JANUS_IDS
-    from unirl.models.uniar.full_shape import qwen_tokenizer
+    from uniweave.models.uniar.full_shape import qwen_tokenizer
 
     qwen = qwen_tokenizer(False)
     added = {t: qwen.convert_tokens_to_ids(t) for t in QWEN_ADDED}
@@ -214,10 +219,10 @@ def test_writer_refuses_a_non_empty_directory_before_writing(tmp_path):
 
 
 def test_cli_names_the_writer_list_and_refuses_unknown_names(tmp_path, capsys):
-    """The parser does not import `unirl.models` (so `--help` and `inspect` stay light):
+    """The parser does not import `uniweave.models` (so `--help` and `inspect` stay light):
     its help spells the names out, which must be the writer's list, and an unknown name or
     shape is refused by the writer with a one-line error listing the known ones."""
-    from unirl.models.full_shape import NAMES, SHAPES
+    from uniweave.models.full_shape import NAMES, SHAPES
 
     assert cli.main(["models", "write-full-shape", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())

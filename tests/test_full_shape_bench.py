@@ -1,6 +1,6 @@
 """`bench/full_shape.py --tiny` (the full-shape CPU bench at `write-full-shape --shape small`
 sizes): every phase runs through the real trainer, the measurements are consistent, and
-the in-process plan equals what `unirl plan --host` prints (the bench checks that itself
+the in-process plan equals what `uniweave plan --host` prints (the bench checks that itself
 and exits non-zero otherwise)."""
 
 from __future__ import annotations

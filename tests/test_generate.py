@@ -1,5 +1,5 @@
-"""`unirl generate` on a freshly initialised tiny model writes a PNG grid and JSON; it
-takes an input image (`--image`), scores its samples as `unirl eval` would (`--task`,
+"""`uniweave generate` on a freshly initialised tiny model writes a PNG grid and JSON; it
+takes an input image (`--image`), scores its samples as `uniweave eval` would (`--task`,
 `--answer`) and prints each image sample's PNG path."""
 
 import json
@@ -56,7 +56,7 @@ def test_generate_scores_like_eval_reads_an_image_and_defaults_its_out(tmp_path,
     exactly on the samples that said it, 0 elsewhere (checked against the texts, not
     the scorer). `--image` puts the image in the prompt: the same seeds answer otherwise.
     Without `--out`, the files go to <run.output_dir>/generations."""
-    from unirl import cli
+    from uniweave import cli
 
     run = tmp_path / "run"
     cfg = tiny_config(run, small_vq_dir, reward={"plugins": [{"name": "text_exact"}]})

@@ -26,22 +26,22 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.config import RolloutConfig, load_config, validate_config
-from unirl.core.sample import validate_groups
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.data.tokenizer import SpecialIds
-from unirl.forward import body_hidden
-from unirl.replay import replay_logprobs
-from unirl.rewards import PLUGINS, RewardError, RewardPlugin
-from unirl.rollout import SamplingParams
-from unirl.rollout.config import sampling_params
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.engine.metrics import read_metrics
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.grpo.objective import scored_mask
+from uniweave.config import RolloutConfig, load_config, validate_config
+from uniweave.core.sample import validate_groups
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.data.tokenizer import SpecialIds
+from uniweave.forward import body_hidden
+from uniweave.replay import replay_logprobs
+from uniweave.rewards import PLUGINS, RewardError, RewardPlugin
+from uniweave.rollout import SamplingParams
+from uniweave.rollout.config import sampling_params
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.metrics import read_metrics
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.grpo.objective import scored_mask
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -331,7 +331,7 @@ def test_sigkill_during_rollout_and_checkpoint_write_resumes_bitwise(tmp_path, a
     fit_metrics(make_grpo_trainer(load_config(config("ref"))))  # one thread, as the subprocesses
     path = config("killed")
     for fault in ("rollout:3", "checkpoint_write:4"):
-        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        killed = run_cli(["train", str(path)], env_extra={"UNIWEAVE_FAULT": fault})
         assert killed.returncode == -9, (fault, killed.stderr[-2000:])
     resumed = run_cli(["train", str(path)])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -483,7 +483,7 @@ def test_sigkill_during_a_round_of_two_updates_resumes_bitwise(tmp_path, assets)
     fit_metrics(make_grpo_trainer(config("ref")))  # one thread, as the subprocesses
     path = write_config(tmp_path / "killed.yaml", config("killed"))
     for fault in ("after_update:2", "after_update:4"):
-        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        killed = run_cli(["train", str(path)], env_extra={"UNIWEAVE_FAULT": fault})
         assert killed.returncode == -9, (fault, killed.stderr[-2000:])
     assert sorted(p.name for p in (tmp_path / "killed" / "rollouts").iterdir()) == [
         "round-000000-rank0.pt",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.algorithms.grpo import (
+from uniweave.algorithms.grpo import (
     LossCounts,
     aggregate,
     clipped_surrogate,
@@ -19,7 +19,7 @@ from unirl.algorithms.grpo import (
     kl_penalty,
     kl_penalty_factors,
 )
-from unirl.core.distributions import TextCategorical, VisualBits
+from uniweave.core.distributions import TextCategorical, VisualBits
 
 EPS = 1e-6
 
@@ -336,8 +336,8 @@ def test_blockwise_jsd_and_entropy_match_the_dense_formulas(monkeypatch):
     backward, `blockwise_entropy`; a few rows at a time) equal the dense generalised JSD
     (autograd gradient) and the entropy, with truncated (top-k, -inf) supports on both
     sides."""
-    from unirl.core import distributions
-    from unirl.core.distributions import (
+    from uniweave.core import distributions
+    from uniweave.core.distributions import (
         blockwise_entropy,
         entropy_from_logp,
         generalized_jsd,

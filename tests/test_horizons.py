@@ -10,9 +10,9 @@ import pytest
 import torch
 from trainer_helpers import fit_small_codec, tiny_config
 
-from unirl.config import ConfigError, RolloutConfig, validate_config
-from unirl.rollout import SamplingParams
-from unirl.rollout.config import sampling_params
+from uniweave.config import ConfigError, RolloutConfig, validate_config
+from uniweave.rollout import SamplingParams
+from uniweave.rollout.config import sampling_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
@@ -71,8 +71,8 @@ def _sft_config(tmp_path, codec, **data):
 
 def test_sft_rows_over_the_sequence_limit_are_refused_or_dropped(tmp_path, caplog):
     """Digits rows serialise to 36 (t2i) and 52 (i2t_mc) positions on the tiny model."""
-    from unirl.train.engine.build import build_model
-    from unirl.train.methods.sft.source import sft_trajectories
+    from uniweave.train.engine.build import build_model
+    from uniweave.train.methods.sft.source import sft_trajectories
 
     codec = fit_small_codec(tmp_path / "vq", "vq")
     cfg = _sft_config(tmp_path, codec)
@@ -98,8 +98,8 @@ def test_sft_rows_over_the_sequence_limit_are_refused_or_dropped(tmp_path, caplo
 def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
     import json
 
-    from unirl.train.engine.build import build_model
-    from unirl.train.methods.sft.source import sft_trajectories
+    from uniweave.train.engine.build import build_model
+    from uniweave.train.methods.sft.source import sft_trajectories
 
     rows = tmp_path / "rows.jsonl"
     words = ["one", "two " * 30]
@@ -120,8 +120,8 @@ def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
 def uniar():
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.codecs.base import single_thread
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.codecs.base import single_thread
+    from uniweave.models.uniar import build_tiny_uniar
 
     with single_thread():
         yield build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0)
@@ -151,9 +151,9 @@ def test_a_uniar_rollout_never_starts_an_image_outside_1_to_30(
     rollout.max_grid_side 32 (the default) a side of 31 is still no valid header for
     UniAR (its serialisation allows 1..30): the row ends "invalid" and holds no image;
     30 starts one."""
-    from unirl.core.sample import Sample, TextPart
-    from unirl.data.template import image_generation_prefix
-    from unirl.rollout import RolloutEngine, RolloutRequest
+    from uniweave.core.sample import Sample, TextPart
+    from uniweave.data.template import image_generation_prefix
+    from uniweave.rollout import RolloutEngine, RolloutRequest
 
     assert uniar.max_grid_side == 30
     script = image_generation_prefix(height, width, uniar.tokenizer)
@@ -181,7 +181,7 @@ def test_bf16_rollouts_compute_the_visual_logits_in_bf16(monkeypatch):
     config knob reaches the GRPO rollout service and is refused where nothing reads it."""
     from rollout_fixtures import tiny_model
 
-    from unirl.rollout import RolloutEngine, RolloutRequest
+    from uniweave.rollout import RolloutEngine, RolloutRequest
 
     model = tiny_model("vq")
     seen = []
@@ -194,7 +194,7 @@ def test_bf16_rollouts_compute_the_visual_logits_in_bf16(monkeypatch):
 
     monkeypatch.setattr(model, "visual_logits", logits, raising=False)
     params = SamplingParams(guidance=5.0, max_new_tokens=16, length_semantics="exact")
-    from unirl.data.digits import make_task_samples
+    from uniweave.data.digits import make_task_samples
 
     reqs = [RolloutRequest(s, k, params, image_grid=(4, 4))
             for k, s in enumerate(make_task_samples("t2i", "val", 4, seed=1))]  # fmt: skip

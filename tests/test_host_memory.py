@@ -1,4 +1,4 @@
-"""`run.host_mmap_threshold` (unirl.core.host_memory): with glibc's dynamic threshold a
+"""`run.host_mmap_threshold` (uniweave.core.host_memory): with glibc's dynamic threshold a
 freed mid-size tensor stays resident; with the threshold fixed it goes back to the OS.
 
 Each case runs in a fresh interpreter: the threshold is process-wide and glibc's dynamic
@@ -12,8 +12,8 @@ import platform
 import pytest
 from allocator_helpers import MiB, resident_after_free
 
-from unirl.config import ConfigError, load_config
-from unirl.core.host_memory import MAX_THRESHOLD
+from uniweave.config import ConfigError, load_config
+from uniweave.core.host_memory import MAX_THRESHOLD
 
 pytestmark = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's"

@@ -1,4 +1,4 @@
-"""Hub ids for model directories (`unirl.config.hub`): resolved from a hub cache laid out
+"""Hub ids for model directories (`uniweave.config.hub`): resolved from a hub cache laid out
 as huggingface_hub lays it out (`models--org--name/{blobs,refs/main,snapshots/<rev>/}`,
 snapshot files symlinked to blobs), `HF_HUB_OFFLINE` honoured, one-line errors naming
 the key and the id."""
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from unirl import cli
-from unirl.config import ConfigError, load_config
-from unirl.config.hub import is_hub_id, resolve, resolve_hub_ids
-from unirl.models.full_shape import write_full_shape
+from uniweave import cli
+from uniweave.config import ConfigError, load_config
+from uniweave.config.hub import is_hub_id, resolve, resolve_hub_ids
+from uniweave.models.full_shape import write_full_shape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,7 +115,7 @@ def test_an_uncached_unreachable_id_online_is_one_line(offline):
            "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2",
            "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "unirl", "inspect", GRPO, "model.path=acme/absent"],
+        [sys.executable, "-m", "uniweave", "inspect", GRPO, "model.path=acme/absent"],
         env=env,
         capture_output=True,
         text=True,

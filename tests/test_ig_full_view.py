@@ -11,15 +11,15 @@ import dataclasses
 import pytest
 from rollout_fixtures import tiny_model, tokenizer
 
-from unirl.codecs.base import single_thread
-from unirl.config.algorithms import SFTConfig
-from unirl.core.seeding import seed_for
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.sft.information_gain import scored_events
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.codecs.base import single_thread
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.seeding import seed_for
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.sft.information_gain import scored_events
+from uniweave.train.methods.sft.objective import SFTObjective
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,16 +14,16 @@ import pytest
 import torch
 from trainer_helpers import tiny_config
 
-from unirl.algorithms.information_gain import unit_scores
-from unirl.codecs.base import single_thread
-from unirl.config import validate_config
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.forward import forward_interleaved
-from unirl.rewards.digit_classifier import CLASSIFIER_DIR
-from unirl.train.engine.build import build_model
-from unirl.train.methods.sft.information_gain import blind_scores, scored_events
-from unirl.train.methods.sft.source import sft_trajectories
-from unirl.train.run import _val_evaluator, ig_report_path, run_train
+from uniweave.algorithms.information_gain import unit_scores
+from uniweave.codecs.base import single_thread
+from uniweave.config import validate_config
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.forward import forward_interleaved
+from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
+from uniweave.train.engine.build import build_model
+from uniweave.train.methods.sft.information_gain import blind_scores, scored_events
+from uniweave.train.methods.sft.source import sft_trajectories
+from uniweave.train.run import _val_evaluator, ig_report_path, run_train
 
 QS = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
 NAMES = ("p00", "p05", "p25", "p50", "p75", "p95", "p100")

@@ -14,15 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.codecs.base import single_thread
-from unirl.config import validate_config
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import vocabulary_texts
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.grpo.objective import scored_mask
+from uniweave.codecs.base import single_thread
+from uniweave.config import validate_config
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import vocabulary_texts
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.grpo.objective import scored_mask
 
 COEF = 0.5
 

@@ -1,5 +1,5 @@
 """Every config knob acts (issue 13): a walk over the whole schema, every leaf field of
-`UnirlConfig` and of each algorithm variant, checked against a registry.
+`UniweaveConfig` and of each algorithm variant, checked against a registry.
 
 Each field either has a probe, a small real case in which two values of the field give a
 different behaviour or output (the runtime object built from the config, a 1-3 update
@@ -31,28 +31,33 @@ import torch.distributed as dist
 from PIL import Image
 from pydantic import BaseModel
 
-from unirl.config import ConfigError, UnirlConfig, resume_conflicts, validate_config
-from unirl.config.introspect import is_model, strip_optional, union_branches
-from unirl.core.sample import ImagePart
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.images import processor_for
-from unirl.data.loader import DatasetError
-from unirl.data.rows import split_rows
-from unirl.eval.runner import eval_samples, evaluate, make_request, run_eval
-from unirl.models import check_model_config
-from unirl.models.tiny.build import new_codec
-from unirl.rewards.digit_classifier import CLASSIFIER_DIR
-from unirl.rewards.service import build_reward_service
-from unirl.rollout.config import sampling_params
-from unirl.rollout.engine import context_length
-from unirl.train.dist.comm import DistInfo, init_distributed, shutdown_distributed
-from unirl.train.engine.build import build_model, config_tokenizer, resolve_device, set_determinism
-from unirl.train.engine.metrics import MetricsLogger
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.opd.objective import OPDObjective
-from unirl.train.run import (
+from uniweave.config import ConfigError, UniweaveConfig, resume_conflicts, validate_config
+from uniweave.config.introspect import is_model, strip_optional, union_branches
+from uniweave.core.sample import ImagePart
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.images import processor_for
+from uniweave.data.loader import DatasetError
+from uniweave.data.rows import split_rows
+from uniweave.eval.runner import eval_samples, evaluate, make_request, run_eval
+from uniweave.models import check_model_config
+from uniweave.models.tiny.build import new_codec
+from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
+from uniweave.rewards.service import build_reward_service
+from uniweave.rollout.config import sampling_params
+from uniweave.rollout.engine import context_length
+from uniweave.train.dist.comm import DistInfo, init_distributed, shutdown_distributed
+from uniweave.train.engine.build import (
+    build_model,
+    config_tokenizer,
+    resolve_device,
+    set_determinism,
+)
+from uniweave.train.engine.metrics import MetricsLogger
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.opd.objective import OPDObjective
+from uniweave.train.run import (
     JOBS,
     _prepare_model,
     _val_evaluator,
@@ -60,7 +65,7 @@ from unirl.train.run import (
     prepare_run_dir,
     run_train,
 )
-from unirl.train.state.checkpoint import checkpoint_dir
+from uniweave.train.state.checkpoint import checkpoint_dir
 
 EXEMPT: dict[str, str] = {
     "logging.progress_bar": "draws only on an interactive terminal (never under pytest/CI); "
@@ -171,7 +176,9 @@ GRPO = {
 }
 
 
-def config(kit: SimpleNamespace, changes: dict[str, Any], base: dict | None = None) -> UnirlConfig:
+def config(
+    kit: SimpleNamespace, changes: dict[str, Any], base: dict | None = None
+) -> UniweaveConfig:
     """The kit's base config (deep-merged with `base`) with dotted `changes` applied."""
     data = copy.deepcopy(kit.base)
     for section, values in (base or {}).items():
@@ -187,7 +194,7 @@ def config(kit: SimpleNamespace, changes: dict[str, Any], base: dict | None = No
 
 def differs(
     kit: SimpleNamespace,
-    observe: Callable[[UnirlConfig], Any],
+    observe: Callable[[UniweaveConfig], Any],
     key: str,
     a: Any,
     b: Any,
@@ -201,8 +208,8 @@ def differs(
     assert first != second, f"{key}: {a!r} and {b!r} both give {first!r}"
 
 
-def make_trainer(cfg: UnirlConfig, run_dir: Path | None = None) -> Trainer:
-    """What `unirl train` builds (model, job, trainer) without the run-directory files."""
+def make_trainer(cfg: UniweaveConfig, run_dir: Path | None = None) -> Trainer:
+    """What `uniweave train` builds (model, job, trainer) without the run-directory files."""
     run_dir = Path(run_dir or cfg.run.output_dir)
     model = _prepare_model(cfg, run_dir, torch.device("cpu"))
     source, objective = JOBS[cfg.algorithm.name](cfg, model, run_dir, DistInfo())
@@ -218,7 +225,7 @@ def make_trainer(cfg: UnirlConfig, run_dir: Path | None = None) -> Trainer:
     )
 
 
-def steps(cfg: UnirlConfig) -> list[tuple[float, ...]]:
+def steps(cfg: UniweaveConfig) -> list[tuple[float, ...]]:
     """(loss, grad_norm, lr, clip_scale) of each update of a run that writes no files."""
     trainer = make_trainer(cfg)
     out = []
@@ -236,7 +243,7 @@ def copy_classifier(kit: SimpleNamespace, run_dir: Path) -> None:
         (run_dir / CLASSIFIER_DIR / f.name).write_bytes(f.read_bytes())
 
 
-def fit_run(kit: SimpleNamespace, cfg: UnirlConfig) -> tuple[Path, list[dict]]:
+def fit_run(kit: SimpleNamespace, cfg: UniweaveConfig) -> tuple[Path, list[dict]]:
     """A real `Trainer.fit` into a fresh run directory; the directory and the metrics."""
     run_dir = Path(cfg.run.output_dir)
     assert not run_dir.exists()
@@ -277,7 +284,7 @@ def _run_device(kit):
 
 @probe("run.deterministic")
 def _run_deterministic(kit):
-    """`unirl train` switches torch's deterministic kernels as the setting says (the bits
+    """`uniweave train` switches torch's deterministic kernels as the setting says (the bits
     it buys are tested in tests/test_determinism.py)."""
     before = torch.are_deterministic_algorithms_enabled()
 
@@ -405,7 +412,7 @@ def _data(kit):
 @probe("data.max_sequence_tokens", "data.over_length")
 def _sequence_limit(kit):
     """Which serialised SFT rows a run keeps (t2i rows are shorter than i2t_mc rows)."""
-    from unirl.train.methods.sft.source import sft_trajectories
+    from uniweave.train.methods.sft.source import sft_trajectories
 
     observe = lambda c: len(sft_trajectories(c, build_model(c), "train", 4))  # noqa: E731
     differs(kit, observe, "data.max_sequence_tokens", 64, 40, data__over_length="drop")
@@ -502,7 +509,7 @@ ROLLOUT_CHANGES = {
 def _rollout(kit):
     """The engine's SamplingParams (each field maps onto one SamplingParams field)."""
     observe = lambda c: sampling_params(c.rollout)  # noqa: E731
-    default = UnirlConfig().rollout
+    default = UniweaveConfig().rollout
     acts_with = {  # what the setting acts only with (refused otherwise)
         "guidance_logprob": {"rollout__guidance": 2.0},
         "bit_temperature": {"model__visual_head": "bsq", "model__codec__path": str(kit.bsq)},
@@ -512,7 +519,7 @@ def _rollout(kit):
                 data__tasks=["t2i"], **acts_with.get(name, {}))  # fmt: skip
 
 
-def service_view(c: UnirlConfig, kit) -> tuple:
+def service_view(c: UniweaveConfig, kit) -> tuple:
     """What the reward service built from the config holds."""
     svc = build_reward_service(c.reward, decode_images=lambda codes: codes)
     specs = tuple(
@@ -588,7 +595,7 @@ def _soft_bsq(kit):
 IG = "algorithm.information_gain."
 
 
-def ig_step(cfg: UnirlConfig) -> tuple[float, ...]:
+def ig_step(cfg: UniweaveConfig) -> tuple[float, ...]:
     """The first update's loss and IG metrics on the interleaved task."""
     m = make_trainer(cfg).step()
     keys = ("loss", "ig/loss", "ig/rows", "ig/blind_calls", "ig/full_calls",
@@ -626,7 +633,7 @@ def _information_gain(kit):
 ND = "algorithm.necessity_distillation."
 
 
-def nd_steps(cfg: UnirlConfig) -> list[tuple[float, ...]]:
+def nd_steps(cfg: UniweaveConfig) -> list[tuple[float, ...]]:
     """Each update's loss and necessity-distillation metrics (update 1's EMA is the
     model itself, so the decay shows from update 2 on)."""
     trainer = make_trainer(cfg)
@@ -656,7 +663,7 @@ def _necessity_distillation(kit):
     differs(kit, nd_steps, ND + "chunk_size", 16, 1, **on)
 
 
-def grpo_ig_rollout(cfg: UnirlConfig) -> tuple:
+def grpo_ig_rollout(cfg: UniweaveConfig) -> tuple:
     """The first rollout batch's advantages and RL-IG metrics."""
     rollout = make_trainer(cfg).source.rollout(0)
     metrics = tuple(sorted((k, v) for k, v in rollout.metrics.items() if k.startswith("ig/")))
@@ -677,8 +684,8 @@ def _grpo_information_gain(kit):
     differs(kit, grpo_ig_rollout, key + "chunk_size", 16, 1, grpo, **on)
     # wiring: the advantages are the group advantages of r + λ·clip(N, −c, c), N of the
     # policy that rolled out (scored again here on the same rows), and N is logged per task
-    from unirl.algorithms.grpo import group_advantages
-    from unirl.algorithms.necessity import rollout_necessity
+    from uniweave.algorithms.grpo import group_advantages
+    from uniweave.algorithms.necessity import rollout_necessity
 
     cfg = config(kit, {**{k.replace("__", "."): v for k, v in on.items()},
                        key + "clip": 0.05}, grpo)  # fmt: skip
@@ -767,13 +774,13 @@ def _opd(kit):
             base)  # fmt: skip
 
 
-def _answer_row_loss(cfg: UnirlConfig) -> float:
+def _answer_row_loss(cfg: UniweaveConfig) -> float:
     """The OPD loss of one distilled draw-then-answer row (its reference answer as the
     response, ended by eos: text and image segments complete, which a random student's
     rollout rarely gives)."""
     from dataclasses import replace
 
-    from unirl.train.methods.opd.source import DistillRecord
+    from uniweave.train.methods.opd.source import DistillRecord
 
     trainer = make_trainer(cfg)
     sample = make_task_samples("draw_then_answer", "train", 1, seed=0)[0]
@@ -925,7 +932,7 @@ def _ray_workers(kit):
     """What the Ray pools are started with (`RayPlan`: ray.init arguments, actor counts,
     each actor's resources and device, the replacement budget), without starting Ray;
     real runs with actors, a killed actor and a spent budget: tests/test_ray_workers.py."""
-    from unirl.train.rollouts.workers import RayPlan
+    from uniweave.train.rollouts.workers import RayPlan
 
     plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
     grpo = {**GRPO, "reward": {"plugins": plugins}}
@@ -1231,7 +1238,7 @@ def _run_parent(kit):
 @probe("model.initial_adapter")
 def _initial_adapter(kit):
     """A LoRA run's adapter (written by `save_adapter`) is what the run's LoRA starts from."""
-    from unirl.train.engine.adapters import lora_targets, save_adapter
+    from uniweave.train.engine.adapters import lora_targets, save_adapter
 
     lora = {"enabled": True, "r": 2, "target_modules": r".*\.(q_proj|v_proj)$"}
     base = {"model": {"path": str(kit.saved), "tiny": {}, "codec": {}}, "trainer": {"lora": lora}}
@@ -1290,7 +1297,7 @@ def _logger(kit):
 # -- the coverage check and the probes themselves -----------------------------------
 
 
-# -- your own data and `unirl eval` ---------------------------------------------------
+# -- your own data and `uniweave eval` ---------------------------------------------------
 
 
 def own_rows(kit: SimpleNamespace) -> dict[str, Path]:
@@ -1332,7 +1339,7 @@ def own_base(kit: SimpleNamespace) -> dict[str, Any]:
     }
 
 
-def own_config(kit: SimpleNamespace, changes: dict[str, Any]) -> UnirlConfig:
+def own_config(kit: SimpleNamespace, changes: dict[str, Any]) -> UniweaveConfig:
     return config(kit, changes, own_base(kit))
 
 
@@ -1390,7 +1397,7 @@ def _own_rows(kit):
 def _own_tokenizer(kit):
     """The tiny model's tokenizer trained on the rows: its vocabulary."""
 
-    def vocab(c: UnirlConfig) -> int:
+    def vocab(c: UniweaveConfig) -> int:
         return len(config_tokenizer(c, Path(fresh_dir(kit))))
 
     digits = kit.root / "digit_answers.jsonl"
@@ -1422,12 +1429,12 @@ def _own_tokenizer(kit):
     "evaluation.output_dir",
 )
 def _evaluation(kit):
-    """`unirl eval` on the kit's tiny model: which rows, how many rollouts, how they are
+    """`uniweave eval` on the kit's tiny model: which rows, how many rollouts, how they are
     drawn and passed, and where the results go."""
     tmp_path = scratch(kit)
     model = build_model(own_config(kit, {})).eval()
 
-    def records(c: UnirlConfig) -> tuple:
+    def records(c: UniweaveConfig) -> tuple:
         out = tmp_path / f"eval{next(_runs)}"
         summary = evaluate(c, model, out)
         lines = (out / "results.jsonl").read_text().splitlines()
@@ -1466,7 +1473,7 @@ def _evaluation_workers(kit):
     computes them all (tests/test_eval_workers.py: resume, exact equality)."""
     import threading
 
-    from unirl.eval.runner import engine_rollout
+    from uniweave.eval.runner import engine_rollout
 
     tmp_path = scratch(kit)
     model = build_model(own_config(kit, {})).eval()
@@ -1537,9 +1544,9 @@ def _heldout_records(shift: float) -> list[dict]:
 )
 def _health(kit):
     """The alarms (name, metric) a run's monitor fires on a fixed metric stream and on a
-    held-out evaluation that fell (`unirl.eval.health`)."""
-    from unirl.eval.health import HealthMonitor
-    from unirl.eval.paired import compare
+    held-out evaluation that fell (`uniweave.eval.health`)."""
+    from uniweave.eval.health import HealthMonitor
+    from uniweave.eval.paired import compare
 
     def fired(c):
         monitor = HealthMonitor(c.health)
@@ -1563,7 +1570,7 @@ def _health(kit):
 @probe("health.baseline_eval")
 def _baseline_eval(kit):
     """The starting model's evaluation (update 0) of a run with test rows."""
-    from unirl.train.run import baseline_evaluations
+    from uniweave.train.run import baseline_evaluations
 
     def baseline(c):
         run_dir = Path(fresh_dir(kit))
@@ -1575,7 +1582,7 @@ def _baseline_eval(kit):
 
 
 def test_every_schema_field_has_a_probe_or_an_exemption():
-    leaves = schema_leaves(UnirlConfig)
+    leaves = schema_leaves(UniweaveConfig)
     assert len(leaves) == len(set(leaves))
     neither = [k for k in leaves if k not in PROBES and k not in EXEMPT]
     both = [k for k in leaves if k in PROBES and k in EXEMPT]
@@ -1785,11 +1792,11 @@ def _dotted(data: dict, key: str, value: Any = ...) -> Any:
                          ids=[c[0] for c in INERT])  # fmt: skip
 def test_a_setting_another_makes_inactive_is_refused(tmp_path, capsys, case, key, fragment, acts):
     """A non-default value of a setting the rest of the config makes inactive is a config
-    error naming the file and the dotted key (`unirl inspect` exits 2 with one line); the
+    error naming the file and the dotted key (`uniweave inspect` exits 2 with one line); the
     same value where it acts is accepted, and so is the default value where it does not."""
-    from unirl import cli
-    from unirl.config import load_config
-    from unirl.config.yaml_io import deep_merge
+    from uniweave import cli
+    from uniweave.config import load_config
+    from uniweave.config.yaml_io import deep_merge
 
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps(case))  # JSON is YAML
@@ -1800,7 +1807,7 @@ def test_a_setting_another_makes_inactive_is_refused(tmp_path, capsys, case, key
     assert "\n" not in str(info.value)
     capsys.readouterr()
     assert cli.main(["inspect", str(path)]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"unirl: error: {info.value}"]
+    assert capsys.readouterr().err.splitlines() == [f"uniweave: error: {info.value}"]
     validate_config(deep_merge(copy.deepcopy(case), acts))
     grpo = case.get("algorithm", {}).get("name") == "grpo"
     defaults = validate_config(GRPO_RUN if grpo else {}).model_dump(mode="json")
@@ -1839,7 +1846,7 @@ def promised_micro_batches(lengths: list[int], size: int, budget: int) -> list[l
     ],
 )
 def test_micro_batches_respect_the_row_cap_and_the_token_budget(lengths, size, budget, expected):
-    from unirl.train.engine.batching import micro_batches
+    from uniweave.train.engine.batching import micro_batches
 
     rows = [[0] * n for n in lengths]  # only a row's length is read
     got = micro_batches(rows, size, budget)  # type: ignore[arg-type]

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.export import export_samples, export_task, main
-from unirl.data.loader import DatasetError, load_dataset
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.data.digits import TASKS, make_task_samples
+from uniweave.data.export import export_samples, export_task, main
+from uniweave.data.loader import DatasetError, load_dataset
 
 LEVELS = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
 
@@ -298,6 +298,6 @@ def test_cli_main(tmp_path, capsys):
     assert len(load_dataset(out / "draw_then_answer-train.jsonl")) == 4
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("unirl: error: <command line>: --out: ") and "not empty" in err
+    assert err.startswith("uniweave: error: <command line>: --out: ") and "not empty" in err
     with pytest.raises(SystemExit):
         main(["--task", "nope", "--split", "train", "--out", str(out)])

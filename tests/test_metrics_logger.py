@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from unirl.config import LoggingConfig
-from unirl.train.engine.metrics import METRICS, MetricsLogger, read_metrics, truncate_metrics
+from uniweave.config import LoggingConfig
+from uniweave.train.engine.metrics import METRICS, MetricsLogger, read_metrics, truncate_metrics
 
 BLOCK = 32768  # the W&B transaction log is a LevelDB-style log of 32 KiB blocks
 FULL, LAST = 1, 4
@@ -176,7 +176,7 @@ def test_wandb_offline_run_holds_the_logged_metrics_config_and_samples(tmp_path,
     runs = [r.run for r, k in zip(records, kinds) if k == "run"]
     assert len(runs) == 1, kinds
     run = runs[0]
-    assert run.display_name == "knob-run" and run.project == "unirl"
+    assert run.display_name == "knob-run" and run.project == "uniweave"
     assert run.run_id == (run_dir / "wandb_run_id").read_text().strip()
     updates = [r.config.update for r, k in zip(records, kinds) if k == "config"]
     logged_config = {

@@ -25,7 +25,7 @@ from mismatch_ranks import rank_worker
 from pydantic import ValidationError
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 
-from unirl.algorithms.grpo import (
+from uniweave.algorithms.grpo import (
     aligned_surrogate,
     aligned_surrogate_factors,
     clipped_surrogate,
@@ -36,16 +36,16 @@ from unirl.algorithms.grpo import (
     replay_bound_keep,
     sequence_k3,
 )
-from unirl.config import validate_config
-from unirl.config.algorithms import GRPOConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.forward import scored_mask
-from unirl.replay import replay_logprobs
-from unirl.rollout import RolloutEngine, SamplingParams
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.grpo.mismatch import global_threshold
-from unirl.train.methods.grpo.objective import GRPOObjective
+from uniweave.config import validate_config
+from uniweave.config.algorithms import GRPOConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.forward import scored_mask
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import RolloutEngine, SamplingParams
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.grpo.mismatch import global_threshold
+from uniweave.train.methods.grpo.objective import GRPOObjective
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 

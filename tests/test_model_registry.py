@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from unirl import cli
-from unirl.config import ConfigError, validate_config
-from unirl.models import registry
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.tiny import TinyUnifiedModel
-from unirl.models.uniar import UniARModel
+from uniweave import cli
+from uniweave.config import ConfigError, validate_config
+from uniweave.models import registry
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.tiny import TinyUnifiedModel
+from uniweave.models.uniar import UniARModel
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_cli_refuses_a_planned_kind_before_creating_anything(planned, tmp_path, 
     for command in ("inspect", "train"):
         assert cli.main([command, str(config), f"run.output_dir={out}"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"unirl: error: {config}: model.kind: kind 'futurar'"), err
+        assert err.startswith(f"uniweave: error: {config}: model.kind: kind 'futurar'"), err
         assert "not implemented yet" in err and len(err.splitlines()) == 1
     assert not out.exists()
 

@@ -23,8 +23,8 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.algorithms.information_gain import batch_events, blind_attention_mask
-from unirl.algorithms.necessity import (
+from uniweave.algorithms.information_gain import batch_events, blind_attention_mask
+from uniweave.algorithms.necessity import (
     ALL_VIEWS,
     answer_events,
     carriers,
@@ -34,17 +34,17 @@ from unirl.algorithms.necessity import (
     nd_text,
     question_block,
 )
-from unirl.codecs.base import single_thread
-from unirl.config.algorithms import SFTConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.forward import forward_interleaved
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.ema import EMA
-from unirl.train.methods.sft.information_gain import blind_scores
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.codecs.base import single_thread
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.forward import forward_interleaved
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.ema import EMA
+from uniweave.train.methods.sft.information_gain import blind_scores
+from uniweave.train.methods.sft.objective import SFTObjective
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,7 +132,7 @@ def test_fused_views_equal_one_forward_per_view_uniar():
     """UniAR (Qwen3-VL body, M-RoPE): the views reuse the full view's positions."""
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.models.uniar import build_tiny_uniar
 
     model = build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0).eval()
     samples = make_task_samples("draw_then_answer", "val", 2, seed=2)
@@ -369,7 +369,7 @@ def test_ema_shadow_resumes_bitwise_after_sigkill(tmp_path, small_vq_dir):
                                               tiny_config(ref_dir, small_vq_dir, **sections)))])  # fmt: skip
     assert ref.returncode == 0, ref.stderr
     cfg = write_config(tmp_path / "k.yaml", tiny_config(run_dir, small_vq_dir, **sections))
-    killed = run_cli(["train", str(cfg)], {"UNIRL_FAULT": "after_update:3"})
+    killed = run_cli(["train", str(cfg)], {"UNIWEAVE_FAULT": "after_update:3"})
     assert killed.returncode == -9, killed.stderr
     resumed = run_cli(["train", str(cfg)])
     assert resumed.returncode == 0, resumed.stderr
@@ -385,7 +385,7 @@ def test_rollout_necessity_and_shaped_rewards_against_separate_forwards():
     """RL IG: N_i of each row's last event (its answer block) from the fused 11/10 views
     equals the full score of the ordinary forward minus the blind score of a separate
     blind forward; r' = r + λ·clip(N, −c, c) checked against numpy."""
-    from unirl.algorithms.necessity import rollout_necessity, shaped_rewards
+    from uniweave.algorithms.necessity import rollout_necessity, shaped_rewards
 
     model = tiny_model("vq", init=0.3)
     batch = _batch(model, 3)
@@ -414,7 +414,7 @@ def test_rollout_necessity_and_shaped_rewards_against_separate_forwards():
 def test_opd_carrier_threshold_is_refused_without_necessity_carriers():
     """(The SFT and GRPO refusals are rows of tests/test_knobs.py's INERT table, whose
     default-value check reads SFT/GRPO defaults only.)"""
-    from unirl.config import ConfigError, validate_config
+    from uniweave.config import ConfigError, validate_config
 
     opd = {"algorithm": {"name": "opd", "teacher": {"path": "t"}, "carrier_min_necessity": 0.1}}
     with pytest.raises(ConfigError, match="carrier_min_necessity: acts only with carriers"):

@@ -19,24 +19,24 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.algorithms.opd import event_index
-from unirl.algorithms.sft import text_ce, visual_ce
-from unirl.codecs import build_codec
-from unirl.config import ConfigError, validate_config
-from unirl.config.algorithms import ModalityWeights
-from unirl.core.distributions import jsd_from_logp
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.forward import forward_interleaved, scored_mask
-from unirl.replay import replay_distributions
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.engine.trainer import Trainer, TrainingError
-from unirl.train.methods.opd.job import build_opd_job
-from unirl.train.methods.opd.objective import OPDObjective, check_action_spaces
-from unirl.train.methods.opd.source import DistillRecord, teacher_view
+from uniweave.algorithms.opd import event_index
+from uniweave.algorithms.sft import text_ce, visual_ce
+from uniweave.codecs import build_codec
+from uniweave.config import ConfigError, validate_config
+from uniweave.config.algorithms import ModalityWeights
+from uniweave.core.distributions import jsd_from_logp
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.forward import forward_interleaved, scored_mask
+from uniweave.replay import replay_distributions
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.methods.opd.job import build_opd_job
+from uniweave.train.methods.opd.objective import OPDObjective, check_action_spaces
+from uniweave.train.methods.opd.source import DistillRecord, teacher_view
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on 1 thread
 
@@ -291,7 +291,7 @@ def test_sigkill_during_rollout_and_update_and_stop_after_resume_bitwise(tmp_pat
     assert reference.returncode == 0, reference.stderr[-2000:]
     path = config("killed")
     for fault in ("rollout:3", "update:5"):
-        killed = run_cli(["train", str(path)], env_extra={"UNIRL_FAULT": fault})
+        killed = run_cli(["train", str(path)], env_extra={"UNIWEAVE_FAULT": fault})
         assert killed.returncode == -9, (fault, killed.stderr[-2000:])
     assert run_cli(["train", str(path)]).returncode == 0
     stopped = config("stopped")
@@ -362,8 +362,8 @@ def _one_update_of_a_family(tmp_path, model: dict, teacher, max_new_tokens: int)
 def test_janus_pro_student_and_teacher_run_one_update(tmp_path):
     """A tiny random Janus-Pro student and a same-family teacher (another seed and width,
     the same tokenizer, image grid and codebook size) run one OPD update."""
-    from unirl.data.digits import vocabulary_texts
-    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+    from uniweave.data.digits import vocabulary_texts
+    from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 
     texts = vocabulary_texts()
     student = write_tiny_checkpoint(tmp_path / "student", TinyJanusSpec(grid=2), texts)
@@ -379,7 +379,7 @@ def test_uniar_student_and_teacher_run_one_update(tmp_path):
     for a 4x4 image and its header, hence 24 new tokens."""
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.models.uniar import build_tiny_uniar
 
     codec = random_bsq_codec(16, 2, 1)
     build_tiny_uniar(codec, UNIAR_SIZES, seed=0).save_pretrained(tmp_path / "student")
@@ -545,8 +545,8 @@ def _independent_carriers(teacher, batch: TrajectoryBatch, threshold: float) -> 
     """bool [B, T] of distilled rows: teacher log-prob of the target in the ordinary
     forward of its own view minus that with the event's source blinded (IG's blind view,
     one single-position event at a time), ≥ threshold; in student coordinates."""
-    from unirl.algorithms.information_gain import Event, batch_events
-    from unirl.train.methods.sft.information_gain import blind_scores
+    from uniweave.algorithms.information_gain import Event, batch_events
+    from uniweave.train.methods.sft.information_gain import blind_scores
 
     records = list(batch.sampling)
     views = [teacher_view(t, r) for t, r in zip(batch.unbatch(), records)]

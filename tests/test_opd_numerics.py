@@ -1,4 +1,4 @@
-"""OPD numerics (`unirl.algorithms.opd`) against independent implementations: numpy
+"""OPD numerics (`uniweave.algorithms.opd`) against independent implementations: numpy
 float64 formulas for the values and torch.distributions for the gradients."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributions import Bernoulli, Categorical, kl_divergence
 
-from unirl.algorithms.opd import (
+from uniweave.algorithms.opd import (
     Events,
     bernoulli_jsd,
     bit_pairs,
@@ -23,7 +23,7 @@ from unirl.algorithms.opd import (
     trajectory_first,
     union_bound,
 )
-from unirl.core.types import Modality
+from uniweave.core.types import Modality
 
 
 def np_gjsd(zs: np.ndarray, zt: np.ndarray, beta: float, tau: float) -> np.ndarray:

@@ -1,7 +1,7 @@
 """OPD under `trainer.parallel` ddp and fsdp2: 2 gloo processes on CPU (spawned with the
 environment torchrun gives each worker, as tests/test_queues.py) against one process.
 
-Each rank builds what `unirl train` builds for a tiny OPD config (t2i + i2t_mc prompts;
+Each rank builds what `uniweave train` builds for a tiny OPD config (t2i + i2t_mc prompts;
 privileged-correction routing against the answer-privileged teacher, failure GT replay,
 necessity carriers: every path that reads the teacher) and runs 2 updates under ddp,
 then under fsdp2; this process runs the same 2 updates with `parallel: none`. Checked:
@@ -45,7 +45,7 @@ import torch
 import torch.multiprocessing as mp
 from trainer_helpers import opd_config
 
-from unirl.config import validate_config
+from uniweave.config import validate_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,11 +86,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_updates(raw: dict, info) -> dict:
-    """`UPDATES` updates of what `unirl train` builds for `raw` on this rank: the
+    """`UPDATES` updates of what `uniweave train` builds for `raw` on this rank: the
     student's full parameters, the losses, the rows trained on (token ids) and, per
     teacher parameter, (local elements, total elements, is a DTensor, requires grad)."""
-    from unirl.train.engine.trainer import Trainer
-    from unirl.train.run import JOBS, _prepare_model
+    from uniweave.train.engine.trainer import Trainer
+    from uniweave.train.run import JOBS, _prepare_model
 
     cfg = validate_config(raw)
     run_dir = Path(cfg.run.output_dir)
@@ -119,7 +119,7 @@ def run_updates(raw: dict, info) -> dict:
 def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(dict(zip(ENV, (str(rank), str(rank), str(world), "127.0.0.1", str(port)))))
-    from unirl.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
 
     info, _ = init_distributed(torch.device("cpu"), "ddp", 120.0)
     try:
@@ -137,7 +137,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, small_vq_dir, classifier_dir):
-    from unirl.train.engine.build import build_model
+    from uniweave.train.engine.build import build_model
 
     root = tmp_path_factory.mktemp("opd_parallel_teacher")
     out = {"clf": classifier_dir, "vq": small_vq_dir}
@@ -148,7 +148,7 @@ def assets(tmp_path_factory, small_vq_dir, classifier_dir):
 
 
 def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_path, assets):
-    from unirl.train.dist.comm import DistInfo
+    from uniweave.train.dist.comm import DistInfo
 
     reference = run_updates(config(tmp_path / "none", assets, "none"), DistInfo())
     assert all(not grad for _, _, _, grad in reference["teacher"].values())
@@ -187,7 +187,7 @@ def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_pa
             for held in local:  # about half each: dim-0 chunks of ceil(rows / 2)
                 assert abs(held - total / 2) <= 0.05 * total, (held, total)
     # the run moved the weights (the comparison is not between two untouched models)
-    from unirl.train.engine.build import build_model
+    from uniweave.train.engine.build import build_model
 
     start = build_model(validate_config(config(tmp_path / "s", assets, "none"))).state_dict()
     moved = [(reference["params"][n] - start[n].double()).abs().max() for n in start]

@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from unirl.config import ConfigError, load_config
-from unirl.config.schema import DataConfig
-from unirl.core.sample import GenerationRequest, ImagePart, TextPart
-from unirl.data.images import GreyscaleProcessor, RGBProcessor, read_rgb
-from unirl.data.loader import DatasetError, load_rows
-from unirl.data.rows import check_targets, generates_image, split_rows
-from unirl.data.template import parse, serialize
-from unirl.data.tokenizer import build_tokenizer, load_or_train_bpe, train_bpe_tokenizer
+from uniweave.config import ConfigError, load_config
+from uniweave.config.schema import DataConfig
+from uniweave.core.sample import GenerationRequest, ImagePart, TextPart
+from uniweave.data.images import GreyscaleProcessor, RGBProcessor, read_rgb
+from uniweave.data.loader import DatasetError, load_rows
+from uniweave.data.rows import check_targets, generates_image, split_rows
+from uniweave.data.template import parse, serialize
+from uniweave.data.tokenizer import build_tokenizer, load_or_train_bpe, train_bpe_tokenizer
 
 RED = np.zeros((8, 8, 3), dtype=np.uint8)
 RED[..., 0] = 200
@@ -201,9 +201,9 @@ def test_unknown_target_is_an_error_naming_file_line(tmp_path):
 
 
 def test_image_generation_comes_from_the_row_not_the_task():
-    from unirl.core.sample import ImagePart, Sample
-    from unirl.data.digits import make_task_samples
-    from unirl.data.rows import answer_image_grid
+    from uniweave.core.sample import ImagePart, Sample
+    from uniweave.data.digits import make_task_samples
+    from uniweave.data.rows import answer_image_grid
 
     t2i, draw, mc = (
         make_task_samples(t, "val", 1)[0] for t in ("t2i", "draw_then_answer", "i2t_mc")
@@ -221,7 +221,7 @@ def _rows_model(tmp_path: Path, extra: str = ""):
     plus a `t2i`-labelled text row and a `paint` row that asks for an image."""
     from eval_fixtures import make_dataset, write_config
 
-    from unirl.train.engine.build import build_model
+    from uniweave.train.engine.build import build_model
 
     data = make_dataset(tmp_path / "data", 6)
     paint = {
@@ -250,8 +250,8 @@ def _rows_model(tmp_path: Path, extra: str = ""):
 
 
 def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
-    from unirl.train.methods.sft.source import sft_trajectories
-    from unirl.train.rollouts.prompts import prompt_pools
+    from uniweave.train.methods.sft.source import sft_trajectories
+    from uniweave.train.rollouts.prompts import prompt_pools
 
     cfg, model, data = _rows_model(tmp_path)
     trajs = sft_trajectories(cfg, model, "train", 0)
@@ -271,8 +271,8 @@ def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
 
 
 def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
-    from unirl.train.dist.comm import DistInfo
-    from unirl.train.methods.grpo.job import build_grpo_job
+    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.methods.grpo.job import build_grpo_job
 
     extra = (
         "algorithm: {name: grpo, group_size: 2}\n"
@@ -286,7 +286,7 @@ def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
 
 
 def test_a_verifier_needs_the_answer_of_every_row_it_scores(tmp_path):
-    from unirl.rewards import check_answers, check_dataset_answers
+    from uniweave.rewards import check_answers, check_dataset_answers
 
     no_answer = {k: v for k, v in qa(1).items() if k != "answer"}
     other = {k: v for k, v in qa(2, task="free").items() if k != "answer"}
@@ -316,7 +316,7 @@ def test_a_verifier_needs_the_answer_of_every_row_it_scores(tmp_path):
         check_answers(mc.reward, rows)
 
 
-def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
+def test_uniweave_eval_refuses_a_row_without_answer_before_writing(tmp_path):
     import subprocess
     import sys
 
@@ -330,7 +330,7 @@ def test_unirl_eval_refuses_a_row_without_answer_before_writing(tmp_path):
     data.write_text("\n".join(lines[:3] + [json.dumps(row)]) + "\n")
     out = tmp_path / "out"
     config = eval_config(tmp_path, data, f"evaluation: {{output_dir: {out}}}\n")
-    cmd = [sys.executable, "-m", "unirl", "eval", str(config), "--random-init"]
+    cmd = [sys.executable, "-m", "uniweave", "eval", str(config), "--random-init"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and not out.exists()
     last = done.stderr.strip().splitlines()[-1]

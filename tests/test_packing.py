@@ -7,19 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.codecs import build_codec
-from unirl.config import ConfigError, validate_config
-from unirl.config.algorithms import SFTConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.forward import body_hidden
-from unirl.models.base import packed_attention_mask, packed_positions
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.train.engine.batching import bins, pack, padded_fraction
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.codecs import build_codec
+from uniweave.config import ConfigError, validate_config
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import TASKS, make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.forward import body_hidden
+from uniweave.models.base import packed_attention_mask, packed_positions
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.train.engine.batching import bins, pack, padded_fraction
+from uniweave.train.methods.sft.objective import SFTObjective
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.config import ConfigError, validate_config
-from unirl.data.digits import vocabulary_texts
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.train.dist.comm import init_distributed
+from uniweave.config import ConfigError, validate_config
+from uniweave.data.digits import vocabulary_texts
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.train.dist.comm import init_distributed
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 MODES = ("none", "ddp", "fsdp2")
@@ -49,7 +49,7 @@ TRAINER = {"total_updates": 3, "precision": "fp64", "optimizer": {"lr": 3e-3, "e
 
 
 def launch(cfg: dict, path: Path, mode: str, env: dict | None = None):
-    """`unirl train` of `cfg` with `trainer.parallel = mode`: one plain process for none,
+    """`uniweave train` of `cfg` with `trainer.parallel = mode`: one plain process for none,
     torchrun with 2 processes otherwise (fsdp2 gathers parameters in fp32 on CPU)."""
     trainer = {**cfg["trainer"], "parallel": mode}
     if mode == "fsdp2":
@@ -58,7 +58,7 @@ def launch(cfg: dict, path: Path, mode: str, env: dict | None = None):
     write_config(path, {**cfg, "trainer": trainer})
     launcher = None
     if mode != "none":
-        launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "unirl.cli"]
+        launcher = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", "-m", "uniweave.cli"]
     return run_cli(["train", str(path)], env_extra=env, launcher=launcher)
 
 
@@ -177,7 +177,7 @@ def test_janus_pro_sft_ddp_and_fsdp2_equal_one_process(tmp_path):
 def test_fsdp2_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir, sft_runs, fault):
     run_dir = tmp_path / "killed"
     cfg = sft_config(run_dir, codec_dir)
-    killed = launch(cfg, tmp_path / "k.yaml", "fsdp2", {"UNIRL_FAULT": fault})
+    killed = launch(cfg, tmp_path / "k.yaml", "fsdp2", {"UNIWEAVE_FAULT": fault})
     assert killed.returncode != 0
     names = {p.name for p in (run_dir / "checkpoints").iterdir()}
     assert "update-000002" not in names
@@ -198,7 +198,7 @@ def test_a_desynchronised_ddp_replica_is_caught_before_any_commit(tmp_path, code
     run_dir = tmp_path / "drift"
     name = "decoder.layers.1.mlp.up_proj.weight"
     cfg = sft_config(run_dir, codec_dir)
-    proc = launch(cfg, tmp_path / "d.yaml", "ddp", {"UNIRL_PERTURB": f"1:{name}"})
+    proc = launch(cfg, tmp_path / "d.yaml", "ddp", {"UNIWEAVE_PERTURB": f"1:{name}"})
     assert proc.returncode != 0
     assert f"replica drift: parameter '{name}' differs on rank(s) [1]" in proc.stderr
     assert not list((run_dir / "checkpoints").glob("update-*"))
@@ -223,7 +223,7 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
     # machine) is refused before anything runs; this torch has it
     from torch.distributed.fsdp import FSDPModule
 
-    from unirl.train.dist.parallel import check_fsdp2_support
+    from uniweave.train.dist.parallel import check_fsdp2_support
 
     check_fsdp2_support()
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
@@ -237,7 +237,7 @@ def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_
     optimizer state are float64) and its first update's loss equals the fp32 run's to
     fp32 rounding of a ~4-nat mean CE (4 * 2^-24 * a few terms ~ 1e-6); fsdp dtypes of fp64
     go with it and nothing else."""
-    from unirl.train.run import run_train
+    from uniweave.train.run import run_train
 
     losses = {}
     for precision in ("fp32", "fp64"):
@@ -267,7 +267,7 @@ def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_
 @contextmanager
 def one_process_fsdp2(monkeypatch):
     """A 1-process fsdp2 job in this process, as torchrun would set it up (gloo)."""
-    from unirl.train.dist.comm import shutdown_distributed
+    from uniweave.train.dist.comm import shutdown_distributed
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     with socket.socket() as s:
@@ -283,9 +283,9 @@ def one_process_fsdp2(monkeypatch):
 
 
 def one_process_trainer(cfg: dict, mode: str, info):
-    """The Trainer `unirl train` builds for `cfg` under `trainer.parallel = mode`."""
-    from unirl.train.engine.trainer import Trainer
-    from unirl.train.run import JOBS, _prepare_model
+    """The Trainer `uniweave train` builds for `cfg` under `trainer.parallel = mode`."""
+    from uniweave.train.engine.trainer import Trainer
+    from uniweave.train.run import JOBS, _prepare_model
 
     trainer = {**cfg["trainer"], "parallel": mode}
     if mode == "fsdp2":
@@ -306,9 +306,9 @@ def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch)
     """A 1-process fsdp2 job: the micro-batches but the last leave the sharded gradients
     unset (accumulated locally, no reduce-scatter); the last reduce-scatters their sum,
     which equals the one-process accumulated gradient."""
-    from unirl.core.trajectory import TrajectoryBatch
-    from unirl.train.dist.comm import DistInfo
-    from unirl.train.engine.trainer import rank_micro_batches
+    from uniweave.core.trajectory import TrajectoryBatch
+    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.engine.trainer import rank_micro_batches
 
     torch.set_num_threads(1)
 
@@ -339,7 +339,7 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
     process leaves its `.grad` None and AdamW skips it; fsdp2 reduce-scatters zeros for
     it, and `drop_unreached` sets it back to None, so one update with weight decay gives
     the same parameters (aligner untouched) as one process."""
-    from unirl.train.dist.comm import DistInfo
+    from uniweave.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)
     ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(grid=2), vocabulary_texts())
@@ -378,7 +378,7 @@ def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(
     """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
     updates, which parameters have gradients): the adapter switch around the reference
     pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
-    from unirl.train.dist.comm import DistInfo
+    from uniweave.train.dist.comm import DistInfo
 
     torch.set_num_threads(1)
     assets = {"vq": codec_dir, "clf": classifier_dir}

@@ -1,7 +1,7 @@
 """Logs outside a terminal (issue 30 item 5): with stdout and stderr redirected to files
-(no TTY, CI unset) `unirl train` prints one plain line per logged update, says where it
+(no TTY, CI unset) `uniweave train` prints one plain line per logged update, says where it
 resumed from after a kill, prints the final metrics (eval.json's), and a Ctrl-C says which
-checkpoint was saved. The runs are `unirl` processes forked from one that imported torch
+checkpoint was saved. The runs are `uniweave` processes forked from one that imported torch
 once (`trainer_helpers.ForkedCLI`), whose fds 1 and 2 are files."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import pytest
 from trainer_helpers import ForkedCLI, fit_small_codec, tiny_config, write_config
 
-from unirl.train.engine.metrics import progress_line
+from uniweave.train.engine.metrics import progress_line
 
 LINE = re.compile(
     r"^update (\d+)/4  loss \d+\.\d{4}  lr \S+  \d+\.\d\d s/update  ETA \d+:\d\d:\d\d$", re.M
@@ -46,7 +46,9 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
     # Ctrl-C after update 3: exit 130, naming the last checkpoint (update 2)
-    stopped = cli.run(["train", config], tmp_path, {**env, "UNIRL_FAULT": "after_update:3:SIGINT"})
+    stopped = cli.run(
+        ["train", config], tmp_path, {**env, "UNIWEAVE_FAULT": "after_update:3:SIGINT"}
+    )
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     assert [int(n) for n in LINE.findall(stopped.stdout)] == [1, 2, 3]
     saved = run / "checkpoints" / "update-000002"
@@ -55,7 +57,7 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     )
 
     # SIGKILL after update 3 of the resumed run (it resumes from update 2 again)
-    killed = cli.run(["train", config], tmp_path, {**env, "UNIRL_FAULT": "after_update:3"})
+    killed = cli.run(["train", config], tmp_path, {**env, "UNIWEAVE_FAULT": "after_update:3"})
     assert killed.returncode == -9
     assert f"resumed from update 2 ({saved}); 2 updates to go" in killed.stdout
 
@@ -69,7 +71,7 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     assert shown.keys() == results.keys() and "i2t_mc/accuracy" in shown
     assert all(float(shown[k]) == pytest.approx(v, abs=5e-5) for k, v in results.items())
 
-    # `unirl eval` on the exported model prints its summary, one block per task
+    # `uniweave eval` on the exported model prints its summary, one block per task
     out = tmp_path / "eval"
     argv = ["eval", config, f"model.path={run / 'model'}", "evaluation.split=test"]
     evaluated = cli.run([*argv, f"evaluation.output_dir={out}"], tmp_path, env)

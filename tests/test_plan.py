@@ -1,4 +1,4 @@
-"""`unirl plan` (unirl.plan): parameter counts of the meta-device build against real tiny
+"""`uniweave plan` (uniweave.plan): parameter counts of the meta-device build against real tiny
 models, the byte accounting against a hand computation and against the measured state of a
 real model after an Adam step, DDP vs FSDP2 sharding, and the CLI's exit codes."""
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from unirl import cli
-from unirl.config.trainer import LoRAConfig
-from unirl.plan import (
+from uniweave import cli
+from uniweave.config.trainer import LoRAConfig
+from uniweave.plan import (
     GIB,
     GLIBC_RETENTION,
     KV_RESERVE,
@@ -31,7 +31,7 @@ JANUS_RECIPE = "recipes/janus_pro/grpo_t2i_pickscore_lora.yaml"
 
 @pytest.fixture(scope="module")
 def janus_dir(tmp_path_factory):
-    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+    from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("janus") / "ckpt", TinyJanusSpec())
 
@@ -61,8 +61,8 @@ def _state_bytes(model) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_janus_counts_and_state_bytes_equal_a_real_model(janus_dir, lora):
-    from unirl.models.janus_pro import JanusProModel
-    from unirl.train.engine.build import apply_lora
+    from uniweave.models.janus_pro import JanusProModel
+    from uniweave.train.engine.build import apply_lora
 
     shapes = path_shapes("janus_pro", str(janus_dir), LORA)
     model = JanusProModel.from_pretrained(janus_dir)
@@ -81,7 +81,7 @@ def test_janus_counts_and_state_bytes_equal_a_real_model(janus_dir, lora):
 def test_uniar_counts_equal_a_real_model(tmp_path):
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.models.uniar import build_tiny_uniar
 
     model = build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES)
     model.save_pretrained(tmp_path / "m")
@@ -221,8 +221,8 @@ def test_kv_line_equals_the_bytes_of_a_real_decode_cache(janus_dir, bf16):
     bytes summed. Under autocast the values are bf16 but the keys fp32 (RoPE promotes)."""
     from transformers.cache_utils import DynamicCache
 
-    from unirl.models.build import load_model
-    from unirl.rollout.decode_cache import RESERVE, preallocate
+    from uniweave.models.build import load_model
+    from uniweave.rollout.decode_cache import RESERVE, preallocate
 
     assert KV_RESERVE == RESERVE
     model = load_model(str(janus_dir)).eval()

@@ -15,14 +15,14 @@ import pytest
 import torch
 from rollout_fixtures import codec, mixed_requests, mixed_samples, tiny_model, tokenizer
 
-from unirl.config import validate_config
-from unirl.config.algorithms import GRPOConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.forward import body_hidden, prefix_groups, prompt_lengths, shared_prefix_hidden
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.replay import replay_logprobs
-from unirl.rollout import RolloutEngine, SamplingParams, sampling_records
-from unirl.train.methods.grpo.objective import GRPOObjective
+from uniweave.config import validate_config
+from uniweave.config.algorithms import GRPOConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.forward import body_hidden, prefix_groups, prompt_lengths, shared_prefix_hidden
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import RolloutEngine, SamplingParams, sampling_records
+from uniweave.train.methods.grpo.objective import GRPOObjective
 
 G = 3
 

@@ -1,7 +1,7 @@
-"""`rollout.assignment: dynamic` (unirl.rollout.queue) against static, gloo on CPU.
+"""`rollout.assignment: dynamic` (uniweave.rollout.queue) against static, gloo on CPU.
 
 In W = 1, 2 and 3 spawned processes (a DDP process group, as torchrun sets it up), each
-rank builds what `unirl train` builds for a GRPO config (t2i, 2 prompts x G = 4: 8 rows,
+rank builds what `uniweave train` builds for a GRPO config (t2i, 2 prompts x G = 4: 8 rows,
 uneven on 3 ranks) and for an OPD config (t2i and i2t_mc prompts: rows of different
 prepared lengths), once per assignment, and runs one update. Dynamic claims one row at
 a time (rollout.batch_size 1) from the job's TCPStore. Checked, bitwise (no tolerance:
@@ -30,8 +30,8 @@ import torch
 import torch.multiprocessing as mp
 from trainer_helpers import grpo_config, opd_config, run_cli, tiny_config, write_config
 
-from unirl.config import ConfigError, validate_config
-from unirl.rollout.queue import longest_first, round_robin
+from uniweave.config import ConfigError, validate_config
+from uniweave.rollout.queue import longest_first, round_robin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,9 +43,9 @@ def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     torch.set_num_threads(1)
     values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
     os.environ.update(dict(zip(ENV, values)))
-    from unirl.train.dist.comm import init_distributed, shutdown_distributed
-    from unirl.train.engine.trainer import Trainer
-    from unirl.train.run import JOBS, _prepare_model
+    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.engine.trainer import Trainer
+    from uniweave.train.run import JOBS, _prepare_model
 
     info, device = init_distributed(torch.device("cpu"), "ddp", 120.0)
     try:
@@ -77,8 +77,8 @@ def _requests(source) -> list:
     """The update-0 requests of a GRPO or OPD source (for their prepared lengths)."""
     if hasattr(source, "requests"):
         return source.requests(0)[1]
-    from unirl.core.seeding import seed_for
-    from unirl.rollout.request import RolloutRequest
+    from uniweave.core.seeding import seed_for
+    from uniweave.rollout.request import RolloutRequest
 
     samples = source.prompt_sampler.prompts(0, source.n_prompts)
     return [
@@ -95,7 +95,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def opd_assets(tmp_path_factory, small_vq_dir, classifier_dir):
-    from unirl.train.engine.build import build_model
+    from uniweave.train.engine.build import build_model
 
     root = tmp_path_factory.mktemp("opd_teacher")
     assets = {"clf": classifier_dir, "vq": small_vq_dir}
@@ -226,8 +226,8 @@ def _eval_config(root: Path, vq: Path) -> dict:
 
 
 def _evaluate(raw: dict, out: Path, clf: Path, ranks=None) -> tuple:
-    from unirl.eval.runner import evaluate, split_config, weights_sha256
-    from unirl.train.engine.build import build_model
+    from uniweave.eval.runner import evaluate, split_config, weights_sha256
+    from uniweave.train.engine.build import build_model
 
     cfg = validate_config(raw)
     model = build_model(cfg).eval()
@@ -249,7 +249,7 @@ def _eval_worker(rank: int, world: int, port: int, raw: dict, out: str, clf: str
     torch.set_num_threads(1)
     values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
     os.environ.update(dict(zip(ENV, values)))
-    from unirl.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
 
     info, _ = init_distributed(torch.device("cpu"), "ddp", 120.0)
     try:
@@ -334,13 +334,13 @@ def test_distributed_validation_equals_one_rank_and_resumes(tmp_path, small_vq_d
 
 
 def test_ddp_training_validates_on_every_rank(tmp_path, small_vq_dir, classifier_dir):
-    """`unirl train` with trainer.world_size 2 (ddp) and eval_every 1: both workers run the
+    """`uniweave train` with trainer.world_size 2 (ddp) and eval_every 1: both workers run the
     validation (the trainer calls the shared evaluator on every rank, rank 0 logs), and
     its records and logged metrics equal one process evaluating the exported model."""
     from safetensors.torch import load_file
 
-    from unirl.eval.runner import evaluate, split_config, task_metrics, weights_sha256
-    from unirl.train.engine.build import build_model
+    from uniweave.eval.runner import evaluate, split_config, task_metrics, weights_sha256
+    from uniweave.train.engine.build import build_model
 
     plugins = [
         {"name": "digit_classifier", "path": str(classifier_dir), "tasks": ["t2i"]},

@@ -11,7 +11,7 @@ in-process service does, and the driver trains on the same rows, so every floati
 operation is the same one on the same operands.
 
 One local Ray instance (4 logical CPUs: 3 actors of 1 CPU each, on this 2-core machine)
-serves the module; every run starts real actor processes (importing torch and unirl),
+serves the module; every run starts real actor processes (importing torch and uniweave),
 so each Ray run pays several seconds of start-up. The equivalence tests are in the fast
 suite; the death, restart-budget and stale-version tests are marked slow.
 """
@@ -24,15 +24,15 @@ import pytest
 import torch
 from trainer_helpers import checkpoint_tensors, opd_config, tiny_config
 
-from unirl.config import ConfigError, validate_config
-from unirl.data.tokenizer import SpecialIds
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import adapter_state, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.opd.job import build_opd_job
-from unirl.train.rollouts.workers import RayPlan, StaleWeightsError, start_workers
-from unirl.train.run import _prepare_model
+from uniweave.config import ConfigError, validate_config
+from uniweave.data.tokenizer import SpecialIds
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import adapter_state, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.opd.job import build_opd_job
+from uniweave.train.rollouts.workers import RayPlan, StaleWeightsError, start_workers
+from uniweave.train.run import _prepare_model
 
 ray = pytest.importorskip("ray")
 
@@ -80,7 +80,7 @@ def config(
 
 
 def train(cfg) -> tuple[list, int, list[str]]:
-    """Fit `cfg` in this process (the driver) as `unirl train` builds it: the rollout
+    """Fit `cfg` in this process (the driver) as `uniweave train` builds it: the rollout
     batch of every update, how many rollout actors were replaced, and the names of the
     last weights pushed to them."""
     run_dir = Path(cfg.run.output_dir)
@@ -142,7 +142,7 @@ def test_a_rollout_actor_dying_during_an_update_is_replaced_and_changes_nothing(
     2's rows: it is replaced (initial policy + the pushed version-1 weights), its engine
     batch re-sampled from the same per-row seeds, and the run is still bitwise the
     in-process one."""
-    monkeypatch.setenv("UNIRL_FAULT", "rollout_worker:2")
+    monkeypatch.setenv("UNIWEAVE_FAULT", "rollout_worker:2")
     killed, replaced, _ = train(config(tmp_path / "killed", assets, 2, 1))
     assert replaced == 1
     assert_same_run(*inproc, tmp_path / "killed", killed)
@@ -164,7 +164,7 @@ def test_lora_pushes_the_adapters_alone_and_matches_the_in_process_run(
 def test_a_dead_worker_past_the_restart_budget_fails_the_update(
     tmp_path, assets, ray_session, monkeypatch
 ):
-    monkeypatch.setenv("UNIRL_FAULT", "rollout_worker:1")
+    monkeypatch.setenv("UNIWEAVE_FAULT", "rollout_worker:1")
     cfg = config(tmp_path / "r", assets, rollout_workers=2)
     cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"max_worker_restarts": 0})})
     with pytest.raises(Exception, match="max_worker_restarts=0"):
@@ -256,7 +256,7 @@ def opd_ray_config(run_dir: Path, assets: dict, rollout_workers: int = 0, reward
 
 
 def opd_train(cfg) -> tuple[list, int]:
-    """Fit the OPD `cfg` in this process as `unirl train` builds it: per update (the
+    """Fit the OPD `cfg` in this process as `uniweave train` builds it: per update (the
     sampled trajectories, the routing / verification record), and how many rollout
     actors were replaced."""
     run_dir = Path(cfg.run.output_dir)
@@ -314,7 +314,7 @@ def test_opd_rollout_actor_dying_during_an_update_is_replaced_and_changes_nothin
     """The first rollout actor dies when asked for update 2's rows (after version 1 was
     pushed): replaced from the initial student + version 1, its engine batch re-sampled,
     the run still bitwise the in-process one."""
-    monkeypatch.setenv("UNIRL_FAULT", "rollout_worker:2")
+    monkeypatch.setenv("UNIWEAVE_FAULT", "rollout_worker:2")
     killed, replaced = opd_train(opd_ray_config(tmp_path / "killed", opd_assets, 2, 1))
     assert replaced == 1
     assert_same_opd_run(*opd_inproc, tmp_path / "killed", killed)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import recipe_chains as rc
 
-from unirl.config import load_config
+from uniweave.config import load_config
 
 README = rc.ROOT / "README.md"
 
@@ -26,7 +26,7 @@ def _paths_read(cfg) -> dict[str, str | None]:
 
 
 def _made_by(step: rc.Step) -> set[str]:
-    """What `unirl train STEP` writes that a later recipe may read."""
+    """What `uniweave train STEP` writes that a later recipe may read."""
     out = load_config(rc.ROOT / step.recipe, list(step.overrides)).run.output_dir
     return {f"{out}/model", f"{out}/codec"}
 

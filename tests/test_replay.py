@@ -8,11 +8,11 @@ import pytest
 import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.forward import scored_indices
-from unirl.replay import replay_distributions, replay_logprobs, replay_map
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.forward import scored_indices
+from uniweave.replay import replay_distributions, replay_logprobs, replay_map
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
 
 
 def _rollout(model, text, image, n_per_task=2):

@@ -2,7 +2,7 @@
 
 One FSDP2 run at 2 ranks (3 updates, a checkpoint after each) is the reference. A second,
 identical run has one rank SIGKILLed in the middle of update 3 (after its first
-micro-batch's backward, `UNIRL_FAULT_RANK=1`); torchrun then stops the other. Copies of
+micro-batch's backward, `UNIWEAVE_FAULT_RANK=1`); torchrun then stops the other. Copies of
 its run directory resume under torchrun at 1 rank (fsdp2 at world size 1: the checkpoint
 is DCP, and `trainer.parallel` is a logical key, so 1 rank means torchrun
 --nproc-per-node 1, not `parallel: none`) and at 3 ranks. Checked:
@@ -61,13 +61,13 @@ from torch import nn
 from trainer_helpers import assert_same_state, checkpoint_tensors, run_cli, tiny_config
 from trainer_helpers import write_config as write_yaml
 
-from unirl import cli
-from unirl.config import ConfigError, validate_config
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.batching import check_rank_geometry
-from unirl.train.engine.trainer import check_resume, check_world_size_change
-from unirl.train.state.checkpoint import verify_checkpoint
+from uniweave import cli
+from uniweave.config import ConfigError, validate_config
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.batching import check_rank_geometry
+from uniweave.train.engine.trainer import check_resume, check_world_size_change
+from uniweave.train.state.checkpoint import verify_checkpoint
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 U32 = 2.0**-24
@@ -90,7 +90,7 @@ def config(run_dir: Path, codec_dir: Path) -> dict:
 
 def launch(run_dir: Path, codec_dir: Path, nproc: int, env: dict | None = None):
     path = write_yaml(run_dir.parent / f"{run_dir.name}.yaml", config(run_dir, codec_dir))
-    launcher = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "unirl.cli"]
+    launcher = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "uniweave.cli"]
     return run_cli(["train", str(path)], env_extra=env, launcher=launcher)
 
 
@@ -99,7 +99,7 @@ def runs(tmp_path_factory, small_vq_dir) -> dict:
     root = tmp_path_factory.mktemp("reshard")
     ref = launch(root / "ref", small_vq_dir, 2)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    fault = {"UNIRL_FAULT": "update:3", "UNIRL_FAULT_RANK": "1"}
+    fault = {"UNIWEAVE_FAULT": "update:3", "UNIWEAVE_FAULT_RANK": "1"}
     killed = launch(root / "killed", small_vq_dir, 2, fault)
     out = {"root": root, "codec": small_vq_dir, "killed": killed}
     for world in (1, 3):
@@ -133,7 +133,7 @@ def test_sigkill_of_one_rank_mid_update_loses_only_that_update(runs):
 def row_gradients(run_dir: Path, codec_dir: Path, update: int) -> list[dict]:
     """Per-row gradients of update `update + 1` at the weights of checkpoint `update`,
     in this process without any wrapper (the independent computation of S)."""
-    from unirl.train.run import JOBS, _prepare_model
+    from uniweave.train.run import JOBS, _prepare_model
 
     torch.set_num_threads(1)
     raw = config(run_dir.parent / "grads", codec_dir)

@@ -1,7 +1,7 @@
-"""Reward plugins from other packages (`unirl.rewards` entry points): the example package
+"""Reward plugins from other packages (`uniweave.rewards` entry points): the example package
 of examples/reward_plugin, pip-installed offline into a temporary directory (never into
 the venv), is found by name after the built-ins and trains a recipe-like config for 2
-GRPO updates with unirl's source unchanged; unknown names list the known ones."""
+GRPO updates with uniweave's source unchanged; unknown names list the known ones."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from unirl.config import ConfigError
-from unirl.config.schema import RewardPluginConfig
-from unirl.rewards.plugins import PLUGINS, build_plugin, plugin_class
+from uniweave.config import ConfigError
+from uniweave.config.schema import RewardPluginConfig
+from uniweave.rewards.plugins import PLUGINS, build_plugin, plugin_class
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reward_plugin"
@@ -47,15 +47,15 @@ def on_path(site, monkeypatch):
     """The installed example importable and its entry points visible in this process."""
     monkeypatch.syspath_prepend(str(site))
     yield site
-    sys.modules.pop("unirl_reward_contains", None)
+    sys.modules.pop("uniweave_reward_contains", None)
 
 
 def test_an_installed_plugin_is_found_after_the_builtins_and_scores(on_path):
-    from unirl.core.sample import Sample, TextPart
-    from unirl.rewards.base import Response
+    from uniweave.core.sample import Sample, TextPart
+    from uniweave.rewards.base import Response
 
     cls = plugin_class("contains_answer")
-    assert cls.__module__ == "unirl_reward_contains" and "contains_answer" not in PLUGINS
+    assert cls.__module__ == "uniweave_reward_contains" and "contains_answer" not in PLUGINS
     plugin = build_plugin(
         RewardPluginConfig(name="contains_answer", kwargs={"case_sensitive": True})
     )
@@ -90,10 +90,10 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones(on_path):
 def test_a_recipe_with_the_installed_plugin_trains_two_updates(
     on_path, tmp_path, monkeypatch, small_vq_dir
 ):
-    """`unirl train` of the example recipe (in process, as `make recipes-check` runs
+    """`uniweave train` of the example recipe (in process, as `make recipes-check` runs
     recipes; the package is on sys.path only): 2 GRPO updates scored by the plugin, its
     metrics logged under its name, and the final evaluation scored by it too."""
-    from unirl.cli import main
+    from uniweave.cli import main
 
     out = tmp_path / "run"
     overrides = [

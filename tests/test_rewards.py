@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.codecs import VQCodec
-from unirl.config.errors import ConfigError
-from unirl.config.schema import RewardConfig, RewardPluginConfig
-from unirl.core.sample import ImagePart, Sample, TextPart
-from unirl.core.trajectory import Trajectory, TrajectoryBatch
-from unirl.data.digits import LETTERS, make_task_samples, permute_quadrants
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import build_tokenizer
-from unirl.rewards import (
+from uniweave.codecs import VQCodec
+from uniweave.config.errors import ConfigError
+from uniweave.config.schema import RewardConfig, RewardPluginConfig
+from uniweave.core.sample import ImagePart, Sample, TextPart
+from uniweave.core.trajectory import Trajectory, TrajectoryBatch
+from uniweave.data.digits import LETTERS, make_task_samples, permute_quadrants
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import build_tokenizer
+from uniweave.rewards import (
     AllRewardsOverwrittenWarning,
     DigitClassifierReward,
     ExactAnswer,
@@ -35,7 +35,7 @@ from unirl.rewards import (
     build_reward_service,
     parse_response,
 )
-from unirl.rewards.digit_classifier import DigitClassifier
+from uniweave.rewards.digit_classifier import DigitClassifier
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +273,7 @@ def test_exact_count_rows_are_never_zeroed() -> None:
 def test_all_rewards_overwritten_warns_loudly(caplog) -> None:
     service, samples, responses = constant_service("zero")
     trajs = [traj(s.id, "cap") for s in samples]
-    with caplog.at_level(logging.WARNING, logger="unirl.rewards.service"):
+    with caplog.at_level(logging.WARNING, logger="uniweave.rewards.service"):
         with pytest.warns(AllRewardsOverwrittenWarning, match="100%"):
             result = service.score(samples, trajs, responses)
     assert result.overwritten_fraction == 1.0 and result.total.tolist() == [0.0] * len(samples)

@@ -1,4 +1,4 @@
-"""The lean decode step (`unirl.rollout.lean_step`) is the Llama body's forward, bit for bit.
+"""The lean decode step (`uniweave.rollout.lean_step`) is the Llama body's forward, bit for bit.
 
 Checked three ways on tiny models without the conv prior (the bodies it applies to):
 one step against `LlamaModel.forward` on the same cache, with and without padded keys;
@@ -14,9 +14,9 @@ import pytest
 import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 
-from unirl.rollout import RolloutEngine, SamplingParams
-from unirl.rollout.decode_cache import compact, holes_filled, preallocate
-from unirl.rollout.lean_step import lean_step
+from uniweave.rollout import RolloutEngine, SamplingParams
+from uniweave.rollout.decode_cache import compact, holes_filled, preallocate
+from uniweave.rollout.lean_step import lean_step
 
 
 @pytest.mark.parametrize("padded", [False, True])

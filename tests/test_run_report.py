@@ -4,7 +4,7 @@
 - a real GRPO run that lowers its held-out metric (an SFT model that answers one word,
   then GRPO at lr 0.5: Adam's first steps are ~lr per weight, which wrecks a tiny model)
   ends with "got worse" and the held-out alarm at the top of its report, while the SFT
-  run before it ends "improved"; `unirl report` rebuilds the same report, and `unirl
+  run before it ends "improved"; `uniweave report` rebuilds the same report, and `uniweave
   report A B` compares the two runs;
 - the fixed-length trap: text-to-image rows of exactly the cap's length (a 4x4 grid, 16
   positions, max_new_tokens 16, length_semantics cap) end "cap", so truncation shaping
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from unirl.cli import main
-from unirl.config import validate_config
-from unirl.eval.paired import compare
-from unirl.train.run import run_train
+from uniweave.cli import main
+from uniweave.config import validate_config
+from uniweave.eval.paired import compare
+from uniweave.train.run import run_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -230,12 +230,12 @@ def test_a_grpo_run_that_lowers_its_heldout_metric_says_so(tmp_path, capsys):
     assert _check_self_contained(page) >= 1  # curves.png, inline
     assert page.count("<svg") >= 3 and 'class="worse"' in page
 
-    # `unirl report RUN_DIR` rebuilds the same report from the run directory
+    # `uniweave report RUN_DIR` rebuilds the same report from the run directory
     before = md
     (grpo_dir / "report.md").unlink()
     assert main(["report", str(grpo_dir)]) == 0
     assert (grpo_dir / "report.md").read_text() == before
-    # `unirl report A B`: the GRPO model against the SFT model it started from
+    # `uniweave report A B`: the GRPO model against the SFT model it started from
     assert main(["report", str(sft_dir), str(grpo_dir), "--out", str(tmp_path / "cmp")]) == 0
     cmp = (tmp_path / "cmp" / "compare.md").read_text()
     assert re.search(r"\| yes \| mean@n \| 1\.000 \| 0\.\d+ \| -[^|]+\| got worse \|", cmp), cmp

@@ -5,9 +5,9 @@
   (`post_backward_sum`) give bitwise-equal models. Why bitwise and not a rounding bound:
   dividing and multiplying by a power of two is exact in binary floating point (barring
   subnormals), and 0.5 * a + 0.5 * b rounds to exactly half of the rounded a + b, so both
-  paths produce the same bits (unirl.train.dist.parallel's docstring; other W would
+  paths produce the same bits (uniweave.train.dist.parallel's docstring; other W would
   differ by ~(W + 1) ulp).
-- `trainer.world_size: 2` (`unirl train` spawns its workers) equals `torchrun
+- `trainer.world_size: 2` (`uniweave train` spawns its workers) equals `torchrun
   --nproc-per-node 2` bitwise: each worker runs the same code path with the same
   environment.
 - refusals: world_size > 1 under torchrun, world_size > 1 with parallel none.
@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import run_cli, tiny_config, write_config
 
-from unirl.config import ConfigError, validate_config
+from uniweave.config import ConfigError, validate_config
 
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
 
@@ -48,7 +48,7 @@ def test_gradient_sync_modes_and_spawned_workers_equal_torchrun(tmp_path, small_
         path = write_config(
             tmp_path / f"{name}.yaml", sft(tmp_path / name, small_vq_dir, **trainer)
         )
-        launcher = None if launcher is None else [*launcher, "-m", "unirl.cli"]
+        launcher = None if launcher is None else [*launcher, "-m", "uniweave.cli"]
         proc = run_cli(["train", str(path)], launcher=launcher)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
     ref = model(tmp_path / "torchrun-ddp")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.core import generator_for, seed_for
+from uniweave.core import generator_for, seed_for
 
 BASE = (17, 3, 42, 5)
 

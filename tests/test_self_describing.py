@@ -20,14 +20,14 @@ import pytest
 import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 
-from unirl.codecs.base import single_thread
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.core.trajectory import TrajectoryBatch, load_trajectories, save_trajectories
-from unirl.models.base import DecodePositions, rope_positions
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.replay import replay_logprobs
-from unirl.rollout import (
+from uniweave.codecs.base import single_thread
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.trajectory import TrajectoryBatch, load_trajectories, save_trajectories
+from uniweave.models.base import DecodePositions, rope_positions
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import (
     RolloutEngine,
     RolloutRequest,
     RolloutTrajectory,
@@ -37,10 +37,10 @@ from unirl.rollout import (
 
 REPLAY_SCRIPT = """
 import sys, torch
-from unirl.core.trajectory import TrajectoryBatch, load_trajectories
-from unirl.models import load_model
-from unirl.replay import replay_logprobs
-from unirl.rollout import RolloutTrajectory, sampling_records
+from uniweave.core.trajectory import TrajectoryBatch, load_trajectories
+from uniweave.models import load_model
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import RolloutTrajectory, sampling_records
 
 model = load_model(sys.argv[1]).eval()
 trajs = load_trajectories(sys.argv[2], kinds=[RolloutTrajectory])

@@ -13,18 +13,18 @@ import pytest
 import torch
 from rollout_fixtures import tiny_model, tokenizer
 
-from unirl.algorithms.sft import code_features, soft_bsq_distances
-from unirl.codecs import BSQTokenizer, BSQTokenizerConfig
-from unirl.codecs.base import single_thread
-from unirl.codecs.bsq import ungroup_bits
-from unirl.config import ConfigError, validate_config
-from unirl.config.algorithms import SFTConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.forward import forward_interleaved
-from unirl.train.dist.comm import DistInfo
-from unirl.train.methods.sft.objective import SFTObjective
+from uniweave.algorithms.sft import code_features, soft_bsq_distances
+from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig
+from uniweave.codecs.base import single_thread
+from uniweave.codecs.bsq import ungroup_bits
+from uniweave.config import ConfigError, validate_config
+from uniweave.config.algorithms import SFTConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.forward import forward_interleaved
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.methods.sft.objective import SFTObjective
 
 LAMBDA = 0.7
 
@@ -187,7 +187,7 @@ def test_refused_at_config_time_before_anything_is_written(tmp_path, sections, w
 
 
 def test_dataset_rows_without_an_image_answer_are_refused_by_preflight(tmp_path):
-    from unirl.train.run import run_train
+    from uniweave.train.run import run_train
 
     rows = tmp_path / "rows.jsonl"
     row = {"id": "a", "task": "qa", "messages": [
@@ -205,7 +205,7 @@ def test_soft_bsq_is_invariant_to_sequence_packing():
     """`trainer.packing` (not refused): the packed batch gives the same Soft-BSQ loss and
     gradients as the padded one — float64 weights, float32 internals: 1e-6 as for
     packing's own test (tests/test_packing.py)."""
-    from unirl.train.engine.batching import pack
+    from uniweave.train.engine.batching import pack
 
     model = tiny_model("bsq", init=0.3).to(torch.float64)
     rows = _rows(model, 3) + _rows(model, 2, "draw_then_answer")
@@ -233,7 +233,7 @@ def test_uniar_composite_positions():
     cell with the codec's `decoder[0]`. float32 forward: 1e-6 relative."""
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.models.uniar import build_tiny_uniar
 
     codec = random_bsq_codec(8, 2, 2)
     model = build_tiny_uniar(codec, UNIAR_SIZES, seed=0).eval()

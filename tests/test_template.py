@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality, Owner
-from unirl.data.digits import TASKS, make_task_samples
-from unirl.data.template import (
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality, Owner
+from uniweave.data.digits import TASKS, make_task_samples
+from uniweave.data.template import (
     image_generation_prefix,
     parse,
     parse_image_header,
     serialize,
 )
-from unirl.data.tokenizer import SpecialIds, build_tokenizer, normalize_text
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer, normalize_text
 
 P, POL, CTL = Owner.PROMPT, Owner.POLICY, Owner.CONTROLLER
 GRID = (2, 3)  # non-square, so a swapped H/W would show
@@ -293,8 +293,8 @@ def test_parse_rejects_malformed_streams(tok, sp):
 
 
 def test_memoized_encodings_serialize_the_same_rows_encoding_each_image_once(tok, small_vq_dir):
-    from unirl.codecs import load_codec
-    from unirl.data.memo import memoized_encodings
+    from uniweave.codecs import load_codec
+    from uniweave.data.memo import memoized_encodings
 
     codec = load_codec(small_vq_dir)
     images: list[bytes] = []

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from unirl.core.sample import TextPart
-from unirl.data.digits import TASKS, make_mixed
-from unirl.data.tokenizer import (
+from uniweave.core.sample import TextPart
+from uniweave.data.digits import TASKS, make_mixed
+from uniweave.data.tokenizer import (
     SPECIAL_TOKENS,
     SpecialIds,
     build_tokenizer,

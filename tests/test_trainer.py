@@ -22,16 +22,16 @@ from trainer_helpers import (
     write_config,
 )
 
-from unirl.config import resume_conflicts, validate_config
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.tokenizer import SpecialIds
-from unirl.forward import forward_interleaved
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import adapter_state, apply_lora, build_model
-from unirl.train.engine.trainer import Trainer, TrainingError
-from unirl.train.methods.sft.objective import SFTObjective
-from unirl.train.methods.sft.source import DatasetSource, sft_trajectories
-from unirl.train.state.checkpoint import latest_checkpoint
+from uniweave.config import resume_conflicts, validate_config
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.tokenizer import SpecialIds
+from uniweave.forward import forward_interleaved
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.methods.sft.objective import SFTObjective
+from uniweave.train.methods.sft.source import DatasetSource, sft_trajectories
+from uniweave.train.state.checkpoint import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir):
     for n, fault in enumerate(kill_points):
         run_dir = tmp_path / f"killed{n}"
         cfg = write_config(tmp_path / f"k{n}.yaml", tiny_config(run_dir, codec_dir))
-        killed = _train(cfg, {"UNIRL_FAULT": fault})
+        killed = _train(cfg, {"UNIWEAVE_FAULT": fault})
         assert killed.returncode == -9, (fault, killed.returncode, killed.stderr)
         if fault.startswith("checkpoint_write"):
             assert any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
@@ -172,7 +172,7 @@ def test_lora_trains_only_adapters_and_reloads(tmp_path, codec_dir):
 def test_corrupt_checkpoint_is_skipped_and_resume_continues(tmp_path, codec_dir):
     run_dir = tmp_path / "c"
     cfg_path = write_config(tmp_path / "c.yaml", tiny_config(run_dir, codec_dir))
-    assert _train(cfg_path, {"UNIRL_FAULT": "after_update:5"}).returncode == -9
+    assert _train(cfg_path, {"UNIWEAVE_FAULT": "after_update:5"}).returncode == -9
     newest = run_dir / "checkpoints" / "update-000004"
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])

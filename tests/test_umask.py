@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from unirl.core.atomic import apply_umask, current_umask, write_dir_atomic, write_text_atomic
-from unirl.train.state import checkpoint as ckpt
+from uniweave.core.atomic import apply_umask, current_umask, write_dir_atomic, write_text_atomic
+from uniweave.train.state import checkpoint as ckpt
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The real-scale BSQ image tokenizer (`unirl.codecs.bsq_tokenizer`) with UniAR's geometry
+"""The real-scale BSQ image tokenizer (`uniweave.codecs.bsq_tokenizer`) with UniAR's geometry
 (4x4 cells x 64 bits = 1,024 factors per position): save/load, encode/decode against an
 independent computation, refusals, and a UniAR directory built with it running one SFT and
 one GRPO update of `recipes/uniar/sft_lora.yaml` / `grpo_lora.yaml`."""
@@ -16,18 +16,18 @@ from PIL import Image
 from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
-from unirl.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
-from unirl.codecs.base import single_thread
-from unirl.config import load_config
-from unirl.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
-from unirl.models.uniar.convert import main as convert
-from unirl.models.uniar.template import add_special_tokens
-from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config, uniar_tokenizer
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import apply_lora, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.preflight import preflight
-from unirl.train.run import JOBS
+from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
+from uniweave.codecs.base import single_thread
+from uniweave.config import load_config
+from uniweave.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
+from uniweave.models.uniar.convert import main as convert
+from uniweave.models.uniar.template import add_special_tokens
+from uniweave.models.uniar.tiny import image_processor, tiny_qwen3_vl_config, uniar_tokenizer
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.preflight import preflight
+from uniweave.train.run import JOBS
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "uniar"
 # 64 px, 8 px cells -> 8x8 cells -> 2x2 composite positions of 4*4*64 = 1,024 bits
@@ -160,7 +160,7 @@ def _rows(root: Path) -> tuple[Path, Path]:
 
 
 def _converted_uniar(tmp_path: Path) -> Path:
-    """`python -m unirl.models.uniar.convert` on a tiny random Qwen3-VL + the tokenizer."""
+    """`python -m uniweave.models.uniar.convert` on a tiny random Qwen3-VL + the tokenizer."""
     tiny_tokenizer().save_pretrained(tmp_path / "bsq")
     tok = uniar_tokenizer()
     add_special_tokens(tok)
@@ -216,7 +216,7 @@ def test_uniar_directory_with_it_loads_and_runs_the_lora_recipes(tmp_path, tiny_
             "reward.plugins.0.kwargs.device=cpu",
         ],
     )
-    for cfg in (sft, grpo):  # what `unirl train` does, up to the first update
+    for cfg in (sft, grpo):  # what `uniweave train` does, up to the first update
         preflight(cfg, JOBS)
         model = build_model(cfg)
         assert isinstance(model.codec, BSQTokenizer) and model.n_visual_outputs == 1024
@@ -236,9 +236,9 @@ def test_uniar_loader_refuses_a_tokenizer_that_makes_another_grid_or_width(tmp_p
     model = build_tiny_uniar(tiny_tokenizer(), SMALL_SIZES)
     for name, fields, message in [
         ("grid", {"spatial_group": 2}, r"codec/config\.json: field image_size/patch_size/"
-         r"spatial_group: the codec makes a 4x4 grid but unirl_model\.json field image_grid"),
+         r"spatial_group: the codec makes a 4x4 grid but uniweave_model\.json field image_grid"),
         ("bits", {"embed_dim": 32}, r"codec/config\.json: field embed_dim/spatial_group: the "
-         r"codec gives 512 bits per position but unirl_model\.json field bits_per_position"),
+         r"codec gives 512 bits per position but uniweave_model\.json field bits_per_position"),
         ("kind", {"kind": "vq"}, r"codec/config\.json: field kind is 'vq'; UniAR needs one of"),
     ]:  # fmt: skip
         model.save_pretrained(tmp_path / name)

@@ -15,20 +15,20 @@ import torch
 from trainer_helpers import LORA_REGEX, one_update_changes_only_lora
 from transformers import Qwen3VLForConditionalGeneration
 
-from unirl.codecs.base import single_thread
-from unirl.config import load_config, validate_config
-from unirl.core.sample import GenerationRequest, Sample, TextPart
-from unirl.models.uniar import SMALL_SIZES, UniARModel
-from unirl.models.uniar.convert import main as convert
-from unirl.models.uniar.template import add_special_tokens
-from unirl.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import apply_lora, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
-from unirl.train.methods.sft.job import build_sft_job
-from unirl.train.preflight import InputError, preflight
-from unirl.train.run import JOBS
+from uniweave.codecs.base import single_thread
+from uniweave.config import load_config, validate_config
+from uniweave.core.sample import GenerationRequest, Sample, TextPart
+from uniweave.models.uniar import SMALL_SIZES, UniARModel
+from uniweave.models.uniar.convert import main as convert
+from uniweave.models.uniar.template import add_special_tokens
+from uniweave.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.sft.job import build_sft_job
+from uniweave.train.preflight import InputError, preflight
+from uniweave.train.run import JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "uniar"

@@ -19,19 +19,19 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainer_helpers import grpo_config, make_grpo_trainer, tiny_config
 
-from unirl.config import ConfigError, validate_config
-from unirl.core.trajectory import TrajectoryBatch, load_trajectories
-from unirl.core.types import Modality, Owner
-from unirl.eval.runner import evaluate, split_config, weights_sha256
-from unirl.rewards.digit_classifier import CLASSIFIER_DIR
-from unirl.rollout import RolloutTrajectory
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.trainer import Trainer, TrainingError
-from unirl.train.methods.sft.source import sft_trajectories
-from unirl.train.methods.sft.validation import validation_loss
-from unirl.train.run import JOBS, _prepare_model, _val_evaluator
-from unirl.train.state import artifacts
-from unirl.train.state.checkpoint import checkpoint_dir
+from uniweave.config import ConfigError, validate_config
+from uniweave.core.trajectory import TrajectoryBatch, load_trajectories
+from uniweave.core.types import Modality, Owner
+from uniweave.eval.runner import evaluate, split_config, weights_sha256
+from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
+from uniweave.rollout import RolloutTrajectory
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.methods.sft.source import sft_trajectories
+from uniweave.train.methods.sft.validation import validation_loss
+from uniweave.train.run import JOBS, _prepare_model, _val_evaluator
+from uniweave.train.state import artifacts
+from uniweave.train.state.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -340,8 +340,8 @@ def test_evaluation_reuse_requires_the_same_weights(tmp_path, small_vq_dir, clas
 def test_opd_rollout_record_holds_routes_and_replay_selection(
     tmp_path, small_vq_dir, classifier_dir
 ):
-    from unirl.models.build import build_model
-    from unirl.train.methods.opd.job import build_opd_job
+    from uniweave.models.build import build_model
+    from uniweave.train.methods.opd.job import build_opd_job
 
     def opd(run_dir: Path, seed: int, teacher: str) -> dict:
         cfg = tiny_config(

@@ -1,5 +1,5 @@
 """Shared set-up for the trainer tests (not collected: no test_ prefix): tiny SFT and GRPO
-configs on a pre-fitted codec, `unirl` subprocesses, checkpoint comparisons, and the
+configs on a pre-fitted codec, `uniweave` subprocesses, checkpoint comparisons, and the
 LoRA-only update check of the UniAR training tests."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from unirl.codecs import build_codec
-from unirl.data.digits_images import load_split
+from uniweave.codecs import build_codec
+from uniweave.data.digits_images import load_split
 
 if TYPE_CHECKING:
-    from unirl.config import UnirlConfig
-    from unirl.train.engine.trainer import Trainer
+    from uniweave.config import UniweaveConfig
+    from uniweave.train.engine.trainer import Trainer
 
 TASKS = ["t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer"]
 
@@ -69,12 +69,12 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 class ForkedCLI:
-    """`python -m unirl ARGS` without paying Python's and torch's start-up per call.
+    """`python -m uniweave ARGS` without paying Python's and torch's start-up per call.
 
-    A forkserver process imports `unirl.cli` (and torch) once, without running any torch
+    A forkserver process imports `uniweave.cli` (and torch) once, without running any torch
     kernel (so no OpenMP pool exists to be copied across a fork); each call forks a child
     of it that changes into `cwd`, points file descriptors 1 and 2 at its own files, sets
-    `env` and runs `unirl.cli.main(args)` exactly as `python -m unirl` does, then
+    `env` and runs `uniweave.cli.main(args)` exactly as `python -m uniweave` does, then
     `os._exit`s with its return code. Each call is a separate process (its own exit code,
     stderr, signals and cwd) like `subprocess.run`; only the import time is shared.
     """
@@ -83,10 +83,10 @@ class ForkedCLI:
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "unirl.cli", "unirl.train.run"])
+        self.ctx.set_forkserver_preload(["torch", "uniweave.cli", "uniweave.train.run"])
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600):
-        scratch = Path(tempfile.mkdtemp(prefix="unirl-cli-"))
+        scratch = Path(tempfile.mkdtemp(prefix="uniweave-cli-"))
         out, err = scratch / "stdout", scratch / "stderr"
         child = self.ctx.Process(target=_cli_child, args=(args, str(cwd), env, str(out), str(err)))
         child.start()
@@ -94,13 +94,13 @@ class ForkedCLI:
         if child.is_alive():
             child.kill()
             child.join()
-            raise subprocess.TimeoutExpired(["unirl", *args], timeout)
+            raise subprocess.TimeoutExpired(["uniweave", *args], timeout)
         # the child's own record of its code: the forkserver reports 255 for a child it
         # could not reap itself (seen twice in 7 runs of tests/test_bad_inputs.py, 98 calls each)
         code_file = scratch / "code"
         code = int(code_file.read_text()) if code_file.is_file() else child.exitcode
         result = subprocess.CompletedProcess(
-            ["unirl", *args], code, out.read_text(), err.read_text()
+            ["uniweave", *args], code, out.read_text(), err.read_text()
         )
         shutil.rmtree(scratch)
         return result
@@ -110,7 +110,7 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     import traceback
 
     os.chdir(cwd)
-    # a fresh `python -m unirl` turns SIGINT into KeyboardInterrupt; a forkserver child
+    # a fresh `python -m uniweave` turns SIGINT into KeyboardInterrupt; a forkserver child
     # inherits whatever disposition its server was started with (a full CI run once had
     # SIGINT ignored there: the Ctrl-C test's run finished with exit 0 instead of 130)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -121,8 +121,8 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = ["unirl", *args]
-    from unirl.cli import main
+    sys.argv = ["uniweave", *args]
+    from uniweave.cli import main
 
     try:
         code = main(args)
@@ -139,7 +139,7 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
 
 def run_cli(args: list[str], env_extra: dict | None = None, launcher: list[str] | None = None):
     env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = launcher or [sys.executable, "-m", "unirl.cli"]
+    cmd = launcher or [sys.executable, "-m", "uniweave.cli"]
     return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -241,16 +241,16 @@ def one_update_changes_only_lora(trainer: Trainer) -> dict[str, float]:
     return metrics
 
 
-def make_grpo_trainer(cfg: dict | UnirlConfig) -> Trainer:
-    """What `unirl train` builds for a GRPO config (without its run-directory files)."""
-    from unirl.config import UnirlConfig, validate_config
-    from unirl.data.tokenizer import SpecialIds
-    from unirl.train.dist.comm import DistInfo
-    from unirl.train.engine.build import adapter_state, apply_lora, build_model
-    from unirl.train.engine.trainer import Trainer
-    from unirl.train.methods.grpo.job import build_grpo_job
+def make_grpo_trainer(cfg: dict | UniweaveConfig) -> Trainer:
+    """What `uniweave train` builds for a GRPO config (without its run-directory files)."""
+    from uniweave.config import UniweaveConfig, validate_config
+    from uniweave.data.tokenizer import SpecialIds
+    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+    from uniweave.train.engine.trainer import Trainer
+    from uniweave.train.methods.grpo.job import build_grpo_job
 
-    cfg = cfg if isinstance(cfg, UnirlConfig) else validate_config(cfg)
+    cfg = cfg if isinstance(cfg, UniweaveConfig) else validate_config(cfg)
     run_dir = Path(cfg.run.output_dir)
     model = build_model(cfg)
     lora = cfg.trainer.lora.enabled

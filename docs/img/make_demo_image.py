@@ -1,8 +1,8 @@
 """Make docs/img/demo_before_after.png: "draw the digit d" (rows d = 0..9, 8 samples each)
 from the seed-initialised tiny model (left) and from the same recipe after a 300-update
-text-to-image SFT (right), through `unirl.generate.generate` (what `unirl generate` runs).
+text-to-image SFT (right), through `uniweave.generate.generate` (what `uniweave generate` runs).
 
-    unirl train recipes/digits/sft_vq.yaml 'data.tasks=[t2i]' 'data.task_weights=null' \\
+    uniweave train recipes/digits/sft_vq.yaml 'data.tasks=[t2i]' 'data.task_weights=null' \\
         trainer.total_updates=300 run.name=demo_image_t2i
     python docs/img/make_demo_image.py runs/demo_image_t2i
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from unirl.config import load_config
-from unirl.generate import generate
+from uniweave.config import load_config
+from uniweave.generate import generate
 
 RECIPE = "recipes/digits/sft_vq.yaml"
 N = 8

@@ -1,3 +1,0 @@
-"""unirl: post-training of unified multimodal autoregressive models."""
-
-__version__ = "0.1.0"

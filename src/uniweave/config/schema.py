@@ -1,0 +1,1075 @@
+"""The run schema: `UniweaveConfig` and its sections (one YAML section per model).
+
+Every field has a type, a default and a one-line description, so `run: {}` is a valid
+config (the embedded tiny model, SFT on the digits t2i task); an empty file is refused. Cross-field checks
+raise `incompatible(...)` naming the dotted key at fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from uniweave.config.algorithms import AlgorithmConfig, GRPOConfig, OPDConfig, SFTConfig
+from uniweave.config.base import StrictModel, changed, first_changed, incompatible
+from uniweave.config.errors import suggest
+from uniweave.config.ray import RayConfig, check_workers
+from uniweave.config.trainer import TrainerConfig
+
+Task = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=64)]
+"""A task label: any name a dataset row carries in its `task` field."""
+DIGITS_TASKS: tuple[str, ...] = (
+    "t2i",
+    "i2t_mc",
+    "jigsaw_mc",
+    "draw_then_answer",
+    "i2t_open",
+    "i2t_mc_say",
+    "mc_lookup",
+    "i2t_pick",
+    "i2t_mc_first",
+    "i2t_hint",
+    "i2t_hint_wrong",
+)
+"""The built-in digits data provider's tasks (`uniweave.data.digits.TASKS` is this tuple)."""
+IMAGE_GENERATION_TASKS: frozenset[str] = frozenset({"t2i", "draw_then_answer"})
+"""The digits tasks whose answers hold an image (dataset rows say so themselves)."""
+DIGITS_IMAGE_SIZE = 8  # == uniweave.data.digits_images.IMAGE_SIZE (not imported: keep CLI light)
+Split = Literal["train", "val", "test"]
+SPLITS: tuple[Split, ...] = ("train", "val", "test")
+"""The digits image splits (`uniweave.data.digits_images` re-exports them; here so that
+`uniweave data export --help` needs no numpy)."""
+
+
+class RunConfig(StrictModel):
+    """Identity of a run."""
+
+    name: str = Field("uniweave", min_length=1, description="Run name (used in logs and paths).")
+    seed: int = Field(0, ge=0, description="Run seed: all sampling seeds derive from it.")
+    output_dir: str | None = Field(
+        None, description="Run directory (created by train, never by loading); null = runs/<name>."
+    )
+    parent: str | None = Field(
+        None,
+        description="Start this (new) run directory from a parent run's newest intact "
+        "checkpoint, or from the checkpoint directory named (docs/campaigns.md); the "
+        "changes allowed against it are checkpoint.resume_mode's. A retry of this run "
+        "resumes from its own newest checkpoint first.",
+    )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto | cpu | mps | cuda[:N]."
+    )
+    deterministic: bool = Field(
+        True,
+        description="Deterministic kernels (torch.use_deterministic_algorithms; on CUDA "
+        "also CUBLAS_WORKSPACE_CONFIG=:4096:8): the same command gives the same bits at "
+        "a fixed thread count and device. Off: faster, and runs (and resumes) agree only "
+        "to float rounding (~1e-7), which can grow over updates.",
+    )
+    host_mmap_threshold: int | None = Field(
+        None,
+        gt=0,
+        le=32 * 1024 * 1024,  # uniweave.core.host_memory.MAX_THRESHOLD (config imports no torch)
+        description="Bytes from which a freed host (CPU) block goes straight back to the "
+        "OS (glibc mallopt M_MMAP_THRESHOLD, fixed): the resident set then follows the "
+        "live tensors, as `uniweave plan --host` predicts, at the price of a fresh mapping "
+        "per large temporary (tiny SFT recipe 1.6x slower, CPU bf16 steps at Janus-Pro-1B "
+        "1.45-2.09x; docs/plan.md, 'On the host'). null (default): glibc's dynamic "
+        "threshold (or MALLOC_MMAP_THRESHOLD_), which keeps freed temporaries resident "
+        "for reuse: fastest, and a step's peak can exceed the plan by the range "
+        "`uniweave plan --host` prints. 1048576 (1 MiB) for predictable host memory. "
+        "Not glibc: not applied, said in the log.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_output_dir(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("output_dir") is None:
+            return {**data, "output_dir": f"runs/{data.get('name', 'uniweave')}"}
+        return data
+
+
+class DecoderSizes(StrictModel):
+    """The sizes of a decoder built from the config (their one definition): the base of
+    `TinyModelConfig` (the `model.tiny` keys) and of the classes the model packages build
+    from (`uniweave.models.tiny.TinyArchitecture`, `uniweave.models.uniar.TinyUniARSizes`)."""
+
+    hidden_size: int = Field(128, gt=0, description="Residual width.")
+    num_layers: int = Field(4, gt=0, description="Decoder layers.")
+    num_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
+    intermediate_size: int = Field(512, gt=0, description="MLP inner width.")
+    max_position_embeddings: int = Field(
+        512, gt=0, description="Native context length (a rollout stop condition)."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DecoderSizes:
+        if self.hidden_size % self.num_heads:
+            raise incompatible(
+                "num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}"
+            )
+        return self
+
+
+class TinyModelConfig(DecoderSizes):
+    """Sizes of a decoder built from the config: model.kind tiny (every field) or uniar
+    (all but tie_embeddings; mixer_kernel must be 0: `KIND_READS`); a kind that loads a checkpoint
+    reads none."""
+
+    mixer_kernel: int = Field(
+        4,
+        ge=0,
+        description="Depthwise causal conv over the last k positions after each layer norm "
+        "(0 = off).",
+    )
+    tie_embeddings: bool = Field(
+        False,
+        description="Share one matrix between the input token embedding and the text "
+        "output head (logits = h @ E^T).",
+    )
+
+
+class CodecConfig(StrictModel):
+    """The embedded image codec of the tiny model (real checkpoints ship their own)."""
+
+    path: str | None = Field(
+        None, description="Directory of a fitted codec; null = fit one on the digits train split."
+    )
+    patch_size: int = Field(2, gt=0, description="Pixels per side of one visual position.")
+    codebook_size: int = Field(32, ge=2, description="VQ codebook entries.")
+    bits: int = Field(16, gt=0, description="BSQ bits L per patch.")
+    group: int = Field(
+        1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
+    )
+
+    @model_validator(mode="after")
+    def _grid(self) -> CodecConfig:
+        if DIGITS_IMAGE_SIZE % self.patch_size:
+            raise incompatible(
+                "patch_size", f"{self.patch_size} does not divide the {DIGITS_IMAGE_SIZE}px image"
+            )
+        grid = DIGITS_IMAGE_SIZE // self.patch_size
+        if grid % self.group:
+            raise incompatible("group", f"{self.group} does not divide the {grid}x{grid} grid")
+        return self
+
+
+KIND_READS: dict[str, dict[str, tuple[str, ...]]] = {
+    "tiny": {"tiny": tuple(TinyModelConfig.model_fields), "codec": tuple(CodecConfig.model_fields)},
+    "uniar": {
+        "tiny": tuple(n for n in TinyModelConfig.model_fields if n != "tie_embeddings"),
+        "codec": tuple(CodecConfig.model_fields),
+    },
+    "janus_pro": {"tiny": (), "codec": ()},
+}
+"""The `model.tiny` and `model.codec` fields each registered kind's builder reads
+(`uniweave.models.tiny.build.build_tiny`, `uniweave.models.uniar.tiny.build_uniar`; janus_pro
+has no builder: it always loads model.path). A kind not listed is left to the model
+registry, which refuses an unknown kind."""
+KIND_IGNORES: dict[tuple[str, str], str] = {
+    ("uniar", "tiny"): "acts only with model.kind tiny (kind 'uniar' builds its Qwen3-VL "
+    "decoder with untied embeddings)",
+    ("janus_pro", "tiny"): "acts only for a model built from the config (kind tiny or uniar); "
+    "kind 'janus_pro' takes its sizes from the model.path checkpoint",
+    ("janus_pro", "codec"): "acts only for a model built from the config (kind tiny or uniar); "
+    "kind 'janus_pro' ships its image codec in the model.path checkpoint",
+}
+
+
+class ModelConfig(StrictModel):
+    """Which unified model to post-train.
+
+    `kind` names a kind a model package registers (`uniweave.models.registry`); the kind's
+    registration is checked (known and implemented, its visual heads, whether it needs
+    `path`) by `uniweave.models.check_model_config` before a model is built.
+    """
+
+    kind: str = Field(
+        "tiny",
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="A registered model kind: tiny (embedded) | janus_pro (VQ) | ...",
+    )
+    path: str | None = Field(
+        None,
+        description="Checkpoint directory, or a hub id org/name resolved through "
+        "huggingface_hub's cache (HF_HUB_OFFLINE honoured; a local path wins); required "
+        "unless the kind builds from the config, as tiny does.",
+    )
+    visual_head: Literal["vq", "bsq"] = Field(
+        "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
+    )
+    initial_adapter: str | None = Field(
+        None,
+        description="A LoRA run's adapter/ directory (peft format + uniweave_adapter.json) to "
+        "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
+        "rslora and target_modules, and the base it was trained on).",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
+    codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
+
+    @model_validator(mode="after")
+    def _what_the_kind_reads(self) -> ModelConfig:
+        """Refuse `model.tiny` / `model.codec` fields the kind never reads (`KIND_READS`)
+        and, when the codec is fitted from this section (a model built from the config,
+        no codec.path), the sizes of the other visual head's codec."""
+        reads = KIND_READS.get(self.kind)
+        if reads is None:
+            return self
+        builds = bool(reads["tiny"])
+        # A kind that only loads checkpoints is refused without model.path by
+        # `uniweave.models.check_model_config` ("loads a local checkpoint"), the clearer error.
+        if builds or self.path is not None:
+            for section in ("tiny", "codec"):
+                model = getattr(self, section)
+                unread = [n for n in type(model).model_fields if n not in reads[section]]
+                name = first_changed(model, unread)
+                if name is not None:
+                    raise incompatible(f"{section}.{name}", KIND_IGNORES[self.kind, section])
+        if builds and self.path is None and self.codec.path is None:
+            other = ("bits", "group") if self.visual_head == "vq" else ("codebook_size",)
+            name = first_changed(self.codec, other)
+            if name is not None:
+                head = "bsq" if self.visual_head == "vq" else "vq"
+                raise incompatible(
+                    f"codec.{name}",
+                    f"acts only with model.visual_head {head} (the codec fitted here is "
+                    f"{self.visual_head})",
+                )
+        return self
+
+
+class DataConfig(StrictModel):
+    """Training and evaluation data: the built-in digits tasks, or your own rows."""
+
+    tasks: list[Task] = Field(
+        ["t2i"],
+        min_length=1,
+        description="Tasks to use (no repeats): digits tasks, or the `task` labels of "
+        "data.path rows (rows of other tasks are left out, and counted).",
+    )
+    task_weights: dict[Task, float] | None = Field(
+        None, description="Sampling weight per task (> 0); null = uniform."
+    )
+    path: str | None = Field(
+        None,
+        description="JSONL/parquet file or directory of shards (train rows: its `split: "
+        "train` rows, or all rows without a split field); null = built-in digits tasks.",
+    )
+    val_path: str | None = Field(
+        None, description="Validation rows (file/directory); null = data.path rows of split val."
+    )
+    test_path: str | None = Field(
+        None, description="Test rows (file/directory); null = data.path rows of split test."
+    )
+    default_task: Task | None = Field(
+        None, description="Task of rows without a `task` field; null = such a row is an error."
+    )
+    image_resize: Literal["resize", "error"] = Field(
+        "error",
+        description="A dataset image whose size differs from the model's: resize it "
+        "(bicubic) or stop with its file:line.",
+    )
+    tokenizer: Literal["auto", "word", "bpe"] = Field(
+        "auto",
+        description="Tiny model tokenizer: word (digits vocabulary) | bpe (byte-level, "
+        "trained on the training text); auto = word without data.path, bpe with it.",
+    )
+    bpe_vocab_size: int = Field(
+        1024, ge=300, description="Vocabulary size of the byte-level BPE (data.tokenizer bpe)."
+    )
+    train_size: int = Field(
+        0, ge=0, description="Training samples per task (0 = one per train-split image)."
+    )
+    val_size: int = Field(
+        64,
+        ge=0,
+        description="Validation rows per task per evaluation (data.path: the first N val "
+        "rows of each task; 0 = none).",
+    )
+    test_size: int = Field(
+        64,
+        ge=0,
+        description="Test rows per task of the final evaluation (data.path: the first N "
+        "test rows of each task; 0 = none).",
+    )
+    seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
+    shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
+    max_sequence_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Hard context limit of a serialised SFT row (positions, prompt "
+        "included); null = none.",
+    )
+    over_length: Literal["refuse", "drop"] = Field(
+        "refuse",
+        description="An SFT row longer than data.max_sequence_tokens: stop naming it "
+        "(refuse) or leave it out with a logged count (drop).",
+    )
+
+    @property
+    def uses_bpe(self) -> bool:
+        """Whether the tiny model's tokenizer is the byte-level BPE (see `tokenizer`)."""
+        return self.tokenizer == "bpe" or (self.tokenizer == "auto" and self.path is not None)
+
+    @model_validator(mode="after")
+    def _tasks(self) -> DataConfig:
+        if len(set(self.tasks)) != len(self.tasks):
+            raise incompatible("tasks", f"repeated task in {self.tasks}")
+        for task, weight in (self.task_weights or {}).items():
+            if task not in self.tasks:
+                close = suggest(task, self.tasks)
+                hint = f"; did you mean '{close}'?" if close else ""
+                raise incompatible(
+                    f"task_weights.{task}", f"task '{task}' is not in tasks {self.tasks}{hint}"
+                )
+            if weight <= 0:
+                raise incompatible(f"task_weights.{task}", f"weight must be > 0 (got {weight})")
+        if self.path is None:
+            unknown = [t for t in self.tasks if t not in DIGITS_TASKS]
+            if unknown:
+                raise incompatible(
+                    "tasks",
+                    f"'{unknown[0]}' is not a built-in digits task ({', '.join(DIGITS_TASKS)}); "
+                    "set data.path to a dataset whose rows carry it",
+                )
+            for key in ("val_path", "test_path", "default_task"):
+                if getattr(self, key) is not None:
+                    raise incompatible(key, "needs data.path (the digits tasks are built in)")
+            if changed(self, "image_resize"):
+                raise incompatible(
+                    "image_resize",
+                    "acts only on data.path images (the built-in digits images are the tiny "
+                    "model's size)",
+                )
+        if self.default_task is not None and self.default_task not in self.tasks:
+            raise incompatible("default_task", f"'{self.default_task}' is not in data.tasks")
+        return self
+
+
+class RolloutConfig(StrictModel):
+    """Sampling parameters of the rollout engine (also applied in replay).
+
+    Each field maps 1:1 onto `uniweave.rollout.SamplingParams` (`uniweave.rollout.config`
+    builds them); `batch_size` is how many rows the engine decodes together.
+    """
+
+    temperature: float = Field(1.0, gt=0.0, description="Text/VQ softmax temperature.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely ids (0 = off).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass (1.0 = off).")
+    guidance: float = Field(
+        1.0, ge=0.0, description="CFG weight w: z = u + w (c - u) on visual logits (1 = off)."
+    )
+    guidance_logprob: Literal["guided", "conditional"] = Field(
+        "guided", description="Score visual log-probs under the guided or the conditional logits."
+    )
+    bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
+    max_new_tokens: int | None = Field(
+        64,
+        gt=0,
+        description="Sampled positions per row (exact: must equal the image's H*W); null: "
+        "the model's context length bounds the row, with the cycle detector on.",
+    )
+    length_semantics: Literal["cap", "exact"] = Field(
+        "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
+    )
+    batch_size: int = Field(64, gt=0, description="Rows decoded together.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Compute of the training rollouts: fp32, or bf16 autocast (weights "
+        "stay fp32; replay keeps trainer.precision: a measured sampler/trainer mismatch).",
+    )
+    workers: int = Field(
+        0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
+    )
+    continuous_batching: bool = Field(
+        False,
+        description="Decode in rollout.batch_size slots; a finished row's slot takes the next "
+        "waiting request (same tokens per seed in fp32). In-process grpo/opd rollouts; plain RoPE and "
+        "KV cache only (not uniar, not tiny with mixer_kernel > 0).",
+    )
+    assignment: Literal["static", "dynamic"] = Field(
+        "static",
+        description="Which rank samples which training row: static (round-robin) | dynamic "
+        "(ranks claim engine batches of the longest remaining rows through the job's "
+        "torch.distributed store); same trajectories either way (per-row seeds).",
+    )
+    cycle_max_period: int = Field(
+        4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
+    )
+    cycle_repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
+    min_grid_side: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
+    max_grid_side: int = Field(
+        32,
+        gt=0,
+        description="Largest H or W accepted in an image header (a model's own limit, "
+        "UniAR's 30, bounds it too).",
+    )
+    on_invalid_header: Literal["invalid", "text"] = Field(
+        "invalid",
+        description="Bad 'generate image H W' header: end the row 'invalid', or keep "
+        "<|vision_start|> as a text token (text).",
+    )
+
+    @model_validator(mode="after")
+    def _grid(self) -> RolloutConfig:
+        if self.max_new_tokens is None:
+            if self.cycle_max_period == 0:
+                raise incompatible(
+                    "max_new_tokens",
+                    "null (the context length as the horizon) needs the cycle detector on "
+                    "(rollout.cycle_max_period > 0): a looping row would otherwise run to "
+                    "the end of the context",
+                )
+            if self.length_semantics == "exact":
+                raise incompatible(
+                    "max_new_tokens",
+                    "null cannot go with length_semantics 'exact' (an exact image needs "
+                    "max_new_tokens = H*W)",
+                )
+        if self.min_grid_side > self.max_grid_side:
+            raise incompatible(
+                "min_grid_side", f"{self.min_grid_side} exceeds max_grid_side={self.max_grid_side}"
+            )
+        return self
+
+
+class RewardPluginConfig(StrictModel):
+    """One reward plugin; the total reward is the weighted sum of the plugins' scores."""
+
+    name: str = Field(
+        "mc_exact", pattern=r"^[a-z][a-z0-9_]*$", description="Registered reward plugin name."
+    )
+    weight: float = Field(1.0, description="Weight of this plugin's score in the total.")
+    path: str | None = Field(
+        None, description="Model directory (or hub id org/name) for learned scorers."
+    )
+    tasks: list[Task] | None = Field(
+        None, description="Score only rows of these tasks (any data.tasks labels); null = all."
+    )
+    kwargs: dict[str, bool | int | float | str] = Field(
+        default_factory=dict, description="Plugin-specific scalar options."
+    )
+
+
+class RewardConfig(StrictModel):
+    """The reward service (GRPO)."""
+
+    plugins: list[RewardPluginConfig] = Field(
+        default_factory=list, description="Reward plugins (GRPO requires at least one)."
+    )
+    truncated_reward: Literal["zero", "keep"] = Field(
+        "zero", description="Reward of rows truncated by a cap/context/cycle."
+    )
+    on_error: Literal["raise", "zero"] = Field(
+        "raise", description="A plugin exception or non-finite score: fail, or score 0 and count."
+    )
+    workers: int = Field(
+        0, ge=0, description="Ray reward actors, each scoring a round-robin share (0 = in-process)."
+    )
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> RewardConfig:
+        if self.plugins and all(p.weight == 0 for p in self.plugins):
+            raise incompatible(
+                "plugins", "every plugin has weight 0: the total reward would always be 0"
+            )
+        return self
+
+
+class CheckpointConfig(StrictModel):
+    """Atomic checkpoints in <output_dir>/checkpoints."""
+
+    every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0 = off).")
+    every_minutes: float = Field(0.0, ge=0.0, description="Also every N minutes (0 = off).")
+    every_epochs: int = Field(
+        0,
+        ge=0,
+        description="SFT: also at every N-th exact epoch boundary, the update ceil(e*R/B) "
+        "whose batch holds the last row of epoch e (R rows, B = global_batch_size; 0 = off).",
+    )
+    keep_best: str | None = Field(
+        None,
+        pattern=r"^val/.+",
+        description="A validation metric (val/loss, val/<task>/accuracy, ...): an evaluated "
+        "update that improves it is checkpointed and kept (checkpoints/best.json) beside "
+        "the keep_last newest; null = off.",
+    )
+    keep_best_mode: Literal["min", "max"] = Field(
+        "min", description="Whether keep_best keeps the lowest (min) or highest (max) value."
+    )
+    save_rollouts: bool = Field(
+        False,
+        description="GRPO/OPD: save each update's trajectories, rewards, advantages, routing "
+        "and replay selection to rollouts/update-N.pt + .json, linked from checkpoints.",
+    )
+    keep_last: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all).")
+    resume_mode: Literal[
+        "strict",
+        "allow_schedule_changes",
+        "epoch_extension",
+        "rollout_limit_change",
+        "execution_change",
+    ] = Field(
+        "strict",
+        description="What may change when resuming (in place or from run.parent; "
+        "uniweave.config.hashing.RESUME_MODES): strict: nothing but cadence/logging/execution-"
+        "only keys; allow_schedule_changes: total_updates, scheduler, eval_every; "
+        "epoch_extension: a longer constant-LR run (total_updates, run.name); "
+        "rollout_limit_change: rollout caps; execution_change: micro-batching, gradient "
+        "checkpointing, DDP/FSDP2 execution flags.",
+    )
+
+
+class LoggingConfig(StrictModel):
+    """Metric sinks (`uniweave.train.engine.metrics.MetricsLogger`)."""
+
+    jsonl: bool = Field(True, description="Write <output_dir>/metrics.jsonl.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb: bool = Field(
+        False,
+        description="Also log to Weights & Biases (pip install 'uniweave[wandb]'; project from "
+        "WANDB_PROJECT, default uniweave; WANDB_MODE=offline works without an account).",
+    )
+    progress_bar: bool = Field(True, description="Show a rich progress bar on a TTY.")
+    every: int = Field(
+        1,
+        gt=0,
+        description="Log metrics every N updates (the last update and updates that ran an "
+        "evaluation are always logged).",
+    )
+    samples_every: int = Field(
+        50,
+        ge=0,
+        description="Log a few rollout samples (prompt, response, reward, image) to "
+        "TensorBoard / W&B every N updates (0 = off).",
+    )
+    gradient_diagnostics_every_updates: int = Field(
+        0,
+        ge=0,
+        description="OPD with GT replay: every N updates log the pre-clip norms of the "
+        "distillation and GT-replay gradients, their ratio and cosine, from the update's one "
+        "backward per micro-batch (the two row kinds are micro-batched apart; 0 = off).",
+    )
+
+    @model_validator(mode="after")
+    def _wandb_installed(self) -> LoggingConfig:
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise incompatible(
+                "wandb", "the wandb package is not installed (pip install 'uniweave[wandb]')"
+            )
+        if not (self.jsonl or self.tensorboard or self.wandb) and changed(self, "every"):
+            raise incompatible(
+                "every", "acts only with a metrics sink (logging.jsonl, tensorboard or wandb)"
+            )
+        if not (self.tensorboard or self.wandb) and changed(self, "samples_every"):
+            raise incompatible(
+                "samples_every",
+                "acts only with logging.tensorboard or logging.wandb (samples go to no other sink)",
+            )
+        return self
+
+
+BPE_VOCAB_DEFAULT = DataConfig.model_fields["bpe_vocab_size"].default
+
+
+class EvaluationConfig(StrictModel):
+    """`uniweave eval`, in-training validation and the final test evaluation (one evaluator,
+    `uniweave.eval.runner`): the model on one data split, scored by the reward plugins (or
+    each task's default verifier, `uniweave.rewards.defaults`)."""
+
+    split: Literal["train", "val", "test"] = Field(
+        "test", description="Rows to evaluate: data.<split>_path, or data.path rows of it."
+    )
+    max_samples: int = Field(
+        0,
+        ge=0,
+        description="Evaluate at most N rows (0 = all), stratified by task: the N are dealt "
+        "round-robin over the tasks, each task's rows drawn with a seed from data.seed and "
+        "the task's name.",
+    )
+    rollouts_per_sample: int = Field(
+        1, ge=1, description="Rollouts n per row: mean@n and pass@n are reported."
+    )
+    greedy: bool = Field(True, description="Greedy decoding (n must be 1) or sampled.")
+    sample_images: bool = Field(
+        True,
+        description="Rows whose answer is an image (t2i) are sampled with the rollout: "
+        "parameters even when evaluation.greedy is true (greedy decoding would draw one "
+        "image per prompt text, e.g. one per digit); false: evaluation.greedy decides "
+        "for them too.",
+    )
+    pass_threshold: float = Field(
+        0.5,
+        description="A row passes when its total reward is >= this: pass@n, the records' "
+        "`passed`, GRPO/OPD task/<task>/accuracy and OPD's verified routing "
+        "(uniweave.rewards.passes). 0.5 passes a verifier's 1 and a classifier's 0.9999.",
+    )
+    output_dir: str | None = Field(
+        None, description="Results directory; null = <run.output_dir>/eval-<split>."
+    )
+    workers_per_gpu: int = Field(
+        1,
+        ge=1,
+        description="Evaluation workers per process (per device): N threads, each with its "
+        "own copy of the model (N - 1 extra copies in memory) and, on CUDA, its own stream, "
+        "claiming engine batches from the evaluation's queue; the records do not depend on N.",
+    )
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvaluationConfig:
+        if self.greedy and self.rollouts_per_sample > 1:
+            raise incompatible(
+                "rollouts_per_sample",
+                f"{self.rollouts_per_sample} greedy rollouts are identical; set "
+                "evaluation.greedy=false to sample them",
+            )
+        return self
+
+
+VISUAL_LOSS: dict[str, str] = {"vq": "vq", "bsq": "bits"}
+"""The suffix of SFT's validation visual loss per visual head (`val/loss_image_<suffix>`)."""
+
+
+class HealthConfig(StrictModel):
+    """Health alarms and the run report's before/after test (`uniweave.eval.health`,
+    docs/reports.md). An alarm is logged as one plain line when it fires and listed at the
+    top of the run's report.md / report.html; null turns a threshold's alarm off."""
+
+    baseline_eval: bool = Field(
+        True,
+        description="Evaluate the starting model (update 0) on the val and test splits the "
+        "run evaluates, so every later evaluation has a paired before/after comparison "
+        "(false: no baseline, no verdicts, no held-out alarm).",
+    )
+    heldout_se: float = Field(
+        2.0,
+        gt=0.0,
+        description="A held-out change counts when the paired per-prompt mean difference "
+        "exceeds this many standard errors: the report's improved / got worse verdicts and "
+        "the held-out alarm.",
+    )
+    heldout_drop: bool = Field(
+        True,
+        description="Alarm when a held-out mean@n / pass@n got worse than at the start "
+        "(the heldout_se test; needs baseline_eval).",
+    )
+    zero_variance_share: float | None = Field(
+        0.75,
+        gt=0.0,
+        le=1.0,
+        description="Alarm when the share of GRPO groups whose rewards are all equal "
+        "(adv/frac_zero_std_groups) is >= this.",
+    )
+    zero_signal_updates: int = Field(
+        3,
+        ge=0,
+        description="Alarm when all advantages (adv/advantage_std = 0) or all gradients "
+        "(grad_norm = 0) were zero for this many logged updates in a row (0 = off).",
+    )
+    truncation_overwrite_share: float | None = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Alarm when truncation shaping overwrote >= this share of an update's "
+        "rewards (reward/overwritten_frac).",
+    )
+    reward_saturation: float | None = Field(
+        0.98,
+        description="Alarm when the mean training reward (reward/total_mean) is >= this "
+        "(nothing left to learn: groups go zero-variance).",
+    )
+    entropy_collapse_ratio: float | None = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Alarm when a policy entropy (policy/entropy_text, policy/entropy_visual) "
+        "falls below this fraction of its value at the first logged update.",
+    )
+    kl_max: float | None = Field(
+        1.0,
+        ge=0.0,
+        description="Alarm when the KL to the reference (policy/kl_ref_mean) exceeds this.",
+    )
+    invalid_rise: float | None = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Alarm when an invalid-output share rises more than this above its "
+        "start: training reward/<plugin>/invalid_frac vs its first logged update, held-out "
+        "invalid_frac vs the baseline evaluation.",
+    )
+
+
+class UniweaveConfig(StrictModel):
+    """A complete run: what `uniweave inspect` prints and the config hash covers."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=SFTConfig, description="sft | grpo | opd, chosen by algorithm.name."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig, description="`uniweave eval`."
+    )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="Ray workers (rollout.workers, reward.workers)."
+    )
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="Health alarms and the run report's test."
+    )
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> UniweaveConfig:
+        algo, tasks = self.algorithm, set(self.data.tasks)
+        if isinstance(algo, GRPOConfig):
+            if self.trainer.global_batch_size % algo.group_size:
+                raise incompatible(
+                    "trainer.global_batch_size",
+                    f"{self.trainer.global_batch_size} is not a multiple of "
+                    f"algorithm.group_size={algo.group_size}",
+                )
+            if not self.reward.plugins:
+                raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
+            if algo.share_prompt_prefix and (
+                self.model.kind != "tiny"
+                or (self.model.path is None and self.model.tiny.mixer_kernel)
+            ):
+                raise incompatible(
+                    "algorithm.share_prompt_prefix",
+                    "built for the tiny model without the conv prior (model.kind tiny, "
+                    "model.tiny.mixer_kernel 0)",
+                )
+            if algo.share_prompt_prefix and self.trainer.gradient_checkpointing:
+                raise incompatible(
+                    "algorithm.share_prompt_prefix",
+                    "continues from a KV cache, which gradient checkpointing drops: turn "
+                    "trainer.gradient_checkpointing off",
+                )
+        if self.model.initial_adapter is not None:
+            if self.model.path is None:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "needs model.path (the base the adapter was trained on)",
+                )
+            if not self.trainer.lora.enabled:
+                raise incompatible(
+                    "model.initial_adapter",
+                    "is trained on unmerged: it needs trainer.lora.enabled true (with the "
+                    "adapter's r, alpha and target_modules)",
+                )
+        if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
+            raise incompatible(
+                "reward.plugins",
+                f"opd routing '{algo.routing}' verifies rows: it needs at least one reward plugin",
+            )
+        if self.trainer.packing:
+            self._packing(algo)
+        if isinstance(algo, SFTConfig) and algo.bitflip.probability > 0:
+            if self.model.visual_head != "bsq":
+                raise incompatible(
+                    "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
+                )
+        if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0:
+            self._soft_bsq(tasks)
+        if isinstance(algo, GRPOConfig) and algo.information_gain.weight > 0:
+            if self.trainer.parallel != "none":
+                raise incompatible(
+                    "algorithm.information_gain.weight",
+                    "is built for one process (trainer.parallel none): the behaviour "
+                    f"policy's views are not sharded under {self.trainer.parallel}",
+                )
+        if isinstance(algo, SFTConfig) and algo.necessity_distillation.weight > 0:
+            if self.trainer.parallel != "none":
+                raise incompatible(
+                    "algorithm.necessity_distillation.weight",
+                    "is built for one process (trainer.parallel none): its EMA shadow is not "
+                    f"sharded or checkpointed under {self.trainer.parallel}",
+                )
+        if self.data.path is None:
+            self._digits_rollout(tasks)
+        self._reward_routes(tasks)
+        check_workers(self)
+        if self.data.tokenizer != "auto" and (self.model.kind != "tiny" or self.model.path):
+            raise incompatible(
+                "data.tokenizer",
+                "only the tiny model built here takes a tokenizer "
+                "(a model.path checkpoint ships its own); leave it auto",
+            )
+        if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
+            raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
+        self._inert(algo)
+        self._cadence(algo)
+        self._gradient_diagnostics(algo)
+        return self
+
+    def _continuous_batching(self, algo: AlgorithmConfig) -> None:
+        """rollout.continuous_batching: built for in-process training rollouts of models
+        with plain RoPE positions and a plain KV cache (`uniweave.rollout.continuous`)."""
+        key = "rollout.continuous_batching"
+        if isinstance(algo, SFTConfig):
+            raise incompatible(
+                key, "acts only with rollouts in training (grpo, opd); evaluation is static"
+            )
+        if self.rollout.workers > 0:
+            raise incompatible(
+                key, "acts only in-process (rollout.workers 0): Ray rollout workers are static"
+            )
+        if self.rollout.batch_size < 2:
+            raise incompatible(key, "needs rollout.batch_size >= 2 slots (a guided pair takes two)")
+        if self.model.kind == "uniar":
+            raise incompatible(
+                key, "not built for model.kind uniar (M-RoPE decode positions per slot)"
+            )
+        if self.model.kind == "tiny" and self.model.path is None and self.model.tiny.mixer_kernel:
+            raise incompatible(
+                key,
+                "not built for the tiny model's conv prior (its cache carries per-row mixer "
+                "state): set model.tiny.mixer_kernel 0",
+            )
+
+    def _inert(self, algo: AlgorithmConfig) -> None:
+        """Settings another section makes inactive, refused when set to a non-default
+        value (a value equal to the default is harmless). `RolloutConfig` on its own maps
+        1:1 onto the engine's `SamplingParams`, which take any combination; a run refuses
+        the rollout settings its rollouts would never read."""
+        rollout = self.rollout
+        if rollout.guidance == 1.0 and changed(rollout, "guidance_logprob"):
+            raise incompatible(
+                "rollout.guidance_logprob",
+                "acts only with rollout.guidance != 1 (without guidance the guided and the "
+                "conditional distributions are the same)",
+            )
+        if self.model.visual_head == "vq" and changed(rollout, "bit_temperature"):
+            raise incompatible(
+                "rollout.bit_temperature",
+                "acts only with model.visual_head bsq (VQ codes are sampled at "
+                "rollout.temperature)",
+            )
+        if rollout.assignment == "dynamic":
+            if isinstance(algo, SFTConfig):
+                raise incompatible(
+                    "rollout.assignment", "acts only with rollouts in training (grpo, opd)"
+                )
+            if rollout.workers > 0:
+                raise incompatible(
+                    "rollout.assignment",
+                    "dynamic assignment is built for in-process rollouts over torch.distributed "
+                    "ranks, not for Ray rollout workers (rollout.workers > 0): use static",
+                )
+        if changed(rollout, "precision"):
+            if isinstance(algo, SFTConfig):
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with rollouts in training (grpo, opd); evaluation samples in fp32",
+                )
+            if self.trainer.precision == "fp64":
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only with float32 weights: autocast leaves trainer.precision fp64 "
+                    "tensors in float64",
+                )
+            if rollout.workers > 0:
+                raise incompatible(
+                    "rollout.precision",
+                    "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
+                )
+        if rollout.continuous_batching:
+            self._continuous_batching(algo)
+        if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
+            raise incompatible(
+                "rollout.cycle_repeats",
+                "acts only with rollout.cycle_max_period > 0 (the cycle stop is off)",
+            )
+        if self.trainer.eval_every > 0 and self.data.val_size == 0:
+            raise incompatible(
+                "trainer.eval_every",
+                f"{self.trainer.eval_every} evaluates nothing: data.val_size is 0 (set it > 0, "
+                "or eval_every 0)",
+            )
+        if self.data.max_sequence_tokens is None and changed(self.data, "over_length"):
+            raise incompatible(
+                "data.over_length", "acts only with data.max_sequence_tokens set (no limit)"
+            )
+        if not isinstance(algo, SFTConfig):
+            if self.data.max_sequence_tokens is not None:
+                raise incompatible(
+                    "data.max_sequence_tokens",
+                    f"acts only with sft: {algo.name} rows are bounded by the rollout "
+                    "(rollout.max_new_tokens and the model's context length)",
+                )
+            if changed(self.data, "shuffle"):
+                raise incompatible(
+                    "data.shuffle",
+                    f"acts only with sft: {algo.name} draws its prompts from a fresh "
+                    "permutation of each task's pool every epoch",
+                )
+        elif changed(self.logging, "samples_every"):
+            raise incompatible(
+                "logging.samples_every",
+                "acts only with rollouts in training (grpo, opd); sft logs no samples",
+            )
+
+    def _cadence(self, algo: AlgorithmConfig) -> None:
+        """Epoch cadence, best-checkpoint and rollout-saving settings where they can act
+        (`uniweave.train.engine.trainer`; docs/campaigns-validation.md)."""
+        sft = isinstance(algo, SFTConfig)
+        epochs = (("trainer.eval_every_epochs", self.trainer.eval_every_epochs),
+                  ("checkpoint.every_epochs", self.checkpoint.every_epochs))  # fmt: skip
+        for key, value in epochs:
+            if value > 0 and not sft:
+                raise incompatible(
+                    key,
+                    f"acts only with sft: {algo.name} draws each task's prompts from its own "
+                    "pool, so the run has no single epoch boundary",
+                )
+        if self.trainer.eval_every_epochs > 0 and self.data.val_size == 0:
+            raise incompatible(
+                "trainer.eval_every_epochs",
+                f"{self.trainer.eval_every_epochs} evaluates nothing: data.val_size is 0",
+            )
+        c = self.checkpoint
+        if c.save_rollouts and sft:
+            raise incompatible(
+                "checkpoint.save_rollouts", "acts only with grpo or opd (sft samples no rollouts)"
+            )
+        if c.keep_best is None:
+            if changed(c, "keep_best_mode"):
+                raise incompatible(
+                    "checkpoint.keep_best_mode", "acts only with checkpoint.keep_best"
+                )
+            return
+        if self.trainer.eval_every == 0 and self.trainer.eval_every_epochs == 0:
+            raise incompatible(
+                "checkpoint.keep_best",
+                f"{c.keep_best} is never measured: set trainer.eval_every or "
+                "trainer.eval_every_epochs",
+            )
+        losses = {
+            "val/loss",
+            "val/loss_text",
+            f"val/loss_image_{VISUAL_LOSS[self.model.visual_head]}",
+        }
+        task = c.keep_best.split("/")[1]
+        if c.keep_best in losses and sft:
+            return
+        if c.keep_best.startswith("val/ig/") and sft and algo.information_gain.weight > 0:
+            return
+        if task in self.data.tasks and c.keep_best.count("/") >= 2:
+            return
+        known = sorted(losses) if sft else []
+        raise incompatible(
+            "checkpoint.keep_best",
+            f"'{c.keep_best}' is not a validation metric of this run (expected "
+            f"{', '.join(known + ['val/<task>/<statistic>'])} with <task> in data.tasks"
+            f"{', or val/ig/... with information gain on' if sft else ''})",
+        )
+
+    def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
+        """The OPD gradient diagnostics split the gradient into the distillation and the
+        GT-replay part (`uniweave.train.engine.trainer`): only OPD with GT rows has both, and
+        the split is built for one process."""
+        key = "logging.gradient_diagnostics_every_updates"
+        if self.logging.gradient_diagnostics_every_updates == 0:
+            return
+        if not isinstance(algo, OPDConfig):
+            raise incompatible(
+                key, f"acts only with opd (distillation vs GT-replay gradients), not {algo.name}"
+            )
+        if algo.gt_replay.mode == "none":
+            raise incompatible(
+                key,
+                "acts only with GT replay (algorithm.gt_replay.mode uniform or failure): "
+                "without GT rows there is no second gradient to compare",
+            )
+        if self.trainer.parallel != "none":
+            raise incompatible(
+                key,
+                f"is built for one process (trainer.parallel none), not {self.trainer.parallel}",
+            )
+
+    def _soft_bsq(self, tasks: set[str]) -> None:
+        """Soft-BSQ compares expected and target BSQ codes: it needs BSQ bit heads and,
+        for the digits tasks, a task whose answers hold an image (dataset rows: checked
+        by `uniweave.train.preflight.check_rows`)."""
+        key = "algorithm.soft_bsq.weight"
+        if self.model.visual_head != "bsq":
+            raise incompatible(
+                key,
+                f"acts only with model.visual_head bsq (a {self.model.visual_head} head "
+                "predicts no bits to take the expected code of)",
+            )
+        if self.data.path is None and not tasks & IMAGE_GENERATION_TASKS:
+            raise incompatible(
+                key,
+                f"acts only on image answers: tasks {sorted(tasks)} are text-only (add one "
+                f"of {', '.join(sorted(IMAGE_GENERATION_TASKS))})",
+            )
+
+    def _packing(self, algo: AlgorithmConfig) -> None:
+        """Sequence packing is built for SFT rows on the tiny model, without per-row noise
+        or IG's blind-view masks (`uniweave.train.engine.batching`)."""
+        if not isinstance(algo, SFTConfig):
+            raise incompatible("trainer.packing", f"packing is built for sft, not {algo.name}")
+        if self.model.kind != "tiny":
+            raise incompatible(
+                "trainer.packing", f"packing needs model.kind=tiny (got {self.model.kind})"
+            )
+        if algo.bitflip.probability > 0:
+            raise incompatible(
+                "trainer.packing", "packing with BitFlip noise (per-row seeds) is not built"
+            )
+        if algo.information_gain.weight != 0:
+            raise incompatible(
+                "trainer.packing", "packing with Information Gain (blind-view masks) is not built"
+            )
+        if algo.necessity_distillation.weight != 0:
+            raise incompatible(
+                "trainer.packing",
+                "packing with necessity distillation (blind-view masks) is not built",
+            )
+
+    def _digits_rollout(self, tasks: set[str]) -> None:
+        """Rollout checks that the digits tasks' names decide (dataset rows decide it
+        for data.path: the engine refuses an exact-count row that generates no image)."""
+        if self.rollout.length_semantics == "exact" and tasks != {"t2i"}:
+            raise incompatible(
+                "rollout.length_semantics",
+                f"'exact' is for image-only generation (tasks [t2i]); got {sorted(tasks)}",
+            )
+        if self.rollout.guidance != 1.0 and not tasks & IMAGE_GENERATION_TASKS:
+            raise incompatible(
+                "rollout.guidance",
+                f"guidance {self.rollout.guidance} needs an image-generation task "
+                f"({', '.join(sorted(IMAGE_GENERATION_TASKS))}); got {sorted(tasks)}",
+            )
+
+    def _reward_routes(self, tasks: set[str]) -> None:
+        """Every plugin's `tasks` are data.tasks; with plugins (GRPO always has some),
+        every data task is scored by at least one of them."""
+        plugins = self.reward.plugins
+        for k, plugin in enumerate(plugins):
+            for task in plugin.tasks or []:
+                if task not in tasks:
+                    raise incompatible(
+                        f"reward.plugins.{k}.tasks",
+                        f"task '{task}' is not in data.tasks {sorted(tasks)}",
+                    )
+        if not plugins:
+            return
+        routed = set().union(*(set(p.tasks) if p.tasks is not None else tasks for p in plugins))
+        for task in sorted(tasks - routed):
+            raise incompatible(
+                "reward.plugins",
+                f"task '{task}' has no reward route: add it to a plugin's tasks (or leave "
+                "that plugin's tasks null)",
+            )

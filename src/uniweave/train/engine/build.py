@@ -1,0 +1,99 @@
+"""The training side of a run's model: LoRA adapters (inject, switch, merge, save).
+
+The model itself, its device, tokenizer and dataset rows are built by
+`uniweave.models.build` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from uniweave.config.schema import UniweaveConfig
+from uniweave.models import UnifiedModel
+from uniweave.models.build import build_model, config_tokenizer, dataset_rows, resolve_device
+
+__all__ = [
+    "adapter_state",
+    "apply_lora",
+    "build_model",
+    "config_tokenizer",
+    "dataset_rows",
+    "merged_state_dict",
+    "resolve_device",
+    "set_adapters_enabled",
+    "set_determinism",
+]
+
+
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def set_determinism(deterministic: bool, device: torch.device) -> None:
+    """`run.deterministic`: deterministic kernels (`torch.use_deterministic_algorithms`),
+    so the same command gives the same bits at a fixed thread count and device; on CUDA
+    also cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, set before the first CUDA
+    matmul; a value already in the environment is kept)."""
+    if deterministic and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def apply_lora(model: UnifiedModel, cfg: UniweaveConfig) -> list[str]:
+    """Inject peft LoRA adapters into modules whose full name matches the regex, freeze
+    every other parameter, and return the names of the adapted modules."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lora = cfg.trainer.lora
+    pattern = re.compile(lora.target_modules)
+    targets = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and pattern.fullmatch(name)
+    ]
+    if not targets:
+        raise ValueError(f"trainer.lora.target_modules={lora.target_modules!r} matches no Linear")
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        use_rslora=lora.rslora,
+    )
+    inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
+    return targets
+
+
+def adapter_state(model: UnifiedModel) -> dict[str, torch.Tensor]:
+    """The LoRA adapter tensors of `model` (what a LoRA checkpoint stores)."""
+    return {k: v for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def set_adapters_enabled(model: UnifiedModel, enabled: bool) -> None:
+    """Switch every LoRA layer on or off (off = the frozen base model, e.g. a reference)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(enabled)
+
+
+def merged_state_dict(model: UnifiedModel) -> dict[str, torch.Tensor]:
+    """The model's weights with every LoRA delta merged into its base layer, under the
+    base model's key names (equal to `state_dict()` when no adapters are present)."""
+    from peft.tuners.lora import LoraLayer
+
+    state = {
+        k.replace(".base_layer.", "."): v.detach().clone()
+        for k, v in model.state_dict().items()
+        if "lora_" not in k
+    }
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+            state[f"{name}.weight"] = module.get_base_layer().weight.detach() + delta
+    return state
