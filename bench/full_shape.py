@@ -262,6 +262,8 @@ def planned(row: dict, model: str, runtime: int) -> tuple[int, object]:
 
 
 def table(rows: list[dict], model: str) -> tuple[str, dict]:
+    from uniweave.plan import GLIBC_RETENTION
+
     # the runtime line comes from the CLI itself (a fresh `uniweave plan --host` process), which
     # also checks that the in-process accounting below prints what the CLI prints
     r0 = rows[0]
@@ -276,7 +278,7 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
     head = (
         f"{'phase':<5} {'prec':<5} {'step s':>7} {'rollout':>8} {'train':>7} {'setup s':>8} "
         f"{'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} {'setup GiB':>9} "
-        f"{'gap max':>9} {'gap mean':>9} {'mmap thr':>9}"
+        f"{'gap max':>9} {'gap mean':>9} {'mmap thr':>9} {'in range':>8}"
     )
     lines, result = (
         [f"plan runtime line (uniweave plan --host): {runtime / 2**20:.1f} MiB", head],
@@ -288,6 +290,10 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
         # run.host_mmap_threshold of the child (rows saved before the knob: glibc's dynamic)
         value = r.get("host_mmap_threshold")
         thr = "dynamic" if value is None else f"{value / 2**20:g}MiB"
+        # under glibc's dynamic threshold `plan --host` prints a range, GLIBC_RETENTION x its
+        # peak, instead of a figure: does the measured peak fall inside it?
+        lo, hi = GLIBC_RETENTION
+        inside = "-" if value is not None else ("yes" if lo <= 1 / ratio <= hi else "NO")
         gap = (
             (f"{r['gap_max']:9.2e} {r['gap_mean']:9.2e}")
             if r["gap_max"] is not None
@@ -296,12 +302,15 @@ def table(rows: list[dict], model: str) -> tuple[str, dict]:
         lines.append(
             f"{r['phase']:<5} {r['precision']:<5} {r['step_s']:7.1f} {r['rollout_s']:8.1f} "
             f"{r['train_s']:7.1f} {r['setup_s']:8.1f} {r['step_peak'] / GIB:9.2f} "
-            f"{plan / GIB:9.2f} {ratio:9.3f} {r['setup_peak'] / GIB:9.2f} {gap} {thr:>9}"
+            f"{plan / GIB:9.2f} {ratio:9.3f} {r['setup_peak'] / GIB:9.2f} {gap} {thr:>9} "
+            f"{inside:>8}"
         )
         key = f"{r['phase']}_{r['precision']}"
         result[f"{key}_s"] = f"{r['step_s']:.1f}"
         result[f"{key}_peak_gib"] = f"{r['step_peak'] / GIB:.2f}"
         result[f"{key}_plan_ratio"] = f"{ratio:.3f}"
+        if value is None:
+            result[f"{key}_in_glibc_range"] = inside
         if r["gap_max"] is not None:
             result[f"{key}_gap_max"] = f"{r['gap_max']:.3g}"
             result[f"{key}_gap_mean"] = f"{r['gap_mean']:.3g}"
@@ -333,7 +342,7 @@ def main() -> None:
                         "later phases start from the earlier ones' heap): for --tiny's test")  # fmt: skip
     parser.add_argument("--host-mmap-threshold", metavar="BYTES|none",
                         help="run.host_mmap_threshold of every phase (default: the config's, "
-                        "1 MiB; none: glibc's dynamic threshold, what runs had before it)")  # fmt: skip
+                        "null: glibc's dynamic threshold; none: the same, said explicitly)")  # fmt: skip
     parser.add_argument("--json", help="write the measured rows here")
     parser.add_argument("--table-only", help="re-plan and print the rows of a --json file")
     parser.add_argument("--child", nargs=2, metavar=("PHASE", "PRECISION"), help=argparse.SUPPRESS)

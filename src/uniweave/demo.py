@@ -1,6 +1,6 @@
 """`uniweave demo`: codec -> SFT -> GRPO (text-to-image) -> a report, on a CPU.
 
-1. SFT of the tiny VQ model from scratch on the four digits tasks
+1. SFT of the tiny VQ model from scratch on the five digits tasks
    (`recipes/digits/sft_vq.yaml` with `sft_updates` updates; the default 1,500 is past
    the multiple-choice plateau at the recipe's constant lr);
 2. GRPO on text-to-image from that checkpoint (`recipes/digits/grpo_t2i_vq.yaml`), rewarded

@@ -18,9 +18,12 @@ the resident set follows the live tensors and `uniweave plan --host` can predict
 (docs/plan.md). The cost is one `mmap`/`munmap` pair and fresh zero-filled pages per
 large block: within noise in fp32 (that SFT step: 47.5 s at 1 MiB, 49.2 s unset), but
 1.45-2.09x slower steps under CPU bf16 autocast, which re-casts every frozen weight at
-every forward (docs/plan.md has the table). `None` leaves the allocator as the
-environment configured it (glibc's dynamic default, or a `MALLOC_MMAP_THRESHOLD_`
-variable).
+every forward (docs/plan.md has the table), and on the tiny recipes, whose steps are
+short, 1.6x slower runs (bench/step_overhead.py). So the default is `None`, which leaves
+the allocator as the environment configured it (glibc's dynamic default, or a
+`MALLOC_MMAP_THRESHOLD_` variable), and `uniweave plan --host` then prints the range of
+peaks glibc's retention allowed at Janus-Pro-1B instead of one figure
+(`uniweave.plan.GLIBC_RETENTION`).
 """
 
 from __future__ import annotations
