@@ -403,17 +403,28 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def configure_data(parser: argparse.ArgumentParser) -> None:
-    """`uniweave data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
-    from uniweave.data import export
+    """`uniweave data export|convert|jigsaw ...` (docs/data.md)."""
+    from uniweave.data import convert, export
 
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     child = sub.add_parser(
         "export", help="write a digits task as JSONL + PNG files", description=export.__doc__
     )
     export.add_arguments(child)
+    child = sub.add_parser(
+        "convert",
+        help="convert a Zebra-CoT, ThinkMorph or aligned web corpus (parquet) to rows "
+        "(streaming, resumable, rejects counted)",
+        description="Convert a public interleaved corpus to uniweave rows; see docs/data.md.",
+    )
+    convert.add_arguments(child)
 
 
 def run_data(args: argparse.Namespace) -> int:
+    if args.data_command == "convert":
+        from uniweave.data import convert
+
+        return convert.run(args)
     from uniweave.data import export
 
     return export.run(args)
@@ -645,7 +656,12 @@ COMMANDS: list[Command] = [
         run_models,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
-    Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
+    Command(
+        "data",
+        "dataset utilities: export the digits tasks, convert public corpora, jigsaw tasks",
+        configure_data,
+        run_data,
+    ),
     Command(
         "recipes",
         "list the packaged recipes; 'recipes copy NAME DIR' writes one to edit",
