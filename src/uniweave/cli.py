@@ -404,7 +404,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 def configure_data(parser: argparse.ArgumentParser) -> None:
     """`uniweave data export|convert|jigsaw ...` (docs/data.md)."""
-    from uniweave.data import convert, export
+    from uniweave.data import convert, export, jigsaw
 
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     child = sub.add_parser(
@@ -418,6 +418,13 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
         description="Convert a public interleaved corpus to uniweave rows; see docs/data.md.",
     )
     convert.add_arguments(child)
+    child = sub.add_parser(
+        "jigsaw",
+        help="build a Visual Jigsaw task (shuffled pieces, answer their order) from a folder "
+        "of images; scored by the visual_jigsaw reward plugin",
+        description="Build a Visual Jigsaw task from any folder of images; see docs/data.md.",
+    )
+    jigsaw.add_arguments(child)
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -425,6 +432,10 @@ def run_data(args: argparse.Namespace) -> int:
         from uniweave.data import convert
 
         return convert.run(args)
+    if args.data_command == "jigsaw":
+        from uniweave.data import jigsaw
+
+        return jigsaw.run(args)
     from uniweave.data import export
 
     return export.run(args)
