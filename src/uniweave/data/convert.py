@@ -607,15 +607,20 @@ def _finish(out: Path, n_shards: int, state: dict, tmp: Path) -> dict:
     parts: Counter = Counter()
     reasons: Counter = Counter()
     rows = refs = 0
-    lines = []
-    for k in range(n_shards):
-        record = json.loads((meta / f"shard-{k:05d}.json").read_text())
-        rows += record["rows"]
-        refs += record["image_refs"]
-        parts.update(record["parts"])
-        for rej in record["rejects"]:
-            reasons[rej["reason"]] += 1
-            lines.append(json.dumps(rej, ensure_ascii=False, sort_keys=True) + "\n")
+    rejects_tmp = tmp / ".rejects.jsonl.tmp"
+    with open(rejects_tmp, "wb") as handle:  # streamed: rejects are not held in memory
+        for k in range(n_shards):
+            record = json.loads((meta / f"shard-{k:05d}.json").read_text())
+            rows += record["rows"]
+            refs += record["image_refs"]
+            parts.update(record["parts"])
+            for rej in record["rejects"]:
+                reasons[rej["reason"]] += 1
+                line = json.dumps(rej, ensure_ascii=False, sort_keys=True)
+                handle.write(line.encode() + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(rejects_tmp, meta / "rejects.jsonl")
     images = (
         sum(1 for p in (out / IMAGES).rglob("*") if p.is_file()) if (out / IMAGES).is_dir() else 0
     )
@@ -631,7 +636,6 @@ def _finish(out: Path, n_shards: int, state: dict, tmp: Path) -> dict:
         "images": images,
         "shards": n_shards,
     }
-    _write_atomic(meta / "rejects.jsonl", "".join(lines).encode(), tmp)
     _write_atomic(meta / "summary.json", _json_bytes(summary), tmp)
     _fsync_dir(meta)
     return summary
