@@ -384,6 +384,16 @@ def test_cli_prints_counts_and_refuses_other_options_on_resume(tmp_path, capsys)
     assert "2 rows of 7 (5 rejected" in printed
     assert "assistant_image 4" in printed and "rejected unknown_image_key: 1" in printed
     before = tree(out)
+    assert main(["inspect", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{out}: 2 rows in 1 file(s)",
+        "tasks: zebra_cot 2",
+        "splits: train 2",
+        "parts: assistant_image 4, assistant_text 7, user_image 3, user_text 3",
+        "images: 5 distinct files for 7 references",
+        "converted from zebra-cot: 7 source rows, 5 rejected; empty_trace 1; "
+        "malformed_image_reference 1; missing_image 1; unknown_image_key 1; unreadable_image 1",
+    ]
     assert main(["data", "convert", "--from", "zebra-cot", str(src), str(out)]) == 0
     assert tree(out) == before  # a finished conversion run again: unchanged
     code = main(["data", "convert", "--from", "zebra-cot", "--shard-rows", "3", str(src),

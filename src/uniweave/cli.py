@@ -114,8 +114,14 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
-    """`inspect CONFIG [key=value ...]`, or `inspect --fingerprints RUN_DIR`."""
-    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
+    """`inspect CONFIG [key=value ...]`, `inspect --fingerprints RUN_DIR`, or `inspect
+    DATA_DIR` (a folder of .jsonl rows, e.g. one `uniweave data convert` wrote)."""
+    parser.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG",
+        help="YAML config file, or a folder of .jsonl rows (counts of rows and parts per type)",
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -140,13 +146,23 @@ def configure_inspect(parser: argparse.ArgumentParser) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the resolved config as YAML (with `--sources`: `key: value  # source` lines),
     then `hash: <sha256 hex>`. Builds nothing. With `--fingerprints RUN_DIR`: the recorded
-    input fingerprints instead."""
+    input fingerprints instead. With a folder of .jsonl rows (or one .jsonl file): rows
+    per task and split, parts per role and type, and a conversion's rejects."""
     if args.fingerprints is not None:
         if args.config is not None:
             raise ConfigError("give either CONFIG or --fingerprints RUN_DIR, not both")
         return _print_fingerprints(args.fingerprints)
     if args.config is None:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
+    from pathlib import Path
+
+    if Path(args.config).is_dir() or args.config.endswith(".jsonl"):
+        if args.overrides or args.sources:
+            raise ConfigError("a data folder takes no KEY=VALUE overrides or --sources")
+        from uniweave.data.convert import inspect_rows
+
+        sys.stdout.write(inspect_rows(args.config))
+        return 0
     if args.sources:
         from uniweave.config.hub import resolve_hub_ids
         from uniweave.models import check_model_config

@@ -706,6 +706,57 @@ def summary_text(summary: dict, out: str | Path) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def inspect_rows(path: str | Path) -> str:
+    """Counts of a rows folder (or one .jsonl file), read line by line: rows per task and
+    split, parts per role and type, distinct image files referenced; for a converted
+    folder also its source rows and rejects per reason (convert/summary.json)."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise DatasetError(f"{path}: no .jsonl rows to inspect")
+    rows = 0
+    tasks: Counter = Counter()
+    splits: Counter = Counter()
+    parts: Counter = Counter()
+    images: set[str] = set()
+    for file in files:
+        with open(file, encoding="utf-8") as handle:
+            for line, text in enumerate(handle, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    row = json.loads(text)
+                    messages = row["messages"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DatasetError(f"{file}:{line}: not a row with messages") from None
+                rows += 1
+                tasks[str(row.get("task"))] += 1
+                splits[str(row.get("split", "train"))] += 1
+                for message in messages:
+                    content = message.get("content")
+                    items = [{"type": "text"}] if isinstance(content, str) else content or []
+                    for item in items:
+                        parts[f"{message.get('role')}_{item.get('type')}"] += 1
+                        if item.get("type") == "image":
+                            images.add(str(item.get("path")))
+    refs = sum(n for part, n in parts.items() if part.endswith("_image"))
+    lines = [
+        f"{path}: {rows} rows in {len(files)} file(s)",
+        "tasks: " + ", ".join(f"{t} {n}" for t, n in sorted(tasks.items())),
+        "splits: " + ", ".join(f"{t} {n}" for t, n in sorted(splits.items())),
+        "parts: " + ", ".join(f"{t} {n}" for t, n in sorted(parts.items())),
+        f"images: {len(images)} distinct files for {refs} references",
+    ]
+    summary = read_summary(path) if path.is_dir() else None
+    if summary is not None:
+        lines.append(
+            f"converted from {summary['kind']}: {summary['source_rows']} source rows, "
+            f"{summary['rejected']} rejected"
+            + "".join(f"; {r} {n}" for r, n in summary["rejects"].items())
+        )
+    return "".join(line + "\n" for line in lines)
+
+
 def read_summary(out: str | Path) -> dict | None:
     """A finished conversion's summary.json, or None when `out` holds none."""
     path = Path(out) / META / "summary.json"
