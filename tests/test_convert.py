@@ -178,8 +178,9 @@ def test_zebra_cot_rows_part_by_part(tmp_path):
     assert [p.read_bytes() for p in files] == sorted(
         [P1, P2, R1, R2, R3], key=lambda b: hashlib.sha256(b).hexdigest()
     )
-    assert not (tmp_path / "escape.png").exists() and not Path("/tmp/abs.png").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "zebra.parquet"]
+    written = {p.relative_to(out).parts[0] for p in out.rglob("*") if p.is_file()}
+    assert written == {"rows-00000.jsonl", "rows-00001.jsonl", "images", "convert"}
     rejects = rejects_of(out)
     assert [(r["index"], r["reason"]) for r in rejects] == [
         (1, "missing_image"),
@@ -190,6 +191,7 @@ def test_zebra_cot_rows_part_by_part(tmp_path):
     ]
     assert rejects[0]["file"] == "zebra.parquet" and rejects[0]["row"] == 1
     assert "missing.png" in rejects[0]["detail"]
+    assert rejects[4]["detail"] == "problem_image_1: cannot identify image file the bytes"
     assert summary["rejects"] == {
         "empty_trace": 1,
         "malformed_image_reference": 1,
@@ -415,6 +417,8 @@ def many_zebra_rows(n: int) -> list[dict]:
         row["reasoning_image_1"] = cell(png(1000 + i))  # a new image per row
         if i % 7 == 3:
             row["reasoning_image_2"] = None
+        if i % 11 == 5:
+            row["reasoning_image_3"] = cell(b"not an image")  # its reject names PIL's error
         rows.append(row)
     return rows
 
@@ -446,7 +450,7 @@ def test_sigkilled_conversion_resumes_to_identical_output(tmp_path):
     assert f"resuming at shard {len(shards)} of 80" in result.stderr
     assert tree(out) == tree(clean)
     summary = json.loads((clean / "convert" / "summary.json").read_text())
-    rejected = [i for i in range(240) if i % 7 == 3]
+    rejected = [i for i in range(240) if i % 7 == 3 or i % 11 == 5]
     assert summary["rows"] == 240 - len(rejected) and summary["rejected"] == len(rejected)
     # the 8 problem images, each converted row's own reasoning image, R2 and R3; a
     # rejected row writes no image
@@ -466,3 +470,14 @@ def test_rows_resume_from_the_middle_of_a_row_group(tmp_path):
     (out / "convert" / "summary.json").unlink()
     convert("zebra-cot", src, out, shard_rows=5, batch_rows=3)
     assert tree(out) == full
+
+
+def test_a_kill_while_writing_the_state_file_is_resumable(tmp_path):
+    src = tmp_path / "zebra.parquet"
+    pq.write_table(zebra_table(ZEBRA_ROWS), src)
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    convert("zebra-cot", src, clean)
+    (out / "convert").mkdir(parents=True)
+    (out / "convert" / ".state.json.tmp").write_text('{"version"')  # torn temporary
+    convert("zebra-cot", src, out)
+    assert tree(out) == tree(clean)

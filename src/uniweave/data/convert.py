@@ -170,7 +170,9 @@ class ImageStore:
                 fmt = image.format or "IMAGE"
                 image.load()
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-            raise Reject("unreadable_image", f"{label}: {' '.join(str(err).split())}") from None
+            # no object addresses ("<_io.BytesIO object at 0x...>"): output is reproducible
+            message = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the bytes", " ".join(str(err).split()))
+            raise Reject("unreadable_image", f"{label}: {message}") from None
         digest = hashlib.sha256(data).hexdigest()
         return f"{IMAGES}/{digest[:2]}/{digest}.{EXTENSIONS.get(fmt, fmt.lower())}"
 
@@ -462,8 +464,14 @@ def _check_out(out: Path, state: dict) -> bool:
                 "differ); choose a new output folder"
             )
         return True
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DatasetError(f"{out}: exists and is not empty (nor a conversion to resume)")
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"{out}: exists and is not a folder")
+    if out.is_dir():
+        # a conversion killed while writing state.json leaves only its temporary
+        left = [p for p in out.iterdir() if p.name != META]
+        started = [p for p in (out / META).iterdir()] if (out / META).is_dir() else []
+        if left or any(not p.name.startswith(".") for p in started if p.name != "tmp"):
+            raise DatasetError(f"{out}: exists and is not empty (nor a conversion to resume)")
     return False
 
 
