@@ -114,8 +114,14 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
-    """`inspect CONFIG [key=value ...]`, or `inspect --fingerprints RUN_DIR`."""
-    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
+    """`inspect CONFIG [key=value ...]`, `inspect --fingerprints RUN_DIR`, or `inspect
+    DATA_DIR` (a folder of .jsonl rows, e.g. one `uniweave data convert` wrote)."""
+    parser.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG",
+        help="YAML config file, or a folder of .jsonl rows (counts of rows and parts per type)",
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -140,13 +146,23 @@ def configure_inspect(parser: argparse.ArgumentParser) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the resolved config as YAML (with `--sources`: `key: value  # source` lines),
     then `hash: <sha256 hex>`. Builds nothing. With `--fingerprints RUN_DIR`: the recorded
-    input fingerprints instead."""
+    input fingerprints instead. With a folder of .jsonl rows (or one .jsonl file): rows
+    per task and split, parts per role and type, and a conversion's rejects."""
     if args.fingerprints is not None:
         if args.config is not None:
             raise ConfigError("give either CONFIG or --fingerprints RUN_DIR, not both")
         return _print_fingerprints(args.fingerprints)
     if args.config is None:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
+    from pathlib import Path
+
+    if Path(args.config).is_dir() or args.config.endswith(".jsonl"):
+        if args.overrides or args.sources:
+            raise ConfigError("a data folder takes no KEY=VALUE overrides or --sources")
+        from uniweave.data.convert import inspect_rows
+
+        sys.stdout.write(inspect_rows(args.config))
+        return 0
     if args.sources:
         from uniweave.config.hub import resolve_hub_ids
         from uniweave.models import check_model_config
@@ -403,17 +419,39 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def configure_data(parser: argparse.ArgumentParser) -> None:
-    """`uniweave data export --task T --split S --n N --out DIR`: the digits tasks as JSONL+PNG."""
-    from uniweave.data import export
+    """`uniweave data export|convert|jigsaw ...` (docs/data.md)."""
+    from uniweave.data import convert, export, jigsaw
 
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     child = sub.add_parser(
         "export", help="write a digits task as JSONL + PNG files", description=export.__doc__
     )
     export.add_arguments(child)
+    child = sub.add_parser(
+        "convert",
+        help="convert a Zebra-CoT, ThinkMorph or aligned web corpus (parquet) to rows "
+        "(streaming, resumable, rejects counted)",
+        description="Convert a public interleaved corpus to uniweave rows; see docs/data.md.",
+    )
+    convert.add_arguments(child)
+    child = sub.add_parser(
+        "jigsaw",
+        help="build a Visual Jigsaw task (shuffled pieces, answer their order) from a folder "
+        "of images; scored by the visual_jigsaw reward plugin",
+        description="Build a Visual Jigsaw task from any folder of images; see docs/data.md.",
+    )
+    jigsaw.add_arguments(child)
 
 
 def run_data(args: argparse.Namespace) -> int:
+    if args.data_command == "convert":
+        from uniweave.data import convert
+
+        return convert.run(args)
+    if args.data_command == "jigsaw":
+        from uniweave.data import jigsaw
+
+        return jigsaw.run(args)
     from uniweave.data import export
 
     return export.run(args)
@@ -645,7 +683,12 @@ COMMANDS: list[Command] = [
         run_models,
     ),
     Command("demo", "digits demo: SFT -> GRPO -> report", configure_demo, run_demo),
-    Command("data", "dataset utilities (export the digits tasks)", configure_data, run_data),
+    Command(
+        "data",
+        "dataset utilities: export the digits tasks, convert public corpora, jigsaw tasks",
+        configure_data,
+        run_data,
+    ),
     Command(
         "recipes",
         "list the packaged recipes; 'recipes copy NAME DIR' writes one to edit",

@@ -2,7 +2,10 @@
 
 `read_rgb(path)` reads any image PIL opens as float32 RGB [H, W, 3] in [0, 1]
 (value / 255). Single-channel and palette images are expanded to RGB exactly; an alpha
-channel is dropped (PIL's RGBA -> RGB). Nothing else is converted here.
+channel is dropped (PIL's RGBA -> RGB); CMYK goes through PIL's conversion. 16-bit
+greyscale (PIL modes I;16*, I) is value / 65535 and float greyscale (F) must lie in
+[0, 1] (PIL's own conversion would clip the first at 255 and truncate the second).
+Nothing else is converted here.
 
 A processor turns those RGB pixels into the pixels a model's codec / vision tower takes:
 
@@ -37,8 +40,28 @@ LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 def read_rgb(path: str | Path) -> np.ndarray:
     """float32 [H, W, 3] in [0, 1] (module docstring); PIL's errors propagate."""
     with Image.open(path) as image:
+        if image.mode.startswith("I") or image.mode == "F":
+            return _wide_grey(image, str(path))
         rgb = image.convert("RGB")
     return np.asarray(rgb, dtype=np.float32) / np.float32(255.0)
+
+
+def _wide_grey(image: Image.Image, name: str) -> np.ndarray:
+    """A 16/32-bit integer or float greyscale image as RGB in [0, 1]: integers are read
+    as 16-bit (value / 65535; PIL's own conversion to RGB clips them at 255), floats
+    must already lie in [0, 1]; anything else is a ValueError naming the image."""
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode == "F":
+        if values.size and not (values.min() >= 0.0 and values.max() <= 1.0):
+            raise ValueError(
+                f"image {name!r}: float pixels outside [0, 1] ({values.min()}..{values.max()})"
+            )
+        grey = values
+    else:
+        if values.size and not (values.min() >= 0 and values.max() <= 65535):
+            raise ValueError(f"image {name!r}: {image.mode} pixels outside 0..65535")
+        grey = values / 65535.0
+    return np.repeat(grey.astype(np.float32)[..., None], 3, axis=-1)
 
 
 def _resize(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:

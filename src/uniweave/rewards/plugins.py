@@ -10,6 +10,11 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
   sensitive), or a response with an image.
 - `jigsaw` (jigsaw_mc): 1 if the chosen letter names the option whose permutation equals
   meta["solution"] (verified on meta, not on the answer field). Invalid: as mc_exact.
+- `visual_jigsaw` (visual_jigsaw, `uniweave data jigsaw`): 1 if the response orders the
+  pieces as meta["solution"]; another valid order scores gamma (kwarg, default 0.2) x
+  the fraction of positions it gets right. Invalid (0): anything but the n = len(solution)
+  numbers 0..n-1, each once, separated by spaces or commas (optionally in one pair of
+  brackets), or a response with an image.
 - `digit_classifier` (t2i, draw_then_answer): p(target digit | decoded image) under a
   `DigitClassifier`. Invalid: not exactly one decodable 8x8 image.
 - `text_exact` (i2t_open): 1 if the text-only response, stripped, equals sample.answer.
@@ -42,6 +47,7 @@ tasks with `tasks:` in its config.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -64,6 +70,7 @@ __all__ = [
     "ExactAnswer",
     "JigsawVerifier",
     "MultipleChoiceExact",
+    "VisualJigsaw",
     "Response",
     "RewardPlugin",
     "TextExact",
@@ -196,6 +203,70 @@ class JigsawVerifier(RewardPlugin):
         return [chosen_letter(r, LETTERS[:k]) is None for r, k in zip(responses, n_options)]
 
 
+def jigsaw_order(response: Response, n: int) -> list[int] | None:
+    """The order a text-only response gives: n integers, a permutation of 0..n-1,
+    separated by spaces or commas, optionally inside one pair of brackets; else None."""
+    if not response.parsed or response.n_images:
+        return None
+    text = response.text.strip()
+    if text[:1] + text[-1:] in ("[]", "()"):
+        text = text[1:-1].strip()
+    tokens = [t for t in re.split(r"[\s,]+", text) if t]
+    if len(tokens) != n or not all(t.isascii() and t.isdigit() for t in tokens):
+        return None
+    order = [int(t) for t in tokens]
+    return order if sorted(order) == list(range(n)) else None
+
+
+class VisualJigsaw(RewardPlugin):
+    """Visual Jigsaw verifier: 1 exact, gamma x fraction of positions right, 0 invalid."""
+
+    name = "visual_jigsaw"
+    config_kwargs = frozenset({"gamma"})
+
+    def __init__(self, gamma: float = 0.2) -> None:
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma < 1:
+            raise ValueError(f"gamma must be a number in [0, 1), got {gamma!r}")
+        self.gamma = float(gamma)
+
+    @classmethod
+    def from_config(
+        cls, cfg: RewardPluginConfig, key: str, resources: Mapping[str, Any]
+    ) -> VisualJigsaw:
+        if cfg.path is not None:
+            raise ConfigError(f"plugin '{cfg.name}' does not load a model", key=f"{key}.path")
+        try:
+            return cls(**cfg.kwargs)
+        except ValueError as err:
+            raise ConfigError(str(err), key=f"{key}.kwargs.gamma") from err
+
+    @staticmethod
+    def solution(sample: Sample) -> list[int]:
+        solution = sample.meta.get("solution")
+        if not isinstance(solution, list) or sorted(solution) != list(range(len(solution))):
+            raise ValueError(f"sample {sample.id!r} has no jigsaw meta 'solution' (a permutation)")
+        return [int(q) for q in solution]
+
+    def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> list[float]:
+        out = []
+        for sample, response in zip(samples, responses):
+            solution = self.solution(sample)
+            order = jigsaw_order(response, len(solution))
+            if order is None:
+                out.append(0.0)
+            elif order == solution:
+                out.append(1.0)
+            else:
+                right = sum(a == b for a, b in zip(order, solution))
+                out.append(self.gamma * right / len(solution))
+        return out
+
+    def invalid_format(
+        self, samples: Sequence[Sample], responses: Sequence[Response]
+    ) -> list[bool]:
+        return [jigsaw_order(r, len(self.solution(s))) is None for s, r in zip(samples, responses)]
+
+
 class DigitClassifierReward(RewardPlugin):
     """p(target digit | decoded image) under a `DigitClassifier` (the learned scorer)."""
 
@@ -283,6 +354,7 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "mc_exact": MultipleChoiceExact,
     "mc_exact_match": MultipleChoiceExact,
     "jigsaw": JigsawVerifier,
+    "visual_jigsaw": VisualJigsaw,
     "digit_classifier": DigitClassifierReward,
     "exact_answer": ExactAnswer,
     "text_exact": TextExact,
