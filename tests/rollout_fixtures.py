@@ -12,13 +12,16 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+from tolerances import decoder_reductions, factor_sum_bound, guidance_gain, logprob_bound
 
 from unirl.codecs import build_codec
 from unirl.core.sample import Sample, TextPart
 from unirl.core.seeding import seed_for
+from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
+from unirl.models.base import ModelInputs, image_positions
 from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutRequest, SamplingParams
 
@@ -99,3 +102,46 @@ def scripted_model(kind: str, script: list[tuple[str, str]], alpha: float = 60.0
 
 def text_sample(text: str = "draw the digit 3", sample_id: str = "scripted") -> Sample:
     return Sample(id=sample_id, parts=[TextPart(text, "user")])
+
+
+def logp_bounds(model: TinyUnifiedModel, traj, params: SamplingParams) -> torch.Tensor:
+    """Per-position bounds (tests/tolerances.py) on a tiny-model trajectory's rollout
+    log-probs computed by two fp32 paths (KV cache or not, other batch shapes): the
+    decoder with its mixers over len(traj) keys and a linear head. A log-prob
+    z_a - logsumexp(z) carries the logits' error, relative to their scale: the magnitude is
+    the larger of the trajectory's largest |log-prob| and its largest |logit| (one full
+    forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A visual
+    position: x the guidance gain where the guided log-prob is recorded, and a BSQ one sums
+    its bits' log-probs (`factor_sum_bound`)."""
+    c = model.config
+    T = len(traj)
+    n = decoder_reductions(
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_layers,
+        T,
+        c.hidden_size // c.num_heads,
+        mixer_kernel=c.mixer_kernel,
+    )
+    inputs = ModelInputs(
+        traj.token_ids[None],
+        traj.modality[None],
+        traj.visual_codes[None],
+        torch.ones(1, T, dtype=torch.bool),
+        torch.arange(T)[None],
+        image_positions(traj.modality[None]),
+        [[]],
+    )
+    with torch.no_grad():
+        h = model.hidden(inputs).hidden[0]
+        z = max(float(model.text_logits(h).abs().max()), float(model.visual_logits(h).abs().max()))
+    top = float(traj.rollout_logp.abs().max())
+    text = logprob_bound(max(z, top), n)
+    visual = text
+    if params.guided and params.guidance_logprob == "guided":
+        visual *= guidance_gain(params.guidance)
+    if model.visual_head == "bsq":
+        visual = factor_sum_bound(visual, model.codec.bits_per_position, top)
+    out = torch.full((T,), text)
+    out[traj.modality == Modality.VISUAL] = visual
+    return out

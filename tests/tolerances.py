@@ -62,15 +62,22 @@ def _unit(dtype: torch.dtype) -> float:
 
 
 def decoder_reductions(
-    hidden: int, intermediate: int, layers: int, keys: int, head_dim: int, head: int | None = None
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    keys: int,
+    head_dim: int,
+    head: int | None = None,
+    mixer_kernel: int = 0,
 ) -> int:
     """Total reduction length N from the embeddings to a head's output through a pre-norm
     decoder: per layer RMSNorm (hidden), q/k/v projections (hidden), q.k (head_dim), the
     softmax denominator and softmax @ V (2 * keys), the output projection (hidden), RMSNorm
     (hidden), gate/up (hidden), down (intermediate); then the head: `head` (default
     2 * hidden: the final norm and a linear head; `bit_decoder_reductions` for UniAR's
-    BSQ decoder)."""
-    per_layer = 5 * hidden + head_dim + 2 * keys + intermediate
+    BSQ decoder); plus, with the tiny model's causal mixers (src/unirl/models/tiny/mixer.py),
+    two depthwise convolutions of `mixer_kernel` taps per layer."""
+    per_layer = 5 * hidden + head_dim + 2 * keys + intermediate + 2 * mixer_kernel
     return layers * per_layer + (2 * hidden if head is None else head)
 
 
@@ -79,6 +86,14 @@ def bit_decoder_reductions(hidden: int, width: int, blocks: int) -> int:
     `hidden`, per block RMSNorm and up over `width` and down over 2 * width, then RMSNorm
     and W_out over `width`."""
     return 2 * hidden + blocks * 4 * width + 2 * width
+
+
+def guidance_gain(guidance: float) -> float:
+    """Error gain of classifier-free guidance on a recorded guided log-prob: guided logits
+    z_u + w (z_c - z_u) = w z_c - (w - 1) z_u from two forwards with independent errors of
+    one scale have sqrt(w^2 + (w - 1)^2) x the sd of one (1 at w = 1: no guidance)."""
+    w = float(guidance)
+    return math.sqrt(w**2 + (w - 1.0) ** 2)
 
 
 def reduction_bound(magnitude: float, reductions: int, dtype: torch.dtype = torch.float32) -> float:
