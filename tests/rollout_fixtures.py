@@ -104,15 +104,17 @@ def text_sample(text: str = "draw the digit 3", sample_id: str = "scripted") -> 
     return Sample(id=sample_id, parts=[TextPart(text, "user")])
 
 
-def logp_bounds(model: TinyUnifiedModel, traj, params: SamplingParams) -> torch.Tensor:
+def logp_bounds(
+    model: TinyUnifiedModel, traj, params: SamplingParams, factors: bool = False
+) -> torch.Tensor:
     """Per-position bounds (tests/tolerances.py) on a tiny-model trajectory's rollout
-    log-probs computed by two fp32 paths (KV cache or not, other batch shapes): the
-    decoder with its mixers over len(traj) keys and a linear head. A log-prob
+    log-probs computed by two fp32 paths (KV cache or not, other batch shapes, replay):
+    the decoder with its mixers over len(traj) keys and a linear head. A log-prob
     z_a - logsumexp(z) carries the logits' error, relative to their scale: the magnitude is
-    the larger of the trajectory's largest |log-prob| and its largest |logit| (one full
-    forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A visual
-    position: x the guidance gain where the guided log-prob is recorded, and a BSQ one sums
-    its bits' log-probs (`factor_sum_bound`)."""
+    the larger of the trajectory's largest |log-prob| and its largest |logit| / temperature
+    (one full forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A
+    visual position: x the guidance gain where the guided log-prob is recorded, and a BSQ
+    one sums its bits' log-probs (`factor_sum_bound`; `factors`: the bound of each bit)."""
     c = model.config
     T = len(traj)
     n = decoder_reductions(
@@ -135,13 +137,24 @@ def logp_bounds(model: TinyUnifiedModel, traj, params: SamplingParams) -> torch.
     with torch.no_grad():
         h = model.hidden(inputs).hidden[0]
         z = max(float(model.text_logits(h).abs().max()), float(model.visual_logits(h).abs().max()))
+    if not params.greedy:
+        z /= min(params.temperature, params.bit_temperature)
     top = float(traj.rollout_logp.abs().max())
     text = logprob_bound(max(z, top), n)
     visual = text
     if params.guided and params.guidance_logprob == "guided":
         visual *= guidance_gain(params.guidance)
-    if model.visual_head == "bsq":
+    if model.visual_head == "bsq" and not factors:
         visual = factor_sum_bound(visual, model.codec.bits_per_position, top)
     out = torch.full((T,), text)
     out[traj.modality == Modality.VISUAL] = visual
+    return out
+
+
+def batch_logp_bounds(model: TinyUnifiedModel, trajs, shape, factors: bool = False):
+    """`logp_bounds` of each trajectory (its `SamplingRecord`'s params), right-padded to
+    `shape` (a collated batch's [B, T]) with 0 (padding compares exactly)."""
+    out = torch.zeros(shape)
+    for k, t in enumerate(trajs):
+        out[k, : len(t)] = logp_bounds(model, t, t.sampling.params, factors)
     return out

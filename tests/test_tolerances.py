@@ -68,7 +68,6 @@ PENDING: dict[str, int] = {
     "test_plan.py": 1,
     "test_prefix_sharing.py": 5,
     "test_queues.py": 1,
-    "test_replay.py": 5,
     "test_reshard.py": 1,
     "test_run_report.py": 2,
     "test_self_describing.py": 5,

@@ -132,6 +132,13 @@ def factor_sum_bound(per_factor: float, factors: int, total: float) -> float:
     return math.sqrt(factors) * per_factor + reduction_bound(total, depth)
 
 
+def fp32_storage_bound(values: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on two float64 computations of `values` that agree to float64
+    noise (~1e-15 relative) after each is stored in float32: both round to the same or to
+    adjacent float32 values, one ulp apart at most: 2 * u_fp32 * |values|."""
+    return 2.0 * U_FP32 * values.detach().abs().double()
+
+
 def sum_bound(magnitude: float, n: int, dtype: torch.dtype = torch.float32) -> float:
     """One path's reduction of n terms of scale `magnitude` against an exact (float64)
     reference: K_SIGMA * sqrt(n / 3) * u * max(1, |magnitude|) (a single path: no factor
