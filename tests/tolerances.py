@@ -40,6 +40,8 @@ Where two paths run the same kernels on the same shapes, the comparison is exact
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 
@@ -151,3 +153,28 @@ def fp64_bound(magnitude: float, n: int) -> float:
     elementwise ops and reduction lengths): the deterministic worst case n * u * S (Higham,
     gamma_n), S = max(1, |magnitude|). float64 checks are cheap to make worst-case."""
     return n * U_FP64 * max(1.0, abs(float(magnitude)))
+
+
+def tiny_decoder_reductions(config, keys: int, head: int | None = None) -> int:
+    """`decoder_reductions` of a tiny model's `TinyArchitecture` (hidden_size,
+    intermediate_size, num_layers, num_heads, mixer_kernel) over `keys` keys."""
+    return decoder_reductions(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_layers,
+        keys,
+        config.hidden_size // config.num_heads,
+        head=head,
+        mixer_kernel=config.mixer_kernel,
+    )
+
+
+def assert_within(err, bound, what: str = "") -> None:
+    """assert err <= bound (floats or tensors, elementwise); with UNIRL_TOL_REPORT=1 also
+    print the largest err / bound to stderr (how the figures in issue 45 were measured)."""
+    e = torch.as_tensor(err, dtype=torch.float64)
+    b = torch.as_tensor(bound, dtype=torch.float64)
+    ratio = float((e / b.clamp(min=1e-300)).max()) if e.numel() else 0.0
+    if os.environ.get("UNIRL_TOL_REPORT"):
+        print(f"TOL {what} max_err={float(e.max()):.3g} ratio={ratio:.3f}", file=sys.stderr)
+    assert bool((e <= b).all()), f"{what}: err {float(e.max()):.3g}, max err/bound {ratio:.3f}"
