@@ -12,16 +12,16 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from tolerances import decoder_reductions, factor_sum_bound, guidance_gain, logprob_bound
+from tolerances import factor_sum_bound, guidance_gain, logprob_bound, tiny_decoder_reductions
 
 from unirl.codecs import build_codec
 from unirl.core.sample import Sample, TextPart
 from unirl.core.seeding import seed_for
+from unirl.core.trajectory import TrajectoryBatch
 from unirl.core.types import Modality
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
-from unirl.models.base import ModelInputs, image_positions
 from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
 from unirl.rollout import RolloutRequest, SamplingParams
 
@@ -104,57 +104,43 @@ def text_sample(text: str = "draw the digit 3", sample_id: str = "scripted") -> 
     return Sample(id=sample_id, parts=[TextPart(text, "user")])
 
 
-def logp_bounds(
-    model: TinyUnifiedModel, traj, params: SamplingParams, factors: bool = False
-) -> torch.Tensor:
-    """Per-position bounds (tests/tolerances.py) on a tiny-model trajectory's rollout
-    log-probs computed by two fp32 paths (KV cache or not, other batch shapes, replay):
-    the decoder with its mixers over len(traj) keys and a linear head. A log-prob
-    z_a - logsumexp(z) carries the logits' error, relative to their scale: the magnitude is
-    the larger of the trajectory's largest |log-prob| and its largest |logit| / temperature
-    (one full forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A
-    visual position: x the guidance gain where the guided log-prob is recorded, and a BSQ
-    one sums its bits' log-probs (`factor_sum_bound`; `factors`: the bound of each bit)."""
-    c = model.config
-    T = len(traj)
-    n = decoder_reductions(
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_layers,
-        T,
-        c.hidden_size // c.num_heads,
-        mixer_kernel=c.mixer_kernel,
-    )
-    inputs = ModelInputs(
-        traj.token_ids[None],
-        traj.modality[None],
-        traj.visual_codes[None],
-        torch.ones(1, T, dtype=torch.bool),
-        torch.arange(T)[None],
-        image_positions(traj.modality[None]),
-        [[]],
-    )
+def logp_bounds(model, traj, params: SamplingParams, n: int, factors: bool = False) -> torch.Tensor:
+    """Per-position bounds (tests/tolerances.py) on a trajectory's rollout log-probs
+    computed by two fp32 paths (KV cache or not, other batch shapes, replay) through
+    reductions of total length `n` (`tiny_decoder_reductions` for the tiny model). A
+    log-prob z_a - logsumexp(z) carries the logits' error, relative to their scale: the
+    magnitude is the larger of the trajectory's largest |log-prob| and its largest
+    |logit| / temperature of the head of the position's modality (one full forward; at init 0.5 logits reach ~10 where greedy
+    log-probs are ~ -1). A visual position: x the guidance gain where the guided log-prob
+    is recorded, and a BSQ one sums its bits' log-probs (`factor_sum_bound`; `factors`:
+    the bound of each bit)."""
+    batch = TrajectoryBatch.collate([traj], 0)
     with torch.no_grad():
-        h = model.hidden(inputs).hidden[0]
-        z = max(float(model.text_logits(h).abs().max()), float(model.visual_logits(h).abs().max()))
+        h = model.hidden(model.prepare(batch)).hidden[0]
+        z_text = float(model.text_logits(h).abs().max())
+        z_vis = float(model.visual_logits(h).abs().max())
     if not params.greedy:
-        z /= min(params.temperature, params.bit_temperature)
+        z_text /= params.temperature
+        z_vis /= min(params.temperature, params.bit_temperature)
     top = float(traj.rollout_logp.abs().max())
-    text = logprob_bound(max(z, top), n)
-    visual = text
+    text = logprob_bound(max(z_text, top), n)
+    visual = logprob_bound(max(z_vis, top), n)
     if params.guided and params.guidance_logprob == "guided":
         visual *= guidance_gain(params.guidance)
-    if model.visual_head == "bsq" and not factors:
+    if getattr(model, "visual_head", "vq") == "bsq" and not factors:
         visual = factor_sum_bound(visual, model.codec.bits_per_position, top)
-    out = torch.full((T,), text)
+    out = torch.full((len(traj),), text)
     out[traj.modality == Modality.VISUAL] = visual
     return out
 
 
-def batch_logp_bounds(model: TinyUnifiedModel, trajs, shape, factors: bool = False):
-    """`logp_bounds` of each trajectory (its `SamplingRecord`'s params), right-padded to
-    `shape` (a collated batch's [B, T]) with 0 (padding compares exactly)."""
+def batch_logp_bounds(model, trajs, shape, factors: bool = False, n: int | None = None):
+    """`logp_bounds` of each trajectory (its `SamplingRecord`'s params; `n` default: the
+    tiny model's `tiny_decoder_reductions` over the longest row), right-padded to `shape`
+    (a collated batch's [B, T]) with 0 (padding compares exactly)."""
+    if n is None:
+        n = tiny_decoder_reductions(model.config, shape[1])
     out = torch.zeros(shape)
     for k, t in enumerate(trajs):
-        out[k, : len(t)] = logp_bounds(model, t, t.sampling.params, factors)
+        out[k, : len(t)] = logp_bounds(model, t, t.sampling.params, n, factors)
     return out

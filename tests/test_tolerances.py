@@ -54,7 +54,6 @@ PENDING: dict[str, int] = {
     "test_ig_validation_report.py": 4,
     "test_information_gain.py": 11,
     "test_janus_grpo_reference.py": 2,
-    "test_janus_pro.py": 6,
     "test_knobs.py": 2,
     "test_loader.py": 3,
     "test_mismatch.py": 9,

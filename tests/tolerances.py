@@ -134,6 +134,14 @@ def factor_sum_bound(per_factor: float, factors: int, total: float) -> float:
     return math.sqrt(factors) * per_factor + reduction_bound(total, depth)
 
 
+def elementwise_bound(magnitude, ops: int, paths: int = 2, dtype: torch.dtype = torch.float32):
+    """Worst case of a chain of `ops` elementwise roundings (rescale, subtract a mean,
+    divide by a std) per path, each at most u relative to a value of scale `magnitude`:
+    paths * ops * u * max(1, |magnitude|) (paths=1 against an exact float64 reference).
+    Short chains are cheap to bound deterministically (Higham, gamma_n)."""
+    return paths * ops * _unit(dtype) * max(1.0, abs(float(magnitude)))
+
+
 def fp32_storage_bound(values: torch.Tensor) -> torch.Tensor:
     """Per-element bound on two float64 computations of `values` that agree to float64
     noise (~1e-15 relative) after each is stored in float32: both round to the same or to
