@@ -52,7 +52,7 @@ PENDING: dict[str, int] = {
     "test_horizons.py": 1,
     "test_ig_full_view.py": 1,
     "test_ig_validation_report.py": 4,
-    "test_information_gain.py": 11,
+    "test_information_gain.py": 7,
     "test_janus_grpo_reference.py": 2,
     "test_knobs.py": 2,
     "test_loader.py": 3,
