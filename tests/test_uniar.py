@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from model_fixtures import UNIAR_SIZES, random_bsq_codec
 from tolerances import (
+    assert_within,
     bit_decoder_reductions,
     decoder_reductions,
     factor_sum_bound,
@@ -165,7 +166,7 @@ def test_kv_cached_decoding_equals_the_full_forward_left_and_right_padded(model)
         tol_p = reduction_bound(1.0, N)
         for r, t in enumerate(trajs):  # the prefill's last state == the full forward's
             err = _heads(model, out.hidden[r, -1:]) - _heads(model, full[r, len(t) - K - 1 :][:1])
-            assert float(err.abs().max()) <= tol_p, (float(err.abs().max()), tol_p)
+            assert_within(err.abs(), tol_p, "prefill heads")
         for j in range(K):
             cols = [len(t) - K + j for t in trajs]
             rows = range(len(trajs))
@@ -182,12 +183,12 @@ def test_kv_cached_decoding_equals_the_full_forward_left_and_right_padded(model)
             o = model.hidden(step, cache)
             cache = o.cache
             err = _heads(model, o.hidden[:, 0]) - _heads(model, full[list(rows), cols])
-            assert float(err.abs().max()) <= tol_p, (j, float(err.abs().max()), tol_p)
+            assert_within(err.abs(), tol_p, f"decode heads {j}")
             lp = _next_logp(model, o.hidden[:, 0], trajs, cols)
             ref = _next_logp(model, full[list(rows), cols], trajs, cols)
             # a log-prob's error scales with |log-prob| (a visual one: 16 bits, summed)
             tol = logprob_bound(ref, N)
-            assert float((lp - ref).abs().max()) <= tol, (j, float((lp - ref).abs().max()), tol)
+            assert_within((lp - ref).abs(), tol, f"decode log-prob {j}")
     assert P < max(len(t) for t in trajs)
 
 
@@ -310,13 +311,14 @@ def test_rollout_logprobs_equal_replay_for_text_and_1024_factor_bits(model1024):
     N = _reductions(model, batch.token_ids.shape[1])
     err = (out.logp - batch.rollout_logp).abs()
     tol_text = logprob_bound(batch.rollout_logp[policy & ~visual], N)
-    assert float(err[~visual].max()) <= tol_text, (float(err[~visual].max()), tol_text)
+    assert_within(err[~visual], tol_text, "text log-probs")
     ferr = (out.logp_factors - batch.rollout_logp_factors).abs().max()  # each of 1,024 factors
     tol_f = logprob_bound(batch.rollout_logp_factors[policy & visual], N)
-    assert float(ferr) <= tol_f and out.logp_factors.shape[-1] == 1024, (float(ferr), tol_f)
+    assert_within(ferr, tol_f, "bit factors")
+    assert out.logp_factors.shape[-1] == 1024
     # a position's sum of its 1,024 factor log-probs (~ -700)
     tol_v = factor_sum_bound(tol_f, 1024, float(batch.rollout_logp[policy & visual].abs().max()))
-    assert float(err[visual].max()) <= tol_v, (float(err[visual].max()), tol_v)
+    assert_within(err[visual], tol_v, "1,024-bit sums")
     n_text = int((policy & ~visual).sum())
     n_vis = int((policy & visual).sum())
     assert seen["text"] == n_text and seen["visual"] == n_vis + 4  # + the guided row's twin
@@ -477,4 +479,4 @@ def test_image_placeholder_is_never_a_text_action(model):
     # shapes; the scale of the terms is (|w| @ |W|)
     scale = float((w[:, others].abs() @ model.lm_head.weight[others].abs()).max())
     tol = reduction_bound(scale, raw.shape[-1])
-    assert float((h1.grad - h2.grad).abs().max()) <= tol, tol
+    assert_within((h1.grad - h2.grad).abs(), tol, "placeholder grad")
