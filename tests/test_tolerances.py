@@ -129,13 +129,13 @@ ISA_NODES = [
     "tests/test_uniar.py::test_rollout_logprobs_equal_replay_for_text_and_1024_factor_bits",
     "tests/test_rollout.py::test_greedy_kv_cache_equals_full_recomputation[vq]",
     "tests/test_replay.py::test_visual_logprobs_match_rollout[cfg-guided-bsq]",
-    "tests/test_tiny_model.py::test_kv_cached_decoding_matches_full_forward",
-    "tests/test_tiny_mixer.py::test_cached_decoding_with_row_compaction_matches_full_forward",
     "tests/test_information_gain.py::test_blind_scores_are_chunk_invariant_and_match_one_view_at_a_time",
 ]
 """fp32 model-output comparisons with bounds from tests/tolerances.py, one of a kind each
-(KV cache, rollout vs replay, batch geometry, padding, chunking), none over a few seconds
-under the scalar kernels (test_rollout's greedy [bsq] case, ~17 s there, is left out)."""
+(KV cache, rollout vs replay, batch geometry, chunking), none over a few seconds under
+the scalar kernels. Left out for time: test_rollout's greedy [bsq] case (~17 s there) and
+test_tiny_model / test_tiny_mixer, whose fitted-codec fixtures cost more than their
+comparisons (the same kinds as the UniAR and rollout ones)."""
 
 
 @pytest.mark.parametrize("capability", ["default", "avx2"])
