@@ -18,7 +18,7 @@ from unirl.codecs import build_codec
 from unirl.core.sample import Sample, TextPart
 from unirl.core.seeding import seed_for
 from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
+from unirl.core.types import Modality, Owner
 from unirl.data.digits import make_task_samples
 from unirl.data.digits_images import load_split
 from unirl.data.tokenizer import build_tokenizer
@@ -110,15 +110,19 @@ def logp_bounds(model, traj, params: SamplingParams, n: int, factors: bool = Fal
     reductions of total length `n` (`tiny_decoder_reductions` for the tiny model). A
     log-prob z_a - logsumexp(z) carries the logits' error, relative to their scale: the
     magnitude is the larger of the trajectory's largest |log-prob| and its largest
-    |logit| / temperature of the head of the position's modality (one full forward; at init 0.5 logits reach ~10 where greedy
-    log-probs are ~ -1). A visual position: x the guidance gain where the guided log-prob
+    |logit| / temperature of its modality's head at the states that score policy positions
+    (one full forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A
+    visual position: x the guidance gain where the guided log-prob
     is recorded, and a BSQ one sums its bits' log-probs (`factor_sum_bound`; `factors`:
     the bound of each bit)."""
     batch = TrajectoryBatch.collate([traj], 0)
-    with torch.no_grad():
+    policy = traj.owner == Owner.POLICY
+    text_at = (policy & (traj.modality == Modality.TEXT)).nonzero()[:, 0] - 1
+    vis_at = (policy & (traj.modality == Modality.VISUAL)).nonzero()[:, 0] - 1
+    with torch.no_grad():  # each head at the states that score the policy's positions
         h = model.hidden(model.prepare(batch)).hidden[0]
-        z_text = float(model.text_logits(h).abs().max())
-        z_vis = float(model.visual_logits(h).abs().max())
+        z_text = float(model.text_logits(h[text_at]).abs().max()) if len(text_at) else 0.0
+        z_vis = float(model.visual_logits(h[vis_at]).abs().max()) if len(vis_at) else 0.0
     if not params.greedy:
         z_text /= params.temperature
         z_vis /= min(params.temperature, params.bit_temperature)
