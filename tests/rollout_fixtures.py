@@ -14,16 +14,16 @@ from functools import cache
 import torch
 from tolerances import factor_sum_bound, guidance_gain, logprob_bound, tiny_decoder_reductions
 
-from unirl.codecs import build_codec
-from unirl.core.sample import Sample, TextPart
-from unirl.core.seeding import seed_for
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality, Owner
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.tokenizer import build_tokenizer
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.rollout import RolloutRequest, SamplingParams
+from uniweave.codecs import build_codec
+from uniweave.core.sample import Sample, TextPart
+from uniweave.core.seeding import seed_for
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality, Owner
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.tokenizer import build_tokenizer
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.rollout import RolloutRequest, SamplingParams
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 

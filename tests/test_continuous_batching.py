@@ -1,4 +1,4 @@
-"""Continuous batching (`unirl.rollout.continuous`, `rollout.continuous_batching`): the same
+"""Continuous batching (`uniweave.rollout.continuous`, `rollout.continuous_batching`): the same
 trajectories as the static engine for the same seeds.
 
 The reference is the static engine (`RolloutEngine` without slots), itself checked
@@ -31,15 +31,15 @@ import torch
 from rollout_fixtures import mixed_requests, mixed_samples, tiny_model
 from trainer_helpers import grpo_config, make_grpo_trainer, tiny_config
 
-from unirl.codecs.base import single_thread
-from unirl.config import validate_config
-from unirl.core.sample import GenerationRequest, Sample, TextPart
-from unirl.core.seeding import seed_for
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.opd.job import build_opd_job
+from uniweave.codecs.base import single_thread
+from uniweave.config import validate_config
+from uniweave.core.sample import GenerationRequest, Sample, TextPart
+from uniweave.core.seeding import seed_for
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.opd.job import build_opd_job
 
 ATOL = 1e-4  # module docstring: the batch-geometry bound of tests/test_rollout.py
 
@@ -107,8 +107,8 @@ def test_a_group_shares_one_prefill_on_admission():
 
 
 def test_janus_t2i_with_guidance_in_slots(tmp_path):
-    from unirl.models.janus_pro import JanusProModel
-    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+    from uniweave.models.janus_pro import JanusProModel
+    from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 
     texts = ["draw a red cat on the mat", "a dog", "two birds"]
     ckpt = write_tiny_checkpoint(tmp_path, TinyJanusSpec(initializer_range=0.2), texts)

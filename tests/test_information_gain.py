@@ -14,7 +14,7 @@ from rollout_fixtures import tiny_model, tokenizer
 from tolerances import assert_within, logprob_bound, tiny_decoder_reductions
 from trainer_helpers import tiny_config
 
-from unirl.algorithms.information_gain import (
+from uniweave.algorithms.information_gain import (
     Block,
     Event,
     blind_attention_mask,
@@ -25,26 +25,26 @@ from unirl.algorithms.information_gain import (
     trajectory_sum,
     unit_scores,
 )
-from unirl.codecs.base import single_thread
-from unirl.config import validate_config
-from unirl.config.algorithms import InformationGainConfig
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality, Owner
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.forward import forward_interleaved
-from unirl.models.tiny import TinyUnifiedModel
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.sft.information_gain import (
+from uniweave.codecs.base import single_thread
+from uniweave.config import validate_config
+from uniweave.config.algorithms import InformationGainConfig
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality, Owner
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.forward import forward_interleaved
+from uniweave.models.tiny import TinyUnifiedModel
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.sft.information_gain import (
     blind_scores,
     full_logp,
     ig_terms,
     scored_events,
 )
-from unirl.train.methods.sft.objective import SFTObjective
-from unirl.train.methods.sft.source import DatasetSource, sft_trajectories
+from uniweave.train.methods.sft.objective import SFTObjective
+from uniweave.train.methods.sft.source import DatasetSource, sft_trajectories
 
 ALL = InformationGainConfig(weight=1.0, event_selection="all")
 
@@ -300,9 +300,9 @@ def test_ig_term_enters_the_loss_trajectory_first(tmp_path, codec_dir):
 
 
 def test_janus_pro_blind_view(tmp_path):
-    from unirl.core.sample import ImagePart, Sample, TextPart
-    from unirl.models.janus_pro import JanusProModel
-    from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+    from uniweave.core.sample import ImagePart, Sample, TextPart
+    from uniweave.models.janus_pro import JanusProModel
+    from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path, TinyJanusSpec(initializer_range=0.2), ["a b c d"])
     model = JanusProModel.from_pretrained(ckpt).eval()
@@ -335,8 +335,8 @@ def test_janus_pro_blind_view(tmp_path):
 def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_path, codec_dir):
     import io
 
-    from unirl.train.methods.sft.information_gain import ig_evaluation
-    from unirl.train.methods.sft.probe import run_probe
+    from uniweave.train.methods.sft.information_gain import ig_evaluation
+    from uniweave.train.methods.sft.probe import run_probe
 
     sections = {
         "data": {"tasks": ["draw_then_answer"], "train_size": 4, "val_size": 2, "test_size": 0},
@@ -365,7 +365,7 @@ def test_validation_pins_the_cycle_and_probe_prints_the_four_self_scores(tmp_pat
 def test_ig_rows_use_clean_context_under_bitflip():
     """With BitFlip on, the CE sees noisy input bits but the IG full view is clean: its
     scores equal those of a clean forward, and differ from the noisy forward's."""
-    from unirl.config.algorithms import SFTConfig
+    from uniweave.config.algorithms import SFTConfig
 
     model = tiny_model("bsq", init=0.3).train()
     rows = [dataclasses.replace(r, seed=11 + k) for k, r in enumerate(_rows(model, 2))]
@@ -420,8 +420,8 @@ def test_ig_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
 def test_validation_logs_ig_metrics(tmp_path, codec_dir, classifier_dir):
     import shutil
 
-    from unirl.rewards.digit_classifier import CLASSIFIER_DIR
-    from unirl.train.run import _val_evaluator
+    from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
+    from uniweave.train.run import _val_evaluator
 
     sections = {
         "data": {"tasks": ["draw_then_answer"], "train_size": 2, "val_size": 2, "test_size": 0},
@@ -442,7 +442,7 @@ def test_uniar_blind_view():
     the vision tower: text-modality placeholders, part of the first text block)."""
     from model_fixtures import UNIAR_SIZES, random_bsq_codec
 
-    from unirl.models.uniar import build_tiny_uniar
+    from uniweave.models.uniar import build_tiny_uniar
 
     model = build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0).eval()
     sample = make_task_samples("draw_then_answer", "val", 1, seed=2)[0]

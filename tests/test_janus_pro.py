@@ -19,31 +19,31 @@ from rollout_fixtures import batch_logp_bounds
 from tolerances import assert_within, decoder_reductions, elementwise_bound, reduction_bound
 from transformers import AutoImageProcessor, JanusForConditionalGeneration
 
-from unirl.codecs.base import single_thread
-from unirl.config import load_config, validate_config
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality, Owner
-from unirl.data.digits import make_task_samples, vocabulary_texts
-from unirl.data.images import processor_for
-from unirl.data.loader import DatasetError, load_rows
-from unirl.data.tokenizer import build_tokenizer as build_digits_tokenizer
-from unirl.models import check_model_config, load_model
-from unirl.models.janus_pro import JanusProModel
-from unirl.models.janus_pro.template import BOI, EOI, IMAGE
-from unirl.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from unirl.replay import replay_logprobs
-from unirl.rollout import (
+from uniweave.codecs.base import single_thread
+from uniweave.config import load_config, validate_config
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality, Owner
+from uniweave.data.digits import make_task_samples, vocabulary_texts
+from uniweave.data.images import processor_for
+from uniweave.data.loader import DatasetError, load_rows
+from uniweave.data.tokenizer import build_tokenizer as build_digits_tokenizer
+from uniweave.models import check_model_config, load_model
+from uniweave.models.janus_pro import JanusProModel
+from uniweave.models.janus_pro.template import BOI, EOI, IMAGE
+from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import (
     RolloutEngine,
     RolloutRequest,
     RolloutTrajectory,
     SamplingParams,
     sampling_records,
 )
-from unirl.train.dist.comm import DistInfo
-from unirl.train.engine.build import apply_lora, build_model
-from unirl.train.engine.trainer import Trainer
-from unirl.train.methods.grpo.job import build_grpo_job
+from uniweave.train.dist.comm import DistInfo
+from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.engine.trainer import Trainer
+from uniweave.train.methods.grpo.job import build_grpo_job
 
 TEXTS = ["draw a red cat on the mat", "what is in this picture ? A B C D", "a dog"]
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "janus_pro"
@@ -109,8 +109,8 @@ def _i2t(sample_id: str, text: str, seed: int) -> Sample:
 
 
 def test_loads_a_transformers_checkpoint_and_freezes_vq_and_vision(ckpt, model, hf, tmp_path):
-    loaded = load_model(ckpt)  # no unirl_model.json: recognised by config.json model_type
-    assert isinstance(loaded, JanusProModel) and not (ckpt / "unirl_model.json").exists()
+    loaded = load_model(ckpt)  # no uniweave_model.json: recognised by config.json model_type
+    assert isinstance(loaded, JanusProModel) and not (ckpt / "uniweave_model.json").exists()
     assert set(loaded.state_dict()) == set(hf.state_dict())  # the checkpoint's own names
     loaded.train()
     assert not loaded.model.vqmodel.training and not loaded.model.vision_model.training
@@ -124,7 +124,7 @@ def test_loads_a_transformers_checkpoint_and_freezes_vq_and_vision(ckpt, model, 
     )
     loaded.save_pretrained(tmp_path / "saved")
     again = load_model(tmp_path / "saved")
-    assert json.loads((tmp_path / "saved" / "unirl_model.json").read_text())["kind"] == "janus_pro"
+    assert json.loads((tmp_path / "saved" / "uniweave_model.json").read_text())["kind"] == "janus_pro"
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
 
@@ -619,7 +619,7 @@ def test_colour_images_reach_the_vision_tower_in_colour(ckpt, tmp_path):
     )
 
 
-def test_unirl_eval_end_to_end_on_a_colour_dataset(ckpt, tmp_path):
+def test_uniweave_eval_end_to_end_on_a_colour_dataset(ckpt, tmp_path):
     import subprocess
     import sys
 
@@ -646,7 +646,7 @@ def test_unirl_eval_end_to_end_on_a_colour_dataset(ckpt, tmp_path):
         "reward: {plugins: [{name: text_exact}], truncated_reward: keep}\n"
         f"evaluation: {{output_dir: {out}}}\n"
     )
-    cmd = [sys.executable, "-m", "unirl", "eval", str(tmp_path / "c.yaml")]
+    cmd = [sys.executable, "-m", "uniweave", "eval", str(tmp_path / "c.yaml")]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "CI": "true"}
     )

@@ -1,13 +1,13 @@
-"""The import graph of src/unirl: no cycles, and the layering of docs/architecture.md §1.
+"""The import graph of src/uniweave: no cycles, and the layering of docs/architecture.md §1.
 
 The graph is read from the source with `ast`, so it holds every import a module can run —
 at module level and inside functions (a function-local import that hides a cycle is still
-a cycle). `import a.b.c` and `from a.b import c` are edges to the most specific unirl
+a cycle). `import a.b.c` and `from a.b import c` are edges to the most specific uniweave
 module they name (`a.b.c` when it is a module, else `a.b`); the parent packages Python
 also initialises are not edges, so a package `__init__` that re-exports its submodules
 does not make them cyclic. Imports under `if TYPE_CHECKING:` count too: they state a
-dependency all the same. Beyond module cycles, the top-level components (`unirl.codecs`,
-`unirl.data`, ...) may not import each other both ways.
+dependency all the same. Beyond module cycles, the top-level components (`uniweave.codecs`,
+`uniweave.data`, ...) may not import each other both ways.
 
 Layers, lowest first; a module may import only from its own layer or below:
 
@@ -17,20 +17,20 @@ Layers, lowest first; a module may import only from its own layer or below:
     3 rollout, replay, forward
     4 rewards, algorithms
 
-Inside `unirl.train` the sub-packages have an order of their own, lowest first:
+Inside `uniweave.train` the sub-packages have an order of their own, lowest first:
 
     state, dist            atomic checkpoints; process groups, DDP/FSDP2
     engine                 the loop, its protocols, micro-batching, optimiser, logging
     rollouts               prompts, scoring, stats and Ray workers of rollout methods
     methods.<name>         one method each (sft, grpo, opd): source, objective, job
-    run, preflight         what `unirl train` runs
+    run, preflight         what `uniweave train` runs
 
 A method never imports another method (what two methods share lives lower, in
 `rollouts` or `engine`), and no module imports a private name (`_x`) of another module,
 by `from m import _x` or by `m._x` on an imported module.
 
 `report` (run reports: reward curves and image grids of trained models) and `generate`
-(the `unirl generate` command body) build and drive models and read training metrics, so
+(the `uniweave generate` command body) build and drive models and read training metrics, so
 they sit with the command line; `demo` runs whole trainings.
 """
 
@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-ROOT = "unirl"
+ROOT = "uniweave"
 
 LAYERS: dict[str, int] = {
     "config": 0,
@@ -63,7 +63,7 @@ LAYERS: dict[str, int] = {
     "report": 6,
     "__main__": 6,
 }
-"""First component under `unirl` -> layer. `unirl` itself (the version) is layer 0."""
+"""First component under `uniweave` -> layer. `uniweave` itself (the version) is layer 0."""
 
 ALLOWED: dict[tuple[str, str], str] = {}
 """(importer, imported) upward imports tolerated for now, each with its reason."""
@@ -77,7 +77,7 @@ def module_name(path: Path, src: Path = SRC) -> str:
 
 
 def source_modules(src: Path = SRC) -> dict[str, Path]:
-    """Every module of the `unirl` package under `src`: dotted name -> file."""
+    """Every module of the `uniweave` package under `src`: dotted name -> file."""
     return {module_name(p, src): p for p in sorted((src / ROOT).rglob("*.py"))}
 
 
@@ -92,7 +92,7 @@ def _resolve(name: str, modules: Iterable[str]) -> str | None:
 
 
 def imports_of(module: str, path: Path, modules: set[str]) -> dict[str, int]:
-    """unirl modules imported anywhere in `path` (module or function level) -> first line."""
+    """uniweave modules imported anywhere in `path` (module or function level) -> first line."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: dict[str, int] = {}
@@ -114,7 +114,7 @@ def imports_of(module: str, path: Path, modules: set[str]) -> dict[str, int]:
 
 
 def import_graph(src: Path = SRC) -> dict[str, dict[str, int]]:
-    """module -> {imported unirl module: line of the first such import}."""
+    """module -> {imported uniweave module: line of the first such import}."""
     files = source_modules(src)
     names = set(files)
     return {m: imports_of(m, p, names) for m, p in files.items()}
@@ -185,7 +185,7 @@ def layer_of(module: str) -> int:
     if len(parts) == 1:
         return 0
     if parts[1] not in LAYERS:
-        raise KeyError(f"{module}: no layer for unirl.{parts[1]}; add it to LAYERS")
+        raise KeyError(f"{module}: no layer for uniweave.{parts[1]}; add it to LAYERS")
     return LAYERS[parts[1]]
 
 
@@ -214,7 +214,7 @@ def test_no_import_cycles():
 
 
 def component_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """The graph between top-level components (`unirl.<name>`), without `ALLOWED` edges."""
+    """The graph between top-level components (`uniweave.<name>`), without `ALLOWED` edges."""
     out: dict[str, dict[str, int]] = {}
     for module, targets in graph.items():
         source = ".".join(module.split(".")[:2])
@@ -259,28 +259,28 @@ def test_checks_catch_a_cycle_and_an_upward_import(tmp_path):
         {
             "__init__.py": "",
             "core/__init__.py": "",
-            "core/a.py": "def f():\n    from unirl.models.b import g\n",
+            "core/a.py": "def f():\n    from uniweave.models.b import g\n",
             "models/__init__.py": "",
             "models/b.py": "from ..core import a\n",
-            "models/c.py": "import unirl.models.b\n",
+            "models/c.py": "import uniweave.models.b\n",
         },
     )
     graph = import_graph(tmp_path)
-    assert graph["unirl.models.b"] == {"unirl.core.a": 1}
-    assert graph["unirl.models.c"] == {"unirl.models.b": 1}
-    assert find_cycles(graph) == [["unirl.core.a", "unirl.models.b", "unirl.core.a"]]
+    assert graph["uniweave.models.b"] == {"uniweave.core.a": 1}
+    assert graph["uniweave.models.c"] == {"uniweave.models.b": 1}
+    assert find_cycles(graph) == [["uniweave.core.a", "uniweave.models.b", "uniweave.core.a"]]
     assert layer_violations(graph) == [
-        "unirl/core/a.py:2: unirl.core.a (layer 0) imports unirl.models.b (layer 2)"
+        "uniweave/core/a.py:2: uniweave.core.a (layer 0) imports uniweave.models.b (layer 2)"
     ]
 
 
 def test_graph_reads_the_real_tree():
     graph = import_graph()
-    assert "unirl.config" in graph["unirl.cli"]
-    assert "unirl.core.sample" in graph["unirl.data.template"]
+    assert "uniweave.config" in graph["uniweave.cli"]
+    assert "uniweave.core.sample" in graph["uniweave.data.template"]
 
 
-# -- inside unirl.train ----------------------------------------------------------------
+# -- inside uniweave.train ----------------------------------------------------------------
 
 TRAIN_LAYERS: dict[str, int] = {
     "state": 0,
@@ -291,24 +291,24 @@ TRAIN_LAYERS: dict[str, int] = {
     "run": 4,
     "preflight": 4,
 }
-"""Sub-package (or top-level module) of `unirl.train` -> its order inside train."""
+"""Sub-package (or top-level module) of `uniweave.train` -> its order inside train."""
 MAX_TRAIN_TOP_MODULES = 6
 
 
 def _train_part(module: str) -> tuple[int, str] | None:
-    """(order, method or '') of a module under unirl.train; None outside it or for the
+    """(order, method or '') of a module under uniweave.train; None outside it or for the
     package itself."""
     parts = module.split(".")
-    if parts[:2] != ["unirl", "train"] or len(parts) < 3:
+    if parts[:2] != ["uniweave", "train"] or len(parts) < 3:
         return None
     if parts[2] not in TRAIN_LAYERS:
-        raise KeyError(f"{module}: no order for unirl.train.{parts[2]}; add it to TRAIN_LAYERS")
+        raise KeyError(f"{module}: no order for uniweave.train.{parts[2]}; add it to TRAIN_LAYERS")
     method = parts[3] if parts[2] == "methods" and len(parts) > 3 else ""
     return TRAIN_LAYERS[parts[2]], method
 
 
 def train_violations(graph: dict[str, dict[str, int]]) -> list[str]:
-    """`file:line: why` for every import inside unirl.train that goes up its order or from
+    """`file:line: why` for every import inside uniweave.train that goes up its order or from
     one method to another."""
     out = []
     for module, targets in sorted(graph.items()):
@@ -323,13 +323,13 @@ def train_violations(graph: dict[str, dict[str, int]]) -> list[str]:
             if here[1] and there[1] and here[1] != there[1]:
                 out.append(f"{where} (one method imports another)")
             elif there[0] > here[0]:
-                out.append(f"{where} (up the order of unirl.train)")
+                out.append(f"{where} (up the order of uniweave.train)")
     return out
 
 
 def private_imports(src: Path = SRC) -> list[str]:
-    """`file:line: module imports private name` for every `from unirl.x import _y` and
-    every `m._y` where `m` names an imported unirl module (dunders are not private)."""
+    """`file:line: module imports private name` for every `from uniweave.x import _y` and
+    every `m._y` where `m` names an imported uniweave module (dunders are not private)."""
     out = []
     for module, path in source_modules(src).items():
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -363,7 +363,7 @@ def private_imports(src: Path = SRC) -> list[str]:
 
 def test_train_subpackages_respect_their_order_and_methods_stay_apart():
     violations = train_violations(import_graph())
-    assert not violations, "imports inside unirl.train:\n" + "\n".join(violations)
+    assert not violations, "imports inside uniweave.train:\n" + "\n".join(violations)
 
 
 def test_no_private_names_cross_modules():
@@ -385,29 +385,29 @@ def test_train_checks_catch_cross_method_upward_and_private_imports(tmp_path):
             "__init__.py": "",
             "train/__init__.py": "",
             "train/engine/__init__.py": "",
-            "train/engine/loop.py": "from unirl.train.methods.sft import job\n",
+            "train/engine/loop.py": "from uniweave.train.methods.sft import job\n",
             "train/methods/__init__.py": "",
             "train/methods/sft/__init__.py": "",
             "train/methods/sft/job.py": "X = 1\n",
             "train/methods/grpo/__init__.py": "",
-            "train/methods/grpo/job.py": "from unirl.train.methods.opd.source import _pool\n",
+            "train/methods/grpo/job.py": "from uniweave.train.methods.opd.source import _pool\n",
             "train/methods/opd/__init__.py": "",
             "train/methods/opd/source.py": "def _pool():\n    return 1\n",
             "train/methods/opd/job.py": (
-                "import unirl.train.engine.loop as loop\n\nY = loop._hidden\n"
+                "import uniweave.train.engine.loop as loop\n\nY = loop._hidden\n"
             ),
         },
     )
     graph = import_graph(tmp_path)
     assert train_violations(graph) == [
-        "unirl/train/engine/loop.py:1: unirl.train.engine.loop imports "
-        "unirl.train.methods.sft.job (up the order of unirl.train)",
-        "unirl/train/methods/grpo/job.py:1: unirl.train.methods.grpo.job imports "
-        "unirl.train.methods.opd.source (one method imports another)",
+        "uniweave/train/engine/loop.py:1: uniweave.train.engine.loop imports "
+        "uniweave.train.methods.sft.job (up the order of uniweave.train)",
+        "uniweave/train/methods/grpo/job.py:1: uniweave.train.methods.grpo.job imports "
+        "uniweave.train.methods.opd.source (one method imports another)",
     ]
     assert sorted(private_imports(tmp_path)) == [
-        "job.py:1: unirl.train.methods.grpo.job imports unirl.train.methods.opd.source._pool",
-        "job.py:3: unirl.train.methods.opd.job uses unirl.train.engine.loop._hidden",
+        "job.py:1: uniweave.train.methods.grpo.job imports uniweave.train.methods.opd.source._pool",
+        "job.py:3: uniweave.train.methods.opd.job uses uniweave.train.engine.loop._hidden",
     ]
 
 

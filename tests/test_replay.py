@@ -9,11 +9,11 @@ import torch
 from rollout_fixtures import batch_logp_bounds, mixed_requests, mixed_samples, tiny_model
 from tolerances import decoder_reductions, fp32_storage_bound, reduction_bound
 
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.forward import scored_indices
-from unirl.replay import replay_distributions, replay_logprobs, replay_map
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.forward import scored_indices
+from uniweave.replay import replay_distributions, replay_logprobs, replay_map
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
 
 
 def _rollout(model, text, image, n_per_task=2):

@@ -18,12 +18,12 @@ from rollout_fixtures import (
 )
 from tolerances import tiny_decoder_reductions
 
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.core.types import Modality, Owner
-from unirl.data.template import parse, serialize
-from unirl.data.tokenizer import SpecialIds
-from unirl.models.base import ModelInputs, image_positions
-from unirl.rollout import (
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.types import Modality, Owner
+from uniweave.data.template import parse, serialize
+from uniweave.data.tokenizer import SpecialIds
+from uniweave.models.base import ModelInputs, image_positions
+from uniweave.rollout import (
     RolloutEngine,
     RolloutRequest,
     RolloutService,
@@ -32,8 +32,8 @@ from unirl.rollout import (
     has_cycle,
     interleave,
 )
-from unirl.rollout.guidance import unconditional_prompt
-from unirl.rollout.policy import text_distribution, visual_distribution
+from uniweave.rollout.guidance import unconditional_prompt
+from uniweave.rollout.policy import text_distribution, visual_distribution
 
 SP = SpecialIds.from_tokenizer(tokenizer())
 HEADER = [

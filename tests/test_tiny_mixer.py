@@ -5,13 +5,13 @@ import pytest
 import torch
 from tolerances import assert_within, reduction_bound, tiny_decoder_reductions
 
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.data.digits import make_task_samples
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.models.base import ModelInputs, image_positions
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.models.tiny.mixer import CausalMixer, MixCache, MixContext
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.data.digits import make_task_samples
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.models.base import ModelInputs, image_positions
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.models.tiny.mixer import CausalMixer, MixCache, MixContext
 
 
 @pytest.fixture(scope="module")

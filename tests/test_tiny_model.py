@@ -8,18 +8,18 @@ import torch
 from safetensors.torch import load_file
 from tolerances import assert_within, reduction_bound, tiny_decoder_reductions
 
-from unirl.codecs import load_codec
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.data.digits import make_task_samples
-from unirl.data.digits_images import load_split
-from unirl.data.template import serialize
-from unirl.data.tokenizer import SpecialIds, build_tokenizer
-from unirl.forward import forward_interleaved, scored_indices
-from unirl.models import load_model
-from unirl.models.base import image_positions
-from unirl.models.tiny import TinyArchitecture, TinyUnifiedModel
-from unirl.train.state import checkpoint as ckpt
+from uniweave.codecs import load_codec
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.data.digits import make_task_samples
+from uniweave.data.digits_images import load_split
+from uniweave.data.template import serialize
+from uniweave.data.tokenizer import SpecialIds, build_tokenizer
+from uniweave.forward import forward_interleaved, scored_indices
+from uniweave.models import load_model
+from uniweave.models.base import image_positions
+from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
+from uniweave.train.state import checkpoint as ckpt
 
 TASKS = ("t2i", "i2t_mc", "jigsaw_mc", "draw_then_answer")
 
@@ -148,7 +148,7 @@ def test_default_size_and_head_mismatch(tokenizer, codecs):
 
 def test_incomplete_model_directory_is_named(tmp_path):
     (tmp_path / "m").mkdir()
-    with pytest.raises(FileNotFoundError, match="missing unirl_model.json"):
+    with pytest.raises(FileNotFoundError, match="missing uniweave_model.json"):
         load_model(tmp_path / "m")
 
 

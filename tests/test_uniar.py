@@ -25,17 +25,17 @@ from tolerances import (
     reduction_bound,
 )
 
-from unirl.codecs.base import single_thread
-from unirl.core.sample import GenerationRequest, ImagePart, Sample, TextPart
-from unirl.core.trajectory import TrajectoryBatch
-from unirl.core.types import Modality
-from unirl.forward import forward_interleaved as teacher_forced
-from unirl.models import load_model
-from unirl.models.base import image_positions, rope_positions
-from unirl.models.uniar import UniARModel, UniARSpec, build_tiny_uniar
-from unirl.models.uniar.template import special_id_map
-from unirl.replay import replay_logprobs
-from unirl.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
+from uniweave.codecs.base import single_thread
+from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality
+from uniweave.forward import forward_interleaved as teacher_forced
+from uniweave.models import load_model
+from uniweave.models.base import image_positions, rope_positions
+from uniweave.models.uniar import UniARModel, UniARSpec, build_tiny_uniar
+from uniweave.models.uniar.template import special_id_map
+from uniweave.replay import replay_logprobs
+from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams, sampling_records
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -350,7 +350,7 @@ def test_save_and_reload_reproduce_the_logits_bitwise(model, saved):
         assert torch.equal(model.text_logits(a[:, -3:]), loaded.text_logits(b[:, -3:]))
         assert torch.equal(model.visual_logits(a[:, -3:]), loaded.visual_logits(b[:, -3:]))
     assert {k for k in loaded.state_dict()} == {k for k in model.state_dict()}
-    record = json.loads((saved / "unirl_model.json").read_text())
+    record = json.loads((saved / "uniweave_model.json").read_text())
     assert record["special_ids"] == special_id_map(model.tokenizer)
 
 
@@ -370,8 +370,8 @@ def _edit_json(path: Path, **fields) -> None:
     [
         (lambda d: shutil.rmtree(d / "codec"), "codec/codec.json", "missing"),
         (
-            lambda d: _edit_json(d / "unirl_model.json", **{"special_ids.image_gen": 3}),
-            "unirl_model.json",
+            lambda d: _edit_json(d / "uniweave_model.json", **{"special_ids.image_gen": 3}),
+            "uniweave_model.json",
             "special_ids.image_gen",
         ),
         (

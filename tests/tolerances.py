@@ -77,14 +77,14 @@ def decoder_reductions(
     softmax denominator and softmax @ V (2 * keys), the output projection (hidden), RMSNorm
     (hidden), gate/up (hidden), down (intermediate); then the head: `head` (default
     2 * hidden: the final norm and a linear head; `bit_decoder_reductions` for UniAR's
-    BSQ decoder); plus, with the tiny model's causal mixers (src/unirl/models/tiny/mixer.py),
+    BSQ decoder); plus, with the tiny model's causal mixers (src/uniweave/models/tiny/mixer.py),
     two depthwise convolutions of `mixer_kernel` taps per layer."""
     per_layer = 5 * hidden + head_dim + 2 * keys + intermediate + 2 * mixer_kernel
     return layers * per_layer + (2 * hidden if head is None else head)
 
 
 def bit_decoder_reductions(hidden: int, width: int, blocks: int) -> int:
-    """UniAR's visual decoder (src/unirl/models/uniar/heads.py): RMSNorm and W_in over
+    """UniAR's visual decoder (src/uniweave/models/uniar/heads.py): RMSNorm and W_in over
     `hidden`, per block RMSNorm and up over `width` and down over 2 * width, then RMSNorm
     and W_out over `width`."""
     return 2 * hidden + blocks * 4 * width + 2 * width
@@ -178,11 +178,11 @@ def tiny_decoder_reductions(config, keys: int, head: int | None = None) -> int:
 
 
 def assert_within(err, bound, what: str = "") -> None:
-    """assert err <= bound (floats or tensors, elementwise); with UNIRL_TOL_REPORT=1 also
+    """assert err <= bound (floats or tensors, elementwise); with UNIWEAVE_TOL_REPORT=1 also
     print the largest err / bound to stderr (how the figures in issue 45 were measured)."""
     e = torch.as_tensor(err, dtype=torch.float64)
     b = torch.as_tensor(bound, dtype=torch.float64)
     ratio = float((e / b.clamp(min=1e-300)).max()) if e.numel() else 0.0
-    if os.environ.get("UNIRL_TOL_REPORT"):
+    if os.environ.get("UNIWEAVE_TOL_REPORT"):
         print(f"TOL {what} max_err={float(e.max()):.3g} ratio={ratio:.3f}", file=sys.stderr)
     assert bool((e <= b).all()), f"{what}: err {float(e.max()):.3g}, max err/bound {ratio:.3f}"
