@@ -12,10 +12,13 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+from tolerances import factor_sum_bound, guidance_gain, logprob_bound, tiny_decoder_reductions
 
 from uniweave.codecs import build_codec
 from uniweave.core.sample import Sample, TextPart
 from uniweave.core.seeding import seed_for
+from uniweave.core.trajectory import TrajectoryBatch
+from uniweave.core.types import Modality, Owner
 from uniweave.data.digits import make_task_samples
 from uniweave.data.digits_images import load_split
 from uniweave.data.tokenizer import build_tokenizer
@@ -99,3 +102,49 @@ def scripted_model(kind: str, script: list[tuple[str, str]], alpha: float = 60.0
 
 def text_sample(text: str = "draw the digit 3", sample_id: str = "scripted") -> Sample:
     return Sample(id=sample_id, parts=[TextPart(text, "user")])
+
+
+def logp_bounds(model, traj, params: SamplingParams, n: int, factors: bool = False) -> torch.Tensor:
+    """Per-position bounds (tests/tolerances.py) on a trajectory's rollout log-probs
+    computed by two fp32 paths (KV cache or not, other batch shapes, replay) through
+    reductions of total length `n` (`tiny_decoder_reductions` for the tiny model). A
+    log-prob z_a - logsumexp(z) carries the logits' error, relative to their scale: the
+    magnitude is the larger of the trajectory's largest |log-prob| and its largest
+    |logit| / temperature of its modality's head at the states that score policy positions
+    (one full forward; at init 0.5 logits reach ~10 where greedy log-probs are ~ -1). A
+    visual position: x the guidance gain where the guided log-prob
+    is recorded, and a BSQ one sums its bits' log-probs (`factor_sum_bound`; `factors`:
+    the bound of each bit)."""
+    batch = TrajectoryBatch.collate([traj], 0)
+    policy = traj.owner == Owner.POLICY
+    text_at = (policy & (traj.modality == Modality.TEXT)).nonzero()[:, 0] - 1
+    vis_at = (policy & (traj.modality == Modality.VISUAL)).nonzero()[:, 0] - 1
+    with torch.no_grad():  # each head at the states that score the policy's positions
+        h = model.hidden(model.prepare(batch)).hidden[0]
+        z_text = float(model.text_logits(h[text_at]).abs().max()) if len(text_at) else 0.0
+        z_vis = float(model.visual_logits(h[vis_at]).abs().max()) if len(vis_at) else 0.0
+    if not params.greedy:
+        z_text /= params.temperature
+        z_vis /= min(params.temperature, params.bit_temperature)
+    top = float(traj.rollout_logp.abs().max())
+    text = logprob_bound(max(z_text, top), n)
+    visual = logprob_bound(max(z_vis, top), n)
+    if params.guided and params.guidance_logprob == "guided":
+        visual *= guidance_gain(params.guidance)
+    if getattr(model, "visual_head", "vq") == "bsq" and not factors:
+        visual = factor_sum_bound(visual, model.codec.bits_per_position, top)
+    out = torch.full((len(traj),), text)
+    out[traj.modality == Modality.VISUAL] = visual
+    return out
+
+
+def batch_logp_bounds(model, trajs, shape, factors: bool = False, n: int | None = None):
+    """`logp_bounds` of each trajectory (its `SamplingRecord`'s params; `n` default: the
+    tiny model's `tiny_decoder_reductions` over the longest row), right-padded to `shape`
+    (a collated batch's [B, T]) with 0 (padding compares exactly)."""
+    if n is None:
+        n = tiny_decoder_reductions(model.config, shape[1])
+    out = torch.zeros(shape)
+    for k, t in enumerate(trajs):
+        out[k, : len(t)] = logp_bounds(model, t, t.sampling.params, n, factors)
+    return out

@@ -415,7 +415,7 @@ def test_train_checks_catch_cross_method_upward_and_private_imports(tmp_path):
 # A test module never imports another test module (an edit to one would break the other,
 # and running one alone would import the other); what several share lives in helper
 # modules without the test_ prefix (trainer_helpers, rollout_fixtures, model_fixtures,
-# eval_fixtures) or in the session fixtures of conftest.py.
+# eval_fixtures, tolerances) or in the session fixtures of conftest.py.
 
 TESTS = Path(__file__).resolve().parent
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from rollout_fixtures import (
+    logp_bounds,
     mixed_requests,
     mixed_samples,
     scripted_model,
@@ -15,6 +16,7 @@ from rollout_fixtures import (
     token_id,
     tokenizer,
 )
+from tolerances import tiny_decoder_reductions
 
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from uniweave.core.types import Modality, Owner
@@ -115,7 +117,10 @@ def test_greedy_kv_cache_equals_full_recomputation(kind):
     for req, got in zip(requests, fast):
         ref = _greedy_by_recomputation(model, engine, req)
         _same_stream(got, ref)
-        torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, atol=2e-3, rtol=0)
+        # KV cache vs a full forward per step: two fp32 paths (tests/tolerances.py)
+        err = (got.rollout_logp - ref.rollout_logp).abs()
+        tol = logp_bounds(model, ref, req.params, tiny_decoder_reductions(model.config, len(ref)))
+        assert bool((err <= tol).all()), (req.prompt.id, float((err / tol).max()))
 
 
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
@@ -133,11 +138,16 @@ def test_same_seed_same_trajectory_at_any_batch_size_and_order(kind):
     shuffled = engine.generate([requests[k] for k in order])
     unshuffled = [shuffled[order.index(k)] for k in range(8)]
     masked = RolloutEngine(model, finished="mask").generate(requests)
+    params = {r.prompt.id: r.params for r in requests}
     for other in (singles, threes, unshuffled, masked):
         for a, b in zip(full, other):
             _same_stream(a, b)
             # same draws; log-probs agree up to fp32 noise of the batch geometry
-            torch.testing.assert_close(a.rollout_logp, b.rollout_logp, atol=1e-4, rtol=1e-5)
+            err = (a.rollout_logp - b.rollout_logp).abs()
+            tol = logp_bounds(
+                model, a, params[a.sample_id], tiny_decoder_reductions(model.config, len(a))
+            )
+            assert bool((err <= tol).all()), (a.sample_id, float((err / tol).max()))
     # a different seed draws a different trajectory
     reseeded = RolloutRequest(requests[1].prompt, requests[1].seed + 1, text)
     assert not torch.equal(engine.generate([reseeded])[0].token_ids, full[1].token_ids)

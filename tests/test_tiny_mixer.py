@@ -3,6 +3,7 @@ padding invariance, cached decoding with row compaction, and the off switch."""
 
 import pytest
 import torch
+from tolerances import assert_within, reduction_bound, tiny_decoder_reductions
 
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits import make_task_samples
@@ -53,7 +54,11 @@ def test_mixer_equals_grouped_causal_conv1d():
     xm = (x * valid[..., None]).transpose(1, 2)  # [B, d, T]
     kernel = mixer.weight.detach().flip(0).T.unsqueeze(1)  # [d, 1, k]: tap k-1 is lag 0
     conv = torch.nn.functional.conv1d(torch.nn.functional.pad(xm, (k - 1, 0)), kernel, groups=d)
-    assert torch.allclose(y, x + conv.transpose(1, 2), atol=1e-6)
+    # k taps and the residual add, summed in another order by conv1d: two fp32 paths over
+    # k + 1 terms, at the scale of the terms
+    # (|x| + sum_j |w_j| |x|, Hoelder)
+    scale = float(x.abs().max() * (1 + mixer.weight.detach().abs().sum(0).max()))
+    assert_within((y - x - conv.transpose(1, 2)).abs(), reduction_bound(scale, k + 1), "conv")
 
 
 def test_left_padding_does_not_leak_into_the_row(setup):
@@ -73,7 +78,11 @@ def test_left_padding_does_not_leak_into_the_row(setup):
     with torch.no_grad():
         plain = model.hidden(plain_in)
         padded = model.hidden(padded_in)
-    assert (plain.hidden[0] - padded.hidden[0, pad:]).abs().max() <= 1e-5
+    # the padded row runs other attention shapes (n + pad keys): two fp32 paths through the
+    # decoder and its final norm, at the scale of the hidden states
+    n_red = tiny_decoder_reductions(model.config, n + pad, head=model.config.hidden_size)
+    tol = reduction_bound(float(plain.hidden.abs().max()), n_red)
+    assert_within((plain.hidden[0] - padded.hidden[0, pad:]).abs(), tol, "left padding")
 
 
 def test_cached_decoding_with_row_compaction_matches_full_forward(setup):
@@ -104,7 +113,10 @@ def test_cached_decoding_with_row_compaction_matches_full_forward(setup):
             hidden.append(step.hidden)
         inc = torch.cat(hidden, dim=1)
     valid = mask[keep]
-    assert (full[keep][valid] - inc[valid]).abs().max() <= 1e-5
+    # cached decoding vs the full forward: two fp32 paths through the decoder and its norm
+    n_red = tiny_decoder_reductions(model.config, mask.shape[1], head=model.config.hidden_size)
+    tol = reduction_bound(float(full.abs().max()), n_red)
+    assert_within((full[keep][valid] - inc[valid]).abs(), tol, "row compaction")
 
 
 def test_kernel_zero_turns_the_prior_off_and_the_prior_acts(setup):

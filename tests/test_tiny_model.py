@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from safetensors.torch import load_file
+from tolerances import assert_within, reduction_bound, tiny_decoder_reductions
 
 from uniweave.codecs import load_codec
 from uniweave.core.trajectory import TrajectoryBatch
@@ -112,8 +113,11 @@ def test_kv_cached_decoding_matches_full_forward(kind, tokenizer, codecs):
     text_inc = model.text_logits(incremental[mask])
     vis_full = model.visual_logits(full[mask])
     vis_inc = model.visual_logits(incremental[mask])
-    assert (text_full - text_inc).abs().max() <= 1e-5
-    assert (vis_full - vis_inc).abs().max() <= 1e-5
+    # cached decoding vs the full forward: two fp32 paths through the decoder and a head
+    n = tiny_decoder_reductions(model.config, batch.token_ids.shape[1])
+    for full_z, inc_z, what in ((text_full, text_inc, "text"), (vis_full, vis_inc, "visual")):
+        tol = reduction_bound(float(full_z.abs().max()), n)
+        assert_within((full_z - inc_z).abs(), tol, what)
 
 
 @pytest.mark.parametrize("kind", ["vq", "bsq"])
@@ -180,7 +184,10 @@ def test_visual_embedding_depends_on_the_image_position(kind, tokenizer, codecs)
             dim=1,
         )
         shifted = model.embed(replace(inputs, image_position=(where + 1) % 16))
-    assert torch.allclose(full, one_by_one, atol=1e-6)
+    # the per-position patch map (a reduction over the code's features) on one column or
+    # on all: two fp32 GEMM shapes, at the embeddings' scale
+    tol = reduction_bound(float(full.abs().max()), model.code_features.shape[-1] + 1)
+    assert_within((full - one_by_one).abs(), tol, "embedding")
     visual = batch.modality == 1
     assert visual.any() and (shifted[visual] - full[visual]).abs().amax(-1).min() > 1e-3
 
@@ -206,7 +213,9 @@ def test_tied_embeddings_share_one_matrix(tokenizer, codecs, tmp_path):
     for model in (tied, untied):
         forward_interleaved(model, batch).text_logits.logsumexp(-1).sum().backward()
     expected = untied.decoder.embed_tokens.weight.grad + untied.text_head.weight.grad
-    torch.testing.assert_close(E.grad, expected, rtol=1e-5, atol=1e-7)
+    # the same forward kernels on the same weights and shapes; autograd adds the two
+    # gradients of the shared matrix once (a + b == b + a in floating point): exact
+    assert torch.equal(E.grad, expected)
     tied.save_pretrained(tmp_path / "m")
     loaded = load_model(tmp_path / "m")
     assert loaded.text_head.weight is loaded.decoder.embed_tokens.weight
