@@ -44,4 +44,4 @@ recipes-check: $(STAMP)
 	$(BIN)/python tests/recipe_chains.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

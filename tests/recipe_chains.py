@@ -150,7 +150,10 @@ def copy_shipped(dest: Path) -> None:
         text=True,
     ).stdout.split()
     for rel in listed:
-        if (ROOT / rel).is_file():
+        if (ROOT / rel).is_symlink() and (ROOT / rel).is_dir():
+            # recipes/ and examples/<data>/ link into the package's assets: their files
+            shutil.copytree(ROOT / rel, dest / rel)
+        elif (ROOT / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dest / rel)
 
