@@ -19,16 +19,50 @@ LINE = re.compile(
 )
 
 
-def test_progress_line_has_reward_when_the_update_has_one():
-    metrics = {"loss": 0.5, "reward_mean": 0.25, "lr": 1e-4}
-    line = progress_line(3, 10, metrics, 2.0)
-    assert line == "update 3/10  loss 0.5000  reward 0.2500  lr 0.0001  2.00 s/update  ETA 0:00:14"
+def test_progress_line_shows_only_what_the_update_logged():
     assert "reward" not in progress_line(3, 10, {"loss": 0.5}, 2.0)
+    assert progress_line(3, 10, {"loss": 0.5, "lr": 1e-4}, 2.0) == (
+        "update 3/10  loss 0.5000  lr 0.0001  2.00 s/update  ETA 0:00:14"
+    )
 
 
 @pytest.fixture(scope="module")
 def cli():
     return ForkedCLI()
+
+
+def test_grpo_progress_lines_show_reward_kl_and_zero_variance_share(tmp_path, cli):
+    """A real GRPO run's plain lines carry the values its metrics.jsonl holds for that
+    update: the reward service's mean, the KL to the reference, the zero-variance share
+    (the line once looked for keys no method writes)."""
+    codec = fit_small_codec(tmp_path / "vq")
+    run = tmp_path / "run"
+    cfg = tiny_config(
+        run,
+        codec,
+        data={"tasks": ["i2t_mc"], "train_size": 4, "val_size": 0, "test_size": 0},
+        trainer={"total_updates": 2, "global_batch_size": 4, "micro_batch_size": 4},
+        algorithm={"name": "grpo", "group_size": 2, "kl": {"type": "k3", "coef": 0.01}},
+        reward={"plugins": [{"name": "mc_exact"}]},
+        rollout={"max_new_tokens": 4},
+        logging={"every": 1, "tensorboard": False},
+        health={"baseline_eval": False},
+    )
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    done = cli.run(["train", config], tmp_path, {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    by_update = {int(m["update"]): m for m in logged if "loss" in m}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("update ")]
+    assert len(lines) == 2
+    for line in lines:
+        m = by_update[int(line.split()[1].split("/")[0])]
+        for label, key, fmt in (
+            ("reward", "reward/total_mean", ".4f"),
+            ("kl", "policy/kl_ref_mean", ".3g"),
+            ("zero-var", "adv/frac_zero_std_groups", ".2f"),
+        ):
+            assert f"  {label} {m[key]:{fmt}}  " in line, (label, line)
 
 
 def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_path, cli):

@@ -231,7 +231,15 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-REWARD_KEYS = ("reward_mean", "reward/mean", "reward")
+# What a progress line shows beside the loss, when the update logged it: (label, metric
+# key, format). The keys are the ones runs write: the reward service's mean reward
+# (GRPO; OPD's verification), GRPO's KL to the reference and its share of groups whose
+# rewards are all equal (no learning signal).
+PROGRESS_FIELDS = (
+    ("reward", "reward/total_mean", ".4f"),
+    ("kl", "policy/kl_ref_mean", ".3g"),
+    ("zero-var", "adv/frac_zero_std_groups", ".2f"),
+)
 
 
 def interactive() -> bool:
@@ -249,12 +257,12 @@ def _duration(seconds: float) -> str:
 def progress_line(
     update: int, total: int, metrics: dict[str, Any], seconds_per_update: float
 ) -> str:
-    """One plain log line: update/total, loss, the mean reward (when the update has one),
-    lr, s/update and the ETA at that pace."""
+    """One plain log line: update/total, loss, the `PROGRESS_FIELDS` the update logged
+    (reward, KL, zero-variance share), lr, s/update and the ETA at that pace."""
     parts = [f"update {update}/{total}", f"loss {metrics['loss']:.4f}"]
-    reward = next((metrics[k] for k in REWARD_KEYS if k in metrics), None)
-    if isinstance(reward, (int, float)):
-        parts.append(f"reward {reward:.4f}")
+    for label, key, fmt in PROGRESS_FIELDS:
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{label} {metrics[key]:{fmt}}")
     if isinstance(metrics.get("lr"), (int, float)):
         parts.append(f"lr {metrics['lr']:.3g}")
     parts.append(f"{seconds_per_update:.2f} s/update")
