@@ -335,3 +335,30 @@ def test_uniweave_eval_refuses_a_row_without_answer_before_writing(tmp_path):
     assert done.returncode != 0 and not out.exists()
     last = done.stderr.strip().splitlines()[-1]
     assert f"{data}:4: answer: missing; reward.plugins.0 (text_exact)" in last
+
+
+def test_the_no_val_rows_warning_suggests_overrides_the_config_accepts():
+    """A recipe that validates (val_size, eval_every, the best checkpoint on a val metric)
+    on a dataset without val rows (colour_squares: train and test only) is told to set
+    `silencing_overrides`; with exactly those the config loads and evaluates no val split.
+    (`data.val_size=0` alone, the old suggestion, is refused: eval_every evaluates nothing.)"""
+    from uniweave.config import ConfigError, load_config
+    from uniweave.train.run import silencing_overrides
+
+    recipe = "examples/own_data_tiny"
+    extra = [
+        "data.val_size=12",
+        "trainer.eval_every=10",
+        "checkpoint.keep_best=val/loss",
+        "checkpoint.keep_best_mode=max",
+    ]
+    cfg = load_config(recipe, extra)
+    fix = silencing_overrides(cfg, "val")
+    assert fix[0] == "data.val_size=0" and len(fix) == 4
+    with pytest.raises(ConfigError, match="trainer.eval_every"):
+        load_config(recipe, [*extra, "data.val_size=0"])
+    fixed = load_config(recipe, [*extra, *fix])
+    assert fixed.data.val_size == 0 and fixed.trainer.eval_every == 0
+    assert fixed.checkpoint.keep_best is None
+    assert silencing_overrides(cfg, "test") == ["data.test_size=0"]
+    load_config(recipe, ["data.test_size=0"])  # nothing else depends on the test split

@@ -246,14 +246,31 @@ def _rows_of(cfg: UniweaveConfig, split: str, size: int) -> bool:
         return True
     logger.warning(
         "no %s rows (neither data.%s_path nor data.path rows with split: %s): no %s "
-        "evaluation (set data.%s_size=0 to silence this)",
+        "evaluation (set %s to silence this)",
         split,
         split,
         split,
         "validation" if split == "val" else "test",
-        split,
+        " ".join(silencing_overrides(cfg, split)),
     )
     return False
+
+
+def silencing_overrides(cfg: UniweaveConfig, split: str) -> list[str]:
+    """The overrides that turn off evaluating `split` and everything the config refuses
+    without it: validation cadences (`trainer.eval_every`, `eval_every_epochs`) and the
+    best checkpoint, which is measured on validation (its mode with it)."""
+    out = [f"data.{split}_size=0"]
+    if split == "val":
+        if cfg.trainer.eval_every > 0:
+            out.append("trainer.eval_every=0")
+        if cfg.trainer.eval_every_epochs > 0:
+            out.append("trainer.eval_every_epochs=0")
+        if cfg.checkpoint.keep_best is not None:
+            out.append("checkpoint.keep_best=null")
+            if cfg.checkpoint.keep_best_mode != "min":
+                out.append("checkpoint.keep_best_mode=min")
+    return out
 
 
 def evaluate_split(
