@@ -367,3 +367,28 @@ def test_config_yaml_records_absolute_paths_beside_the_given_ones(tmp_path, monk
 
     record.write_text(to_yaml(cfg) + text)
     assert config_hash(load_config(record)) == config_hash(cfg)
+
+
+CLOSED_PIPE = """
+import os, sys
+from uniweave import cli
+read_end, write_end = os.pipe()
+os.close(read_end)  # no reader left: every write to the pipe fails with EPIPE
+os.dup2(write_end, 1)
+sys.stdout = os.fdopen(1, "w")
+code = cli.main(["config", "describe"])
+print("exit", code, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`uniweave config describe | head -1` once the reader has gone: the command ends as
+    a SIGPIPE'd process would (141), with no traceback and no error line. The child's
+    stdout is a pipe whose read end is already closed, so the failure does not depend on
+    how much a reader took before leaving."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CLOSED_PIPE], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == "exit 141\n"

@@ -734,13 +734,18 @@ def main(argv: Sequence[str] | None = None, commands: Sequence[Command] | None =
         return exc.code if isinstance(exc.code, int) else 2
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
     except (ConfigError, DatasetError) as exc:
         error = exc if isinstance(exc, ConfigError) else InputError(str(exc), exc.key)
         _locate(args, error)
         return _fail(args, str(error), 2)
     except KeyboardInterrupt as exc:  # a command may say what it saved
         return _fail(args, f"interrupted; {exc}" if str(exc) else "interrupted", 130)
+    except BrokenPipeError:  # `uniweave inspect ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 128 + 13  # as a process ended by SIGPIPE, without a traceback
     except Exception as exc:  # one line for people; --debug for the traceback
         return _fail(args, f"{type(exc).__name__}: {exc}", 1)
 
@@ -764,6 +769,16 @@ def _locate(args: argparse.Namespace, exc: ConfigError) -> None:
             exc.source = key_source(args.config, getattr(args, "overrides", []), exc.key)
         except ConfigError:
             return
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what is still
+    buffered for a closed pipe does not raise again at exit."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
