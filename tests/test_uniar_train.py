@@ -139,7 +139,8 @@ def test_readme_custom_loss_on_forward_interleaved_runs():
     (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     scope: dict = {}
     exec(compile(code, str(RECIPES / "README.md"), "exec"), scope)
-    assert 'vision["image_grid_thw"], batch.visual_codes' in code  # the issue's signature
+    # the issue's signature (the block is formatted by `ruff format`, which may wrap it)
+    assert re.search(r'vision\["image_grid_thw"\],\s*batch\.visual_codes', code)
     out, batch = scope["out"], scope["batch"]
     assert torch.equal(out.visual_mask, batch.modality == 1) and int(out.visual_mask.sum()) == 16
     assert out.position_ids.shape == (3, *batch.token_ids.shape)
