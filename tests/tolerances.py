@@ -138,7 +138,10 @@ def elementwise_bound(magnitude, ops: int, paths: int = 2, dtype: torch.dtype = 
     """Worst case of a chain of `ops` elementwise roundings (rescale, subtract a mean,
     divide by a std) per path, each at most u relative to a value of scale `magnitude`:
     paths * ops * u * max(1, |magnitude|) (paths=1 against an exact float64 reference).
-    Short chains are cheap to bound deterministically (Higham, gamma_n)."""
+    Short chains are cheap to bound deterministically (Higham, gamma_n). A tensor
+    `magnitude` gives the bound per element (each at its own scale, floored at 1)."""
+    if isinstance(magnitude, torch.Tensor):
+        return paths * ops * _unit(dtype) * magnitude.detach().abs().double().clamp(min=1.0)
     return paths * ops * _unit(dtype) * max(1.0, abs(float(magnitude)))
 
 
