@@ -12,7 +12,7 @@ the log-probs agree to atol 1e-4 (tests/test_rollout.py now bounds the same chan
 batch geometry per position with tests/tolerances.py; this module keeps its own estimate,
 issue 45): a log-prob is z - logsumexp(z) of logits |z| < ~20 from reductions
 of length <= 128, each accurate to a few float32 ulps of its terms (~1e-6 relative),
-so ~1e-5 absolute, with a 10x margin (observed here: <= 4e-5).
+so ~1e-5 absolute, with a 10x margin (observed here: up to 4e-5).
 
 Cases: mixed text and guided image requests (VQ and BSQ; sampling with temperature,
 top-k and top-p) in 2, 3 and 5 slots, where a guided pair must wait for two free slots,

@@ -143,10 +143,11 @@ def test_a_resume_may_change_the_micro_batch_split(tmp_path, codec_dir):
     resumed = _trainer(config("cut", 2), tmp_path / "cut", copy.deepcopy(model))
     assert [u for u, _ in resumed.fit()] == [3, 4]
     for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
-        # bound: not derived (issue 45 follow-up): the gradients of updates 3-4 differ by
-        # two fp32 paths' rounding (the test above), but Adam's step moves by up to
-        # lr / eps x a gradient change where |g| ~ eps, a vacuous worst case; 1e-5 is the
-        # pre-issue-45 bound, kept (tests/test_reshard.py derives one from Adam's state)
+        # not derived (issue 45 follow-up): the gradients of updates 3-4 differ by two fp32
+        # paths' rounding (the test above), but Adam's step moves by up to lr / eps x a
+        # gradient change where |g| ~ eps, a vacuous worst case; tests/test_reshard.py
+        # derives a bound from Adam's state
+        # bound: NOT DERIVED, the pre-issue-45 1e-5 kept (see above)
         assert (a - b).abs().max() <= 1e-5, name
     moved = reference.model.text_head.weight - model.text_head.weight
     assert moved.abs().max() > 1e-3
