@@ -86,7 +86,7 @@ def loss_bound(objective: OPDObjective, model, micro: TrajectoryBatch, loss: flo
     for net in (model, objective.teacher):
         with torch.no_grad():
             out = forward_interleaved(net, micro)
-        logits = (out.text_logits, out.visual_logits)
+        logits = [z for z in (out.text_logits, out.visual_logits) if z is not None and z.numel()]
         scale = max(2 * magnitude(z) + math.log(max(z.shape[-1], 2)) for z in logits)
         n = tiny_decoder_reductions(net.config, micro.token_ids.shape[1])
         total += logprob_bound(scale, n)
