@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tolerances import assert_within, sum_bound, tiny_decoder_reductions
+from tolerances import U_FP32, assert_within, elementwise_bound, sum_bound, tiny_decoder_reductions
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
@@ -256,7 +256,7 @@ def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_
     # one float32 path against float64 (tests/tolerances.py sum_bound): the forward's
     # reductions plus the mean over the update's tokens; the key length is at most the
     # tokens of the batch (an overestimate, inside the square root)
-    tokens = int(losses["fp32"]["tokens"])
+    tokens = round(losses["fp32"]["tokens_per_s"] * losses["fp32"]["step_seconds"])
     n = tiny_decoder_reductions(validate_config(cfg).model.tiny, tokens) + tokens
     err = abs(losses["fp64"]["loss"] - losses["fp32"]["loss"])
     assert_within(err, sum_bound(losses["fp64"]["loss"], n), "fp32 vs fp64 loss")
@@ -377,9 +377,14 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
     with one_process_fsdp2(monkeypatch) as info:
         sharded_unset, sharded = step("fsdp2", info)
     assert sharded_unset == unset
-    # one process: the same kernels on the same shapes in the same order, the same bits
+    # one process: the same gradients (test_fsdp2_reduce_scatters_once_per_update: bitwise),
+    # but AdamW runs on the sharded DTensors, its step rounded in another op order: per run
+    # the decay and the update round theta twice, and the first step (|m/sqrt(v)| <= 1, so
+    # at most lr) carries ~10 roundings (moments, sqrt, bias corrections, the division)
+    lr = 1e-2
     for name, value in reference.items():
-        assert torch.equal(value, sharded[name]), name
+        tol = elementwise_bound(value, 2) + 2 * 10 * U_FP32 * lr
+        assert_within((value - sharded[name]).abs(), tol, name)
 
 
 def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(
