@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from sklearn.cluster import KMeans
+from tolerances import assert_within, reduction_bound, sum_bound
 
 from uniweave.codecs import BSQCodec, VQCodec, build_codec, load_codec
 from uniweave.codecs.base import to_patches
@@ -62,7 +63,11 @@ def test_vq_encode_is_the_nearest_codeword(vq, test_images):
             patch = images[:, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2].reshape(50, 4)
             dist = ((patch[:, None, :] - book[None]) ** 2).sum(-1)
             chosen = dist[np.arange(50), codes[:, i, j]]
-            np.testing.assert_allclose(chosen, dist.min(1), atol=1e-6)
+            # encode picks by float32 |x|^2 - 2 x.c + |c|^2 (three 4-term sums, 2 adds) at
+            # the scale |x|^2 + |c|^2: its pick is within twice one path's error of the min
+            scale = float((patch**2).sum(1).max() + (book**2).sum(1).max())
+            tol = 2 * sum_bound(scale, 3 * patch.shape[1] + 2)
+            assert_within(np.abs(chosen - dist.min(1)), tol, "nearest codeword")
     decoded = vq.decode(torch.from_numpy(codes)).numpy()
     np.testing.assert_array_equal(
         decoded[:, :2, :2].reshape(50, 4), book[codes[:, 0, 0]].astype(np.float32)
@@ -102,7 +107,10 @@ def test_bsq_bits_and_unit_vectors(bsq, test_images):
     assert bits.dtype == torch.float32 and bits.shape == (len(test_images), 4, 4, L)
     assert bool(((bits == 0) | (bits == 1)).all())
     vectors = bsq.bits_to_vectors(bits)
-    assert torch.allclose(vectors.norm(dim=-1), torch.ones(bits.shape[:-1]), atol=1e-6)
+    # one float32 norm of L entries +-1/sqrt(L) (each rounded once): L squares and
+    # additions and a sqrt against the exact 1 (sum_bound)
+    err = (vectors.norm(dim=-1) - 1).abs()
+    assert_within(err, sum_bound(1.0, 2 * L + 2), "unit vectors")
     assert torch.equal(vectors.abs(), torch.full_like(vectors, 1 / math.sqrt(L)))
     assert torch.equal(vectors > 0, bits.bool())
     with torch.no_grad():
@@ -116,6 +124,7 @@ def test_bsq_bits_and_unit_vectors(bsq, test_images):
 def test_straight_through_forward_value_and_identity_gradient():
     u = torch.nn.functional.normalize(torch.randn(5, 8, 2, 2), dim=1).requires_grad_(True)
     c_hat = quantize(u)
+    # bound: u + sg(c - u) rounds twice, at |c - u| <= 2/sqrt(8) and |c| = 1/sqrt(8), and c itself once: 4 x 2^-24 / sqrt(8) ~ 8.4e-8 < 1e-7
     assert torch.allclose(c_hat, torch.sign(u.detach()) / math.sqrt(8), atol=1e-7)
     weights = torch.randn_like(c_hat)
     (c_hat * weights).sum().backward()
@@ -149,7 +158,12 @@ def test_bsq_entropy_terms_match_softmax_and_bernoulli_forms():
     # softmax over the group's 2^g sub-codes, enumerated explicitly
     logits = torch.stack([2 * tau * u[:, j * g : (j + 1) * g] @ codebook.T for j in range(2)], 1)
     q = torch.distributions.Categorical(logits=logits)
-    assert torch.allclose(h_sample, q.entropy().sum(-1).mean(), atol=1e-5)
+    # two float32 paths to a group's 2^g-way entropy: the g-term logits, a 2^g-term
+    # logsumexp and entropy sum, the sum over groups and the mean over rows, at the
+    # entropies' scale (<= L log 2 per row)
+    n_h = g + 3 * 2**g + L // g + u.shape[0]
+    want = q.entropy().sum(-1).mean()
+    assert_within((h_sample - want).abs(), reduction_bound(L * math.log(2), n_h), "h_sample")
     # the same distribution as a product of per-bit Bernoulli(sigmoid(4 tau u / sqrt(L)))
     p1 = torch.sigmoid(4 * tau * u / math.sqrt(L))
     expected = 0.0
@@ -157,9 +171,15 @@ def test_bsq_entropy_terms_match_softmax_and_bernoulli_forms():
         pj = p1[:, j * g : (j + 1) * g]
         subs = [(s >> torch.arange(g - 1, -1, -1)) & 1 for s in range(2**g)]
         prod = torch.stack([torch.where(b.bool(), pj, 1 - pj).prod(-1) for b in subs], dim=-1)
-        assert torch.allclose(prod, q.probs[:, j], atol=1e-6)
+        # a probability two ways: g sigmoids and g - 1 products vs a 2^g-way softmax of
+        # g-term logits; its error is p x its log's, relative to |log p|: p |log p| <= 1/e,
+        # so scale 1
+        n_p = 2 * g + 3 + g + 2 * 2**g
+        assert_within((prod - q.probs[:, j]).abs(), reduction_bound(1.0, n_p), "sub-code p")
         expected += torch.distributions.Categorical(probs=prod.mean(0)).entropy()
-    assert torch.allclose(h_codebook, expected, atol=1e-5)
+    # each group: the mean of the rows' probabilities, a 2^g-term entropy; two groups
+    tol = reduction_bound(L * math.log(2), n_h + 2 * 2**g)
+    assert_within((h_codebook - expected).abs(), tol, "h_codebook")
 
 
 def test_grouping_round_trip(bsq, test_images):
@@ -175,7 +195,9 @@ def test_grouping_round_trip(bsq, test_images):
     assert torch.equal(grouped[:, 0, 0], top_left)
     assert torch.equal(grouped_codec.decode(grouped), bsq.decode(bits))
     vectors = grouped_codec.bits_to_vectors(grouped)
-    assert torch.allclose(vectors.norm(dim=-1), torch.full((20, 2, 2), 2.0), atol=1e-6)
+    # 4 unit cells: 4L squares and additions and a sqrt against the exact 2 (sum_bound)
+    err = (vectors.norm(dim=-1) - 2.0).abs()
+    assert_within(err, sum_bound(2.0, 2 * vectors.shape[-1] + 2), "grouped unit vectors")
 
 
 def test_bsq_fit_is_deterministic_for_a_seed(train):

@@ -80,6 +80,9 @@ def test_topk_topp_match_reference_and_torch_on_processed(shape, k, p):
     a = _logits(shape, 2)
     d = TextCategorical(a, temperature=0.8, top_k=k, top_p=p)
     ref = _np_process(a.numpy(), 0.8, k, p)
+    # float64 vs numpy: scaling, sort / mask, an 11-term logsumexp, a subtraction: ~20
+    # roundings of log-probs <= ~15 in magnitude
+    # bound: 20 x 2^-53 x 15 ~ 3e-14 worst case, under atol 1e-12 (rtol 1e-10 at -inf)
     np.testing.assert_allclose(d.log_probs.numpy(), ref, rtol=1e-10, atol=1e-12)
     assert (torch.isfinite(d.log_probs).sum(-1) >= 1).all()
     # entropy / kl on the processed distribution equal torch's on the same logits
@@ -165,6 +168,9 @@ def test_jsd_matches_definition(shape, beta):
     s = TextCategorical(_logits(shape, 7), temperature=1.3)
     t = TextCategorical(_logits(shape, 8), temperature=1.3)
     ref = _np_jsd(s.probs.numpy(), t.probs.numpy(), beta)
+    # float64 vs numpy: the mixture, logs and an 11-term sum per side: ~40 roundings of
+    # terms <= 1 (p log p <= 1/e)
+    # bound: 40 x 2^-53 ~ 4e-15 worst case, under atol 1e-12
     np.testing.assert_allclose(s.jsd(t, beta).numpy(), ref, rtol=1e-9, atol=1e-12)
     if beta == 0.5:
         torch.testing.assert_close(s.jsd(t), t.jsd(s))
@@ -180,6 +186,7 @@ def test_masked_entries_give_finite_values_and_gradients():
         s = TextCategorical(a, top_k=3)
         j = s.jsd(t, beta)
         ref = _np_jsd(s.probs.detach().numpy(), t.probs.numpy(), beta)
+        # bound: float64, the JSD of 9 classes as above: ~35 x 2^-53 ~ 4e-15, under 1e-12
         np.testing.assert_allclose(j.detach().numpy(), ref, rtol=1e-9, atol=1e-12)
         (g,) = torch.autograd.grad(j.sum() + s.entropy().sum(), a)
         assert torch.isfinite(j).all() and torch.isfinite(g).all()
@@ -243,7 +250,10 @@ def test_bits_jsd_is_mean_of_factor_jsd(beta):
     s, t = VisualBits(a, temperature=0.9), VisualBits(b, temperature=0.9)
     ps, pt = torch.sigmoid(a / 0.9).numpy(), torch.sigmoid(b / 0.9).numpy()
     per = _np_jsd(np.stack([ps, 1 - ps], -1), np.stack([pt, 1 - pt], -1), beta)
+    # float64, a 2-class JSD per factor (~15 roundings of terms <= 1), then the mean of 7
+    # bound: 15 x 2^-53 ~ 2e-15 per factor, +7 for the mean: under atol 1e-12
     np.testing.assert_allclose(s.jsd_factors(t, beta).numpy(), per, rtol=1e-9, atol=1e-12)
+    # bound: as the line above, plus the mean's 7 roundings
     np.testing.assert_allclose(s.jsd(t, beta).numpy(), per.mean(-1), rtol=1e-9, atol=1e-12)
 
 

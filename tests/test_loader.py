@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from tolerances import elementwise_bound
 
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from uniweave.data.digits import TASKS, make_task_samples
@@ -17,6 +18,8 @@ from uniweave.data.export import export_samples, export_task, main
 from uniweave.data.loader import DatasetError, load_dataset
 
 LEVELS = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+PIXEL = elementwise_bound(1.0, 1, paths=1)
+"""float32 k / 255 against float64: one rounding of a value <= 1 (2^-24)."""
 
 
 def write_png(path: Path, array: np.ndarray, mode: str | None = None) -> None:
@@ -74,9 +77,10 @@ def test_load_jsonl_rows(tmp_path):
     ]
     pixels = first.parts[1].pixels
     assert pixels.dtype == np.float32 and pixels.shape == (8, 8)
-    np.testing.assert_allclose(pixels, LEVELS / 255.0, atol=1e-7)
+    # float32 k / 255 is the correctly rounded quotient: one rounding of a value <= 1
+    np.testing.assert_allclose(pixels, LEVELS / 255.0, atol=PIXEL)
     assert second.id == "d-3" and second.answer is None and second.meta == {}
-    np.testing.assert_allclose(second.parts[0].pixels, LEVELS / 255.0, atol=1e-7)
+    np.testing.assert_allclose(second.parts[0].pixels, LEVELS / 255.0, atol=PIXEL)
 
 
 def test_load_parquet_with_mixed_items(tmp_path):
@@ -104,7 +108,7 @@ def test_load_parquet_with_mixed_items(tmp_path):
     first, second = load_dataset(path, image_size=(8, 8))
     assert [type(p) for p in first.parts] == [ImagePart, TextPart, TextPart]
     assert first.parts[1].text == "Which digit?" and first.task is None
-    np.testing.assert_allclose(first.parts[0].pixels, LEVELS / 255.0, atol=1e-7)
+    np.testing.assert_allclose(first.parts[0].pixels, LEVELS / 255.0, atol=PIXEL)
     assert second.parts == [TextPart("again", "user")] and second.task == "x"
     assert second.answer is None
 

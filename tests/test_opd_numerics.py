@@ -62,11 +62,13 @@ def test_generalized_jsd_value_and_gradient(beta, tau):
     zs.requires_grad_(True)
     ours = generalized_jsd(tempered_logp(zs, tau), tempered_logp(zt, tau), beta)
     ref = np_gjsd(zs.detach().numpy(), zt.numpy(), beta, tau)
+    # bound: float64 vs numpy, one formula over 50 classes: ~110 roundings (two 50-term sums, logs, exps) of values <= ~10: 110 x 2^-53 x 10 ~ 1e-13 worst case, under atol 1e-12
     np.testing.assert_allclose(ours.detach().numpy(), ref, rtol=1e-10, atol=1e-12)
     w = torch.rand(37, generator=g, dtype=torch.float64)
     (grad,) = torch.autograd.grad((ours * w).sum(), zs)
     zs2 = zs.detach().clone().requires_grad_(True)
     (expected,) = torch.autograd.grad((torch_gjsd(zs2, zt, beta, tau) * w).sum(), zs2)
+    # bound: float64, two autograd formulas of one gradient: ~110 roundings each at entries <= ~1: 2 x 110 x 2^-53 ~ 2.4e-14, far under atol 1e-10 (a wrong term moves it by ~1e-2)
     torch.testing.assert_close(grad, expected, rtol=1e-8, atol=1e-10)
 
 
@@ -112,6 +114,7 @@ def test_top_k_union_equals_full_when_it_covers_the_vocabulary():
     a, b = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
     union = categorical_divergence(a, b, 0.5, top_k=6, retained_mass_min=0.0)
     exact = generalized_jsd(a, b, 0.5)
+    # bound: float64, the union path groups the 12 classes' ~40 roundings otherwise, values <= log 2: 40 x 2^-53 ~ 4e-15, under atol 1e-12
     torch.testing.assert_close(union.jsd, exact, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(union.retained, torch.ones(10, dtype=torch.float64))
     assert union.fallback.sum() == 0
@@ -228,12 +231,15 @@ def test_text_clip_value_and_gradient_equal_numpy():
             for m in (False, True):
                 tv[m] += sum(xs[b, t] for t in ts if vs[b, t] == m) / len(ts) / n_ev
         s = min(1.0, c / tv[False]) if tv[False] > 0 else 1.0
+        # bound: float64 sums of a row's <= 12 values in [0, 1] in another order, divided: <= 14 roundings: 14 x 2^-53 ~ 1.6e-15 relative, rel 1e-12; abs 1e-15 floors exact zeros
         assert t_part[b].item() == pytest.approx(tv[False], rel=1e-12, abs=1e-15)
         assert scale[b].item() == pytest.approx(s, rel=1e-12)
+        # bound: as t_part's, plus one addition
         assert rows[b].item() == pytest.approx(tv[True] + min(tv[False], c), rel=1e-12, abs=1e-15)
         for e in range(n_ev):
             ts = np.flatnonzero(ix[b] == e)
             for t in ts:
                 want_grad[b, t] = r[b].item() * (1.0 if vs[b, t] else s) / (len(ts) * n_ev)
     assert (scale < 1).any() and (scale[1:] == 1).any()  # both cases occur
+    # bound: float64, r x (1 or s) / (|e| n): <= 4 roundings per entry, 4 x 2^-53 ~ 4e-16 relative under rtol 1e-12; atol floors exact zeros
     np.testing.assert_allclose(xg.grad.numpy(), want_grad, rtol=1e-12, atol=1e-15)

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from tolerances import elementwise_bound, sum_bound
 
 from uniweave.config import ConfigError, load_config
 from uniweave.config.schema import DataConfig
@@ -78,18 +79,25 @@ def test_colour_is_kept_and_processors_convert_explicitly(tmp_path):
     Image.fromarray(RED).save(tmp_path / "red.png")
     rgb = read_rgb(tmp_path / "red.png")
     assert rgb.shape == (8, 8, 3)
-    np.testing.assert_allclose(rgb, RED / 255.0, atol=1e-7)
+    # float32 k / 255, the correctly rounded quotient: one rounding of a value <= 1
+    pixel = elementwise_bound(1.0, 1, paths=1)
+    np.testing.assert_allclose(rgb, RED / 255.0, atol=pixel)
     rows = load_rows(write_rows(tmp_path / "d.jsonl", [qa(0, image="red.png")]))
-    np.testing.assert_allclose(rows.samples[0].parts[0].pixels, RED / 255.0, atol=1e-7)
+    np.testing.assert_allclose(rows.samples[0].parts[0].pixels, RED / 255.0, atol=pixel)
     grey = GreyscaleProcessor((8, 8))
     out = grey(rgb, "red.png")
     expected = (RED.astype(np.float64) / 255.0) @ np.array([0.299, 0.587, 0.114])
-    np.testing.assert_allclose(out, expected, atol=1e-6)
+    # float32 luma against float64: the pixels' rounding, 3 products and 2 additions
+    np.testing.assert_allclose(out, expected, atol=elementwise_bound(1.0, 6, paths=1))
     assert (grey.n_images, grey.n_colour) == (1, 1)
     with pytest.raises(ValueError, match=r"'red.png' is 8x8; the model takes 16x16 .*resize"):
         RGBProcessor((16, 16))(rgb, "red.png")
     big = RGBProcessor((16, 16), resize="resize")(rgb, "red.png")
-    assert big.shape == (16, 16, 3) and abs(big[..., 0].mean() - 200 / 255) < 1e-3
+    # a constant channel under float32 bicubic resampling: two passes of weights summing
+    # to 1, <= 8 roundings of a value <= 1 (as tests/test_image_modes.py), then numpy's
+    # float32 mean of 256 values (sum_bound)
+    tol = elementwise_bound(1.0, 8, paths=1) + sum_bound(1.0, big[..., 0].size)
+    assert big.shape == (16, 16, 3) and abs(big[..., 0].mean() - 200 / 255) <= tol
 
 
 def test_wrong_size_under_error_names_file_line(tmp_path):
@@ -267,7 +275,8 @@ def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
     png = np.asarray(Image.open(data.parent / "img" / "2.png").convert("RGB"), np.float64) / 255
     luma = png @ np.array([0.299, 0.587, 0.114])
     image = next(p for p in pools["colour_qa"][1].parts if isinstance(p, ImagePart))
-    np.testing.assert_allclose(image.pixels, luma, atol=1e-6)  # the tiny model's grey view
+    # the tiny model's grey view: float32 luma against float64 (6 roundings of values <= 1)
+    np.testing.assert_allclose(image.pixels, luma, atol=elementwise_bound(1.0, 6, paths=1))
 
 
 def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):

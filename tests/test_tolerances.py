@@ -4,9 +4,8 @@ the numeric tests pass under another ATen CPU kernel set than the default one.
 - A bare absolute bound is a literal after `atol=`, `abs=` or an upper comparison `<=`/`<`
   written in exponent form (`<= 1e-5`). It passes when tests/tolerances.py computes it
   instead, or when the same or the previous line carries a `# bound:` comment that says
-  where it comes from (float64 formula checks: the roundings in series; exact-by-design
-  float paths: why). Files that still hold bare bounds are listed in `PENDING` with their
-  count, which may only go down.
+  where it comes from (float64 formula checks: the roundings in series; bounds that are
+  not about rounding: what they are). No test file holds a bare bound.
 - ATen picks its vectorised kernels (AVX-512, AVX2, or the scalar `default` set) at
   start-up from the CPU and `ATEN_CPU_CAPABILITY`; other vector widths sum in other
   orders, so fp32 results differ in the last bits. `ISA_NODES`, the fp32 model-output
@@ -36,45 +35,6 @@ BARE = re.compile(
 )
 MARK = "# bound:"
 
-PENDING: dict[str, int] = {
-    "test_campaigns.py": 1,
-    "test_clip_score.py": 3,
-    "test_codecs.py": 7,
-    "test_continuous_batching.py": 1,
-    "test_demo_report.py": 2,
-    "test_digit_classifier.py": 2,
-    "test_digits_tasks.py": 5,
-    "test_distributions.py": 5,
-    "test_diversity.py": 8,
-    "test_evaluate_masked.py": 2,
-    "test_grpo_loop.py": 9,
-    "test_grpo_numerics.py": 6,
-    "test_horizons.py": 1,
-    "test_ig_full_view.py": 1,
-    "test_ig_validation_report.py": 4,
-    "test_information_gain.py": 7,
-    "test_janus_grpo_reference.py": 2,
-    "test_knobs.py": 2,
-    "test_loader.py": 3,
-    "test_mismatch.py": 9,
-    "test_necessity.py": 7,
-    "test_opd_loop.py": 10,
-    "test_opd_numerics.py": 6,
-    "test_own_data.py": 5,
-    "test_packing.py": 4,
-    "test_parallel.py": 4,
-    "test_plain_logs.py": 1,
-    "test_plan.py": 1,
-    "test_prefix_sharing.py": 5,
-    "test_queues.py": 1,
-    "test_reshard.py": 1,
-    "test_run_report.py": 2,
-    "test_self_describing.py": 5,
-    "test_soft_bsq.py": 5,
-    "test_trainer.py": 2,
-}
-"""Files with bare bounds not yet derived, and how many (may only go down)."""
-
 
 def bare_bounds(path: Path) -> list[tuple[int, str]]:
     """(line number, line) of each bare absolute bound in `path` (module doc)."""
@@ -93,22 +53,14 @@ def bare_bounds(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_bare_absolute_bound_without_its_derivation():
-    counts, listing = {}, []
+    listing = []
     for path in sorted(TESTS.glob("*.py")):
         if path.name in ("tolerances.py", "test_tolerances.py"):
             continue
-        hits = bare_bounds(path)
-        if hits:
-            counts[path.name] = len(hits)
-        if hits and path.name not in PENDING:
-            listing += [f"{path.name}:{n}: {line}" for n, line in hits]
+        listing += [f"{path.name}:{n}: {line}" for n, line in bare_bounds(path)]
     assert not listing, "bare absolute bounds (use tests/tolerances.py or a '# bound:' line):\n" + (
         "\n".join(listing)
     )
-    grown = {k: (v, PENDING[k]) for k, v in counts.items() if k in PENDING and v > PENDING[k]}
-    assert not grown, f"more bare bounds than PENDING allows: {grown}"
-    stale = sorted(set(PENDING) - set(counts))
-    assert not stale, f"PENDING lists files without bare bounds: {stale}"
 
 
 def test_the_scanner_finds_what_it_should():

@@ -14,6 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tolerances import (
+    assert_within,
+    gradient_reductions,
+    magnitude,
+    reduction_bound,
+    tiny_decoder_reductions,
+)
 from trainer_helpers import (
     assert_same_state,
     checkpoint_tensors,
@@ -102,9 +109,17 @@ def test_gradient_is_invariant_to_the_micro_batch_split(tmp_path, codec_dir):
         trainer.update = 3
         trainer.accumulate()
         grads[micro] = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    # float32, the update's gradient summed over micro-batches of 8, 4 or 2 rows: two fp32
+    # paths to a gradient (tests/tolerances.py) over the global batch
+    whole = TrajectoryBatch.collate(trainer.source.global_batch(3), trainer.pad_id)
+    n = gradient_reductions(
+        tiny_decoder_reductions(model.config, whole.token_ids.shape[1]),
+        int(whole.attention_mask.sum()),
+    )
     for micro in (4, 2):
         for name, g in grads[8].items():
-            assert (g - grads[micro][name]).abs().max() <= 1e-6, (micro, name)
+            tol = reduction_bound(magnitude(g), n)
+            assert_within((g - grads[micro][name]).abs(), tol, f"{micro} {name}")
     assert any(g.abs().sum() > 0 for g in grads[8].values())
 
 
@@ -128,6 +143,11 @@ def test_a_resume_may_change_the_micro_batch_split(tmp_path, codec_dir):
     resumed = _trainer(config("cut", 2), tmp_path / "cut", copy.deepcopy(model))
     assert [u for u, _ in resumed.fit()] == [3, 4]
     for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        # not derived (issue 45 follow-up): the gradients of updates 3-4 differ by two fp32
+        # paths' rounding (the test above), but Adam's step moves by up to lr / eps x a
+        # gradient change where |g| ~ eps, a vacuous worst case; tests/test_reshard.py
+        # derives a bound from Adam's state
+        # bound: NOT DERIVED, the pre-issue-45 1e-5 kept (see above)
         assert (a - b).abs().max() <= 1e-5, name
     moved = reference.model.text_head.weight - model.text_head.weight
     assert moved.abs().max() > 1e-3

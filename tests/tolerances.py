@@ -138,7 +138,10 @@ def elementwise_bound(magnitude, ops: int, paths: int = 2, dtype: torch.dtype = 
     """Worst case of a chain of `ops` elementwise roundings (rescale, subtract a mean,
     divide by a std) per path, each at most u relative to a value of scale `magnitude`:
     paths * ops * u * max(1, |magnitude|) (paths=1 against an exact float64 reference).
-    Short chains are cheap to bound deterministically (Higham, gamma_n)."""
+    Short chains are cheap to bound deterministically (Higham, gamma_n). A tensor
+    `magnitude` gives the bound per element (each at its own scale, floored at 1)."""
+    if isinstance(magnitude, torch.Tensor):
+        return paths * ops * _unit(dtype) * magnitude.detach().abs().double().clamp(min=1.0)
     return paths * ops * _unit(dtype) * max(1.0, abs(float(magnitude)))
 
 
@@ -175,6 +178,63 @@ def tiny_decoder_reductions(config, keys: int, head: int | None = None) -> int:
         head=head,
         mixer_kernel=config.mixer_kernel,
     )
+
+
+def gradient_reductions(forward: int, tokens: int) -> int:
+    """Reduction length N behind a parameter gradient of an objective over `tokens` scored
+    positions (rows x positions of the batch): the forward's N (`decoder_reductions`); the
+    backward's, the same GEMMs transposed (each layer's reductions swap input and output
+    widths, whose totals are the forward's), so N again; and dW = sum over the tokens of
+    each token's outer product, one reduction of length `tokens`. Two paths to one
+    gradient (micro-batching, packing, prefix sharing) differ in all three:
+    2 * forward + tokens."""
+    return 2 * forward + tokens
+
+
+def rmsnorm_fp32_reductions(hidden: int, layers: int) -> int:
+    """The float32 reductions inside a float64 model (`.double()`, `trainer.precision:
+    fp64`): transformers' LlamaRMSNorm casts its input to float32 whatever the model's
+    dtype and reduces its square over `hidden` there; a decoder has 2 norms per layer and
+    the final one, run in the forward and again in the backward:
+    2 * (2 * layers + 1) * hidden."""
+    return 2 * (2 * layers + 1) * hidden
+
+
+def mixed_fp64_bound(magnitude: float, fp64_reductions: int, fp32_reductions: int) -> float:
+    """Two paths through a float64 model whose norms compute in float32
+    (`rmsnorm_fp32_reductions`): the float32 stages err as two float32 paths over their
+    reductions, the rest as two float64 paths; the variances of independent stages add,
+    and the sum of the two 6-sd bounds is an upper bound on the 6-sd bound of the sum:
+    reduction_bound(S, n32, float32) + reduction_bound(S, n64, float64). Conservative:
+    both paths round the same float32 inputs alike, so only inputs that differ in float64
+    (another summation order) can round to adjacent float32 values."""
+    return reduction_bound(magnitude, fp32_reductions) + reduction_bound(
+        magnitude, fp64_reductions, torch.float64
+    )
+
+
+def fp64_forward_bound(magnitude: float, reductions: int) -> float:
+    """Two float64 forwards of a float64 model (another batch geometry, packing, a shared
+    prefix) to the same values: `reduction_bound(S, N, float64)`. The model's float32
+    norms (`rmsnorm_fp32_reductions`) add nothing in the forward unless the two paths'
+    inputs, which agree to ~sqrt(N) * 2^-53 relative, straddle a float32 rounding
+    boundary: probability ~ sqrt(N) * 2^-53 / 2^-24 = sqrt(N) * 2^-29 ~ 1e-7 per normed
+    value (N ~ 1,000), ~3e-3 over the ~3e4 of a tiny-model batch (the order of the 6-sd
+    budget, 2e-3 per run): a flip, a ~1e-7 relative error, is rare enough to be a
+    finding. Gradients are bounded with `mixed_fp64_bound`: their backward computes in
+    float32 on inputs summed in another order (measured ~1e-7 relative, not 1e-15); so is
+    a BSQ model's loss, whose bits' path keeps float32 internals in the forward too
+    (tests/test_necessity.py: 3e-9 where this bound gives 1.5e-13)."""
+    return reduction_bound(magnitude, reductions, torch.float64)
+
+
+def magnitude(t) -> float:
+    """The scale S of a compared tensor (or float): its largest finite |value|, at least 1
+    (the floor of `reduction_bound`)."""
+    if isinstance(t, torch.Tensor):
+        finite = t.detach()[torch.isfinite(t.detach())]
+        return max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return max(1.0, abs(float(t)))
 
 
 def assert_within(err, bound, what: str = "") -> None:
