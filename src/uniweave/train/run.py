@@ -268,8 +268,9 @@ def silencing_overrides(cfg: UniweaveConfig, split: str) -> list[str]:
             out.append("trainer.eval_every_epochs=0")
         if cfg.checkpoint.keep_best is not None:
             out.append("checkpoint.keep_best=null")
-            if cfg.checkpoint.keep_best_mode != "min":
-                out.append("checkpoint.keep_best_mode=min")
+            mode = type(cfg.checkpoint).model_fields["keep_best_mode"].default
+            if cfg.checkpoint.keep_best_mode != mode:  # a mode without keep_best is refused
+                out.append(f"checkpoint.keep_best_mode={mode}")
     return out
 
 
