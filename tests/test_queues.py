@@ -58,6 +58,8 @@ def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
             trainer.step()
             service = source.service
             rows = source.global_batch(0)
+            if name == "grpo-dynamic" and world == 2:
+                _forced_claims(rank, source, rows)
             torch.save(
                 {
                     "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -71,6 +73,25 @@ def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
             )
     finally:
         shutdown_distributed()
+
+
+def _forced_claims(rank: int, source, rows: list) -> None:
+    """Dynamic scoring where rank 0's claims equal its round-robin share and rank 1's do
+    not: every rank must still join the gather (a rank-local test once let rank 0 skip
+    it; the ranks' all_gather_object calls then paired up wrongly). The result: the
+    same trajectories, in order, and the rewards the update's rollout scored."""
+    from uniweave.train.rollouts.scoring import score_sharded
+
+    samples, _ = source.requests(0)
+    share = round_robin(len(samples), rank, 2)
+    claims = share if rank == 0 else share[::-1]
+    assert claims != share or rank == 0
+    local = [rows[i] for i in claims]
+    trajs, result = score_sharded(
+        source.service, source.rewards, source.model.parse_response, samples, local, claims
+    )
+    assert [t.token_ids.tolist() for t in trajs] == [t.token_ids.tolist() for t in rows]
+    assert result.total.tolist() == source.rollout(0).rewards
 
 
 def _requests(source) -> list:

@@ -122,13 +122,22 @@ def score_sharded(
     the batch rows `indices` (None: its round-robin share, `service.shard`) of the batch
     whose samples are `samples`."""
     share = round_robin(len(samples), service.rank, service.world_size)
-    if indices is not None and list(indices) != share:
+    if indices is not None and service.assignment == "dynamic":
         # Dynamic claims: gather the trajectories first, then score the round-robin share,
         # so every row is scored in the same reward batch as under the static assignment
         # (a batched scorer, e.g. the digit classifier, need not be batch-invariant
-        # bitwise; measured: its last bits change with the batch's other rows).
+        # bitwise; measured: its last bits change with the batch's other rows). Decided
+        # by the assignment every rank shares, never by this rank's claims: a rank whose
+        # claims happen to equal its round-robin share must still join the collective
+        # (CI failure of stop 54: one rank skipped it and the next all_gather_object
+        # paired with the other rank's gather).
         everything = service.gather_assigned(indices, local, len(samples))
         local = [everything[i] for i in share]
+    elif indices is not None and list(indices) != share:
+        raise ValueError(
+            f"rank {service.rank}: static assignment got rows {list(indices)[:8]}..., "
+            f"not its round-robin share {share[:8]}..."
+        )
     indices = share
     mine = [samples[i] for i in indices]
     result, failure = None, None
