@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -77,6 +78,7 @@ import torch
 from rich.progress import Progress
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash
+from uniweave.config.trained_on import mismatch_warnings
 from uniweave.core.atomic import write_text_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.core.sample import ImagePart, Part, Sample, TextPart
@@ -108,6 +110,8 @@ from uniweave.rollout.config import sampling_params
 from uniweave.rollout.queue import WorkQueue, job_store
 
 Rollout = Callable[[Sequence[RolloutRequest]], list]
+
+logger = logging.getLogger(__name__)
 
 
 def engine_rollout(model: UnifiedModel) -> Rollout:
@@ -534,6 +538,8 @@ def run_eval(cfg: UniweaveConfig) -> Path:
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
     evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads
+    for line in mismatch_warnings(cfg):  # tasks / rows the model was not trained on
+        logger.warning("%s", line)
     apply_mmap_threshold(cfg.run.host_mmap_threshold)
     model = build_model(cfg).to(resolve_device(cfg.run.device)).eval()
     evaluate(cfg, model, out)

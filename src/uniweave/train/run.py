@@ -45,6 +45,7 @@ import torch
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash, to_yaml
 from uniweave.config.algorithms import SFTConfig
+from uniweave.config.trained_on import write_trained_on
 from uniweave.core.atomic import write_json_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.data.rows import has_split
@@ -401,6 +402,7 @@ def finish_run(
 
         def export(path: Path) -> None:
             model.save_pretrained(path, state_dict=merged_state_dict(model))
+            write_trained_on(path, cfg, config_hash(cfg))  # what `eval` checks against
             inject_fault("model_write", cfg.trainer.total_updates)
 
         ckpt.write_dir_atomic(run_dir, "model", export)

@@ -1,0 +1,81 @@
+"""A trained model records what it was trained on; `uniweave eval` warns when asked about
+other tasks or other rows (uniweave.config.trained_on)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from eval_fixtures import make_dataset, write_config
+
+from uniweave.config import load_config
+from uniweave.config.fingerprint import digest, fingerprint
+from uniweave.config.trained_on import TRAINED_ON, mismatch_warnings
+from uniweave.train.run import run_train
+
+TRAIN = [
+    "algorithm.name=sft",
+    "trainer.total_updates=2",
+    "trainer.global_batch_size=2",
+    "trainer.micro_batch_size=2",
+    "trainer.scheduler.warmup_steps=0",
+    "data.val_size=0",
+    "data.test_size=0",
+    "checkpoint.every_updates=2",
+]
+
+
+def _relabel(path, task):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "task": task}) + "\n" for r in rows))
+
+
+def test_eval_warns_on_tasks_and_rows_the_model_was_not_trained_on(tmp_path):
+    data = make_dataset(tmp_path / "data", 6)
+    config = write_config(tmp_path, data)
+    run = run_train(load_config(config, TRAIN))
+    record = json.loads((run / "model" / TRAINED_ON).read_text())
+    assert record["tasks"] == ["colour_qa"] and record["algorithm"] == "sft"
+    assert record["config_hash"] == (run / "config_hash").read_text().strip()
+    assert record["data"]["data.path"] == {
+        "path": str(data.resolve()),
+        "digest": digest(fingerprint(data)),
+    }
+
+    model = f"model.path={run / 'model'}"
+    # the same tasks and rows: nothing to say
+    assert mismatch_warnings(load_config(config, [model])) == []
+    # another dataset, with another task label: two warnings, through the command
+    other = make_dataset(tmp_path / "other", 4)
+    _relabel(other, "shade_qa")
+    args = [
+        model,
+        f"data.path={other}",
+        "data.tasks=[shade_qa]",
+        "reward.plugins.0.tasks=[shade_qa]",
+        f"evaluation.output_dir={tmp_path / 'eval'}",
+        "evaluation.split=train",
+    ]
+    cmd = [sys.executable, "-m", "uniweave", "eval", str(config), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "was trained on tasks ['colour_qa']; this evaluation asks for ['shade_qa']" in done.stderr
+    )
+    assert f"data.path {other}: these rows differ from the rows" in done.stderr
+    # the training file itself, changed since: the rows warning says so
+    with data.open("a") as f:
+        f.write(data.read_text().splitlines()[0].replace('"sq0"', '"sq99"') + "\n")
+    (warning,) = mismatch_warnings(load_config(config, [model]))
+    assert f"data.path {data}: these rows changed since the rows" in warning
+
+
+def test_a_model_without_a_record_is_not_checked(tmp_path):
+    data = make_dataset(tmp_path / "data", 2)
+    (tmp_path / "m").mkdir()
+    cfg = load_config(write_config(tmp_path, data), [f"model.path={tmp_path / 'm'}"])
+    assert mismatch_warnings(cfg) == []
+    (tmp_path / "m" / TRAINED_ON).write_text("[1, 2]\n")
+    (line,) = mismatch_warnings(cfg)
+    assert "not a trained_on record" in line and "not checked" in line
