@@ -85,6 +85,10 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     )
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     assert [int(n) for n in LINE.findall(stopped.stdout)] == [1, 2, 3]
+    # the baseline evaluation announces itself (health.baseline_eval), before update 1
+    evals = run / "evals"
+    start = f"evaluating the starting model on test (2 rows per task at most) into {evals}"
+    assert stopped.stdout.index(start) < stopped.stdout.index("update 1/4")
     saved = run / "checkpoints" / "update-000002"
     assert stopped.stderr.strip().endswith(
         f"interrupted; last checkpoint {saved}; run the same command to resume from it"
@@ -99,6 +103,9 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from update 2 ({saved}); 2 updates to go" in done.stdout
     assert [int(n) for n in LINE.findall(done.stdout)] == [3, 4]
+    final = f"evaluating the model at update 4 on test (2 rows per task at most) into {evals}"
+    assert done.stdout.index("update 4/4") < done.stdout.index(final)
+    assert start not in done.stdout  # the baseline is not evaluated again on resume
     results = json.loads((run / "eval.json").read_text())
     tail = done.stdout.split(f"final metrics ({run / 'eval.json'}):\n", 1)[1]
     shown = dict(line.split() for line in tail.splitlines())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -293,6 +294,11 @@ def evaluate_split(
     (`uniweave.eval.runner`, "Several ranks"); the metrics on rank 0, {} on the others."""
     size = {"val": cfg.data.val_size, "test": cfg.data.test_size}[split]
     out = run_dir / EVALS / f"{split}-update-{update:06d}"
+    main = info is None or info.is_main
+    if main:  # a progress line: an evaluation can take longer than many updates
+        what = "the starting model" if update == 0 else f"the model at update {update}"
+        print(f"evaluating {what} on {split} ({size} rows per task at most) into {out}", flush=True)
+    t0 = time.perf_counter()
     summary = evaluate(
         split_config(cfg, split),
         model,
@@ -302,6 +308,8 @@ def evaluate_split(
         stale="replace",
         ranks=(info.rank, info.world_size, info.cpu_group) if info and info.enabled else None,
     )
+    if main:
+        print(f"evaluated {split} in {time.perf_counter() - t0:.0f} s", flush=True)
     return task_metrics(summary) if summary is not None else {}
 
 
