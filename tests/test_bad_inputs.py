@@ -762,7 +762,12 @@ CASES: list[Case] = [
     ),
     Case(
         "train_task_list_on_the_command_line",
-        ("no train rows of task 'nope'", "data.tasks in <command line>"),
+        # the error lists the labels the file has, with their row counts
+        (
+            "no train rows of task 'nope'",
+            "train rows' tasks: say (5)",
+            "data.tasks in <command line>",
+        ),
         lambda d, out, w: [write(d, own(out, w, rows_file(d, row("five")))), "data.tasks=[nope]"],
     ),
     Case(

@@ -84,8 +84,11 @@ def _split_rows(
     present = {s.task for s, k in zip(rows.samples, kept) if k}
     missing = [t for t in data.tasks if t not in present]
     if missing and (split == "train" or not any(kept)):  # refused before any warning
+        labels = Counter(s.task for s in rows.samples)
+        has = ", ".join(f"{t} ({n})" for t, n in sorted(labels.items()))
         raise DatasetError(
-            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks})",
+            f"{source}: no {split} rows of task '{missing[0]}' (data.tasks {data.tasks}); "
+            f"its {split} rows' tasks: {has}",
             key="data.tasks",
         )
     left_out = Counter(s.task for s, k in zip(rows.samples, kept) if not k)
