@@ -371,3 +371,32 @@ def test_the_no_val_rows_warning_suggests_overrides_the_config_accepts():
     assert fixed.checkpoint.keep_best is None
     assert silencing_overrides(cfg, "test") == ["data.test_size=0"]
     load_config(recipe, ["data.test_size=0"])  # nothing else depends on the test split
+
+
+def test_data_tasks_follow_from_rows_with_one_label(tmp_path, caplog):
+    from uniweave.config import validate_config
+    from uniweave.data.rows import resolve_tasks
+
+    # the digits default is unchanged: no tasks, no data.path -> [t2i]
+    assert validate_config({}).data.tasks == ["t2i"]
+    one = write_rows(tmp_path / "one.jsonl", [qa(i) for i in range(3)] + [qa(9, split="test")])
+    raw = {"data": {"path": str(one)}, "reward": {"plugins": [{"name": "text_exact"}]}}
+    cfg = validate_config(raw)
+    assert cfg.data.tasks is None
+    with caplog.at_level("WARNING"):
+        resolved = resolve_tasks(cfg)
+    assert resolved.data.tasks == ["angle_mc"]
+    assert (
+        f"data.tasks not set: [angle_mc], the one task of the 3 train rows of {one}" in caplog.text
+    )
+    assert resolve_tasks(resolved) is resolved
+    # the config is validated again with the label: a reward route to another task is caught
+    routed = {**raw, "reward": {"plugins": [{"name": "text_exact", "tasks": ["angle"]}]}}
+    with pytest.raises(ConfigError, match=r"task 'angle' is not in data.tasks \['angle_mc'\]"):
+        resolve_tasks(validate_config(routed))
+    # several labels: an error listing them with their train-row counts
+    two = write_rows(tmp_path / "two.jsonl", [qa(0), qa(1, task="b"), qa(2, task="b")])
+    with pytest.raises(
+        DatasetError, match=r"have 2 tasks: angle_mc \(1\), b \(2\); set data.tasks"
+    ):
+        resolve_tasks(validate_config({**raw, "data": {"path": str(two)}}))

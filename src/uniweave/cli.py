@@ -76,9 +76,10 @@ def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
     model directories resolved to local snapshots (`uniweave.config.hub`), its `model`
     section checked against the kind's registration (creates nothing)."""
     from uniweave.config.hub import resolve_hub_ids
+    from uniweave.data.rows import resolve_tasks
     from uniweave.models import check_model_config
 
-    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
+    cfg = resolve_tasks(resolve_hub_ids(load_config(args.config, args.overrides)))
     check_model_config(cfg.model)
     return cfg
 

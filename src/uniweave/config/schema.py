@@ -243,11 +243,13 @@ class ModelConfig(StrictModel):
 class DataConfig(StrictModel):
     """Training and evaluation data: the built-in digits tasks, or your own rows."""
 
-    tasks: list[Task] = Field(
-        ["t2i"],
+    tasks: list[Task] | None = Field(
+        None,
         min_length=1,
         description="Tasks to use (no repeats): digits tasks, or the `task` labels of "
-        "data.path rows (rows of other tasks are left out, and counted).",
+        "data.path rows (rows of other tasks are left out, and counted). null: [t2i] for "
+        "the digits; with data.path, the one task label of its train rows (read when a "
+        "command starts and stated in its log; several labels are an error listing them).",
     )
     task_weights: dict[Task, float] | None = Field(
         None, description="Sampling weight per task (> 0); null = uniform."
@@ -313,8 +315,18 @@ class DataConfig(StrictModel):
         """Whether the tiny model's tokenizer is the byte-level BPE (see `tokenizer`)."""
         return self.tokenizer == "bpe" or (self.tokenizer == "auto" and self.path is not None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _digits_default(cls, data: Any) -> Any:
+        """No tasks and no data.path: the digits' t2i (the rows' label is read later)."""
+        if isinstance(data, dict) and data.get("tasks") is None and data.get("path") is None:
+            return {**data, "tasks": ["t2i"]}
+        return data
+
     @model_validator(mode="after")
     def _tasks(self) -> DataConfig:
+        if self.tasks is None:  # from data.path's rows (uniweave.data.rows.resolve_tasks)
+            return self
         if len(set(self.tasks)) != len(self.tasks):
             raise incompatible("tasks", f"repeated task in {self.tasks}")
         for task, weight in (self.task_weights or {}).items():
@@ -730,7 +742,13 @@ class UniweaveConfig(StrictModel):
 
     @model_validator(mode="after")
     def _cross_section(self) -> UniweaveConfig:
-        algo, tasks = self.algorithm, set(self.data.tasks)
+        algo = self.algorithm
+        if self.data.tasks is None:
+            # data.path rows name the tasks: the checks that need them run when
+            # uniweave.data.rows.resolve_tasks validates the config with the rows' label
+            tasks: set[str] | None = None
+        else:
+            tasks = set(self.data.tasks)
         if isinstance(algo, GRPOConfig):
             if self.trainer.global_batch_size % algo.group_size:
                 raise incompatible(
@@ -779,7 +797,7 @@ class UniweaveConfig(StrictModel):
                 raise incompatible(
                     "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
                 )
-        if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0:
+        if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0 and tasks is not None:
             self._soft_bsq(tasks)
         if isinstance(algo, GRPOConfig) and algo.information_gain.weight > 0:
             if self.trainer.parallel != "none":
@@ -795,9 +813,10 @@ class UniweaveConfig(StrictModel):
                     "is built for one process (trainer.parallel none): its EMA shadow is not "
                     f"sharded or checkpointed under {self.trainer.parallel}",
                 )
-        if self.data.path is None:
-            self._digits_rollout(tasks)
-        self._reward_routes(tasks)
+        if tasks is not None:
+            if self.data.path is None:
+                self._digits_rollout(tasks)
+            self._reward_routes(tasks)
         check_workers(self)
         if self.data.tokenizer != "auto" and (self.model.kind != "tiny" or self.model.path):
             raise incompatible(
@@ -964,7 +983,7 @@ class UniweaveConfig(StrictModel):
             return
         if c.keep_best.startswith("val/ig/") and sft and algo.information_gain.weight > 0:
             return
-        if task in self.data.tasks and c.keep_best.count("/") >= 2:
+        if task in (self.data.tasks or [task]) and c.keep_best.count("/") >= 2:
             return
         known = sorted(losses) if sft else []
         raise incompatible(

@@ -8,6 +8,11 @@ split field). Of those, rows whose task is in `data.tasks` are kept; the others 
 left out and counted in the log. Rows without a task get `data.default_task`; a row
 without either is an error naming its file:line.
 
+`data.tasks: null` with `data.path` (`resolve_tasks`): the tasks are the one `task` label
+of the train rows, read when a command starts and stated in its log; rows of several
+labels are an error that lists them with their counts (the user picks). The config is
+then validated again with that list, so every check that needs the tasks runs.
+
 Whether a row generates an image (`generates_image`) comes from its assistant parts: an
 image (SFT target) or a `GenerationRequest` (a prompt-only row), never from its task
 name; `answer_image_grid` says whether the whole answer is one image.
@@ -20,6 +25,7 @@ from collections import Counter
 
 from transformers import PreTrainedTokenizerBase
 
+from uniweave.config import UniweaveConfig, validate_config
 from uniweave.config.schema import DataConfig
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from uniweave.data.images import ImageProcessor
@@ -43,6 +49,47 @@ def split_rows(
         return _split_rows(data, split, key, processor, image_grid)
     except DatasetError as err:
         raise err.keyed(key) from None
+
+
+def resolve_tasks(cfg: UniweaveConfig) -> UniweaveConfig:
+    """`cfg` itself when `data.tasks` is set; else `cfg` with `data.tasks` = the one task
+    label of `data.path`'s train rows, validated again (module docstring). Raises
+    `DatasetError` (keyed `data.tasks`) when the train rows have several labels or none."""
+    if cfg.data.tasks is not None:
+        return cfg
+    path = cfg.data.path
+    if path is None:  # the schema fills [t2i] for the digits; never reached from a config
+        raise ValueError("resolve_tasks reads data.path rows; the digits tasks are built in")
+    try:
+        rows = load_rows(path, None, (1, 1), cfg.data.default_task)
+    except DatasetError as err:
+        raise err.keyed("data.path") from None
+    train = [s for s in rows.samples if rows.splits[s.id] in ("train", None)]
+    for sample in train:
+        if sample.task is None:
+            raise DatasetError(
+                f"{rows.where[sample.id]}: task: missing; give the row a task or set "
+                "data.default_task",
+                key="data.path",
+            )
+    labels = Counter(str(s.task) for s in train)
+    if not train:
+        raise DatasetError(f"{path}: no train rows to read data.tasks from", key="data.tasks")
+    if len(labels) > 1:
+        shown = ", ".join(f"{t} ({n})" for t, n in sorted(labels.items()))
+        raise DatasetError(
+            f"not set, and the train rows of {path} have {len(labels)} tasks: {shown}; "
+            f"set data.tasks to those to train on (e.g. data.tasks=[{','.join(sorted(labels))}])",
+            key="data.tasks",
+        )
+    (task,) = labels
+    # a warning, so the last-resort handler shows it: the command chose a config value
+    logger.warning(
+        "data.tasks not set: [%s], the one task of the %d train rows of %s", task, len(train), path
+    )
+    raw = cfg.model_dump(mode="json")
+    raw["data"]["tasks"] = [task]
+    return validate_config(raw, source=f"data.tasks [{task}] read from {path}")
 
 
 def split_key(data: DataConfig, split: str) -> str:

@@ -84,7 +84,7 @@ from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.core.sample import ImagePart, Part, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.digits import make_task_samples
-from uniweave.data.rows import answer_image_grid
+from uniweave.data.rows import answer_image_grid, resolve_tasks
 from uniweave.eval.masked import TASK as MASKED_TASK
 from uniweave.eval.masked import masked_answer_scores
 from uniweave.eval.records import RESULTS, ResultLog
@@ -535,6 +535,7 @@ def task_metrics(summary: dict[str, Any]) -> dict[str, float]:
 def run_eval(cfg: UniweaveConfig) -> Path:
     """`uniweave eval`: build the model (`model.path`, or the tiny model built from the
     config's seed), evaluate it, and return the output directory."""
+    cfg = resolve_tasks(cfg)  # data.tasks null: the rows' one label
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
     evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads

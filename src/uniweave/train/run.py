@@ -49,7 +49,7 @@ from uniweave.config.algorithms import SFTConfig
 from uniweave.config.trained_on import write_trained_on
 from uniweave.core.atomic import write_json_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
-from uniweave.data.rows import has_split
+from uniweave.data.rows import has_split, resolve_tasks
 from uniweave.eval.health import HealthMonitor
 from uniweave.eval.run_report import write_report
 from uniweave.eval.runner import evaluate, split_config, task_metrics
@@ -175,6 +175,7 @@ def run_train(cfg: UniweaveConfig, stop_after: int | None = None) -> Path:
     """Train as the config says (resuming if the run directory has a checkpoint); return
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
+    cfg = resolve_tasks(cfg)  # data.tasks null: the rows' one label
     preflight(cfg, JOBS)
     check_world_size(cfg.trainer.world_size, cfg.run.device)
     if cfg.trainer.world_size > 1 and not is_spawned_worker():
