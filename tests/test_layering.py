@@ -19,8 +19,9 @@ Layers, lowest first; a module may import only from its own layer or below:
 
 Inside `uniweave.train` the sub-packages have an order of their own, lowest first:
 
-    state, dist            atomic checkpoints; process groups, DDP/FSDP2
-    engine                 the loop, its protocols, micro-batching, optimiser, logging
+    state, dist            atomic checkpoints, a child's parent; process groups, DDP/FSDP2
+    engine                 the loop, its protocols, micro-batching, optimiser, logging,
+                           checkpointing, resume policy, retention, diagnostics
     rollouts               prompts, scoring, stats and Ray workers of rollout methods
     methods.<name>         one method each (sft, grpo, opd): source, objective, job
     run, preflight         what `uniweave train` runs

@@ -46,7 +46,8 @@ from uniweave.forward import forward_interleaved, scored_mask
 from uniweave.replay import replay_distributions
 from uniweave.train.dist.comm import DistInfo
 from uniweave.train.engine.build import build_model
-from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.engine.errors import TrainingError
+from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.opd.job import build_opd_job
 from uniweave.train.methods.opd.objective import OPDObjective, check_action_spaces
 from uniweave.train.methods.opd.source import DistillRecord, teacher_view

@@ -315,7 +315,7 @@ def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch)
     which equals the one-process accumulated gradient."""
     from uniweave.core.trajectory import TrajectoryBatch
     from uniweave.train.dist.comm import DistInfo
-    from uniweave.train.engine.trainer import rank_micro_batches
+    from uniweave.train.engine.batching import rank_micro_batches
 
     torch.set_num_threads(1)
 

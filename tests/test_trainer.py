@@ -35,7 +35,8 @@ from uniweave.data.tokenizer import SpecialIds
 from uniweave.forward import forward_interleaved
 from uniweave.train.dist.comm import DistInfo
 from uniweave.train.engine.build import adapter_state, apply_lora, build_model
-from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.engine.errors import TrainingError
+from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.sft.objective import SFTObjective
 from uniweave.train.methods.sft.source import DatasetSource, sft_trajectories
 from uniweave.train.state.checkpoint import latest_checkpoint
@@ -79,7 +80,7 @@ def test_sigkill_resume_is_bitwise_exact(tmp_path, codec_dir):
         assert_same_state(ref_model, load_file(str(run_dir / "model" / "model.safetensors")))
 
 
-def _trainer(cfg, run_dir: Path, model=None) -> Trainer:
+def _trainer(cfg, run_dir: Path, model=None, trainable_state=None) -> Trainer:
     model = model or build_model(cfg)
     trajs = sft_trajectories(cfg, model, "train", cfg.data.train_size)
     source = DatasetSource(
@@ -94,6 +95,7 @@ def _trainer(cfg, run_dir: Path, model=None) -> Trainer:
         run_dir,
         DistInfo(),
         pad,
+        trainable_state=trainable_state,
     )
 
 
@@ -168,8 +170,7 @@ def test_lora_trains_only_adapters_and_reloads(tmp_path, codec_dir):
     targets = apply_lora(model, cfg)
     assert targets and all("decoder.layers" in t for t in targets)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = _trainer(cfg, tmp_path / "lora", model)
-    trainer._trainable_state = lambda: adapter_state(model)
+    trainer = _trainer(cfg, tmp_path / "lora", model, lambda: adapter_state(model))
     for _ in trainer.fit():
         pass
     after = model.state_dict()

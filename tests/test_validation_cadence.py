@@ -26,7 +26,8 @@ from uniweave.eval.runner import evaluate, split_config, weights_sha256
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
 from uniweave.rollout import RolloutTrajectory
 from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.trainer import Trainer, TrainingError
+from uniweave.train.engine.errors import TrainingError
+from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.sft.source import sft_trajectories
 from uniweave.train.methods.sft.validation import validation_loss
 from uniweave.train.run import JOBS, _prepare_model, _val_evaluator

@@ -940,7 +940,8 @@ class UniweaveConfig(StrictModel):
 
     def _cadence(self, algo: AlgorithmConfig) -> None:
         """Epoch cadence, best-checkpoint and rollout-saving settings where they can act
-        (`uniweave.train.engine.trainer`; docs/campaigns-validation.md)."""
+        (`uniweave.train.engine.trainer`, `uniweave.train.engine.retention`;
+        docs/campaigns-validation.md)."""
         sft = isinstance(algo, SFTConfig)
         epochs = (("trainer.eval_every_epochs", self.trainer.eval_every_epochs),
                   ("checkpoint.every_epochs", self.checkpoint.every_epochs))  # fmt: skip
@@ -995,8 +996,8 @@ class UniweaveConfig(StrictModel):
 
     def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
         """The OPD gradient diagnostics split the gradient into the distillation and the
-        GT-replay part (`uniweave.train.engine.trainer`): only OPD with GT rows has both, and
-        the split is built for one process."""
+        GT-replay part (`uniweave.train.engine.diagnostics`): only OPD with GT rows has
+        both, and the split is built for one process."""
         key = "logging.gradient_diagnostics_every_updates"
         if self.logging.gradient_diagnostics_every_updates == 0:
             return

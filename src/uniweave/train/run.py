@@ -76,7 +76,8 @@ from uniweave.train.engine.build import (
 from uniweave.train.engine.faults import inject_fault
 from uniweave.train.engine.metrics import METRICS, plot_metrics, read_metrics
 from uniweave.train.engine.protocols import BatchSource, Objective
-from uniweave.train.engine.trainer import Trainer, check_resume, parent_checkpoint
+from uniweave.train.engine.resume import check_resume
+from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.opd.job import build_opd_job
 from uniweave.train.methods.sft.information_gain import ig_evaluation
@@ -86,6 +87,7 @@ from uniweave.train.methods.sft.validation import validation_loss
 from uniweave.train.preflight import EVALS, preflight
 from uniweave.train.state import checkpoint as ckpt
 from uniweave.train.state.checkpoint import write_text_atomic
+from uniweave.train.state.parent import parent_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -77,8 +77,8 @@ from uniweave.rollout import SamplingRecord
 from uniweave.train.dist.comm import DistInfo
 from uniweave.train.engine.batching import rank_micro_batches
 from uniweave.train.engine.build import set_adapters_enabled
+from uniweave.train.engine.forward_mode import autocast
 from uniweave.train.engine.protocols import Objective
-from uniweave.train.engine.trainer import autocast
 from uniweave.train.methods.grpo.mismatch import global_threshold, population_quantiles
 from uniweave.train.rollouts.stats import finalize_loss_stats
 

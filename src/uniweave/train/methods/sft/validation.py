@@ -27,7 +27,7 @@ from uniweave.config.schema import VISUAL_LOSS
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.forward import forward_interleaved
 from uniweave.models.base import UnifiedModel
-from uniweave.train.engine.trainer import autocast
+from uniweave.train.engine.forward_mode import autocast
 from uniweave.train.methods.sft.information_gain import eval_mode
 
 
