@@ -538,7 +538,6 @@ def config_only(tmp_path: Path, m2f_dir: Path) -> Path:
 
 
 def test_score_names_missing_and_unreadable_images(folder, tmp_path, m2f_dir, capsys):
-    from uniweave.eval.geneval.command import score_command  # noqa: F401 - importable
     from uniweave.eval.geneval.folder import read_folder
     from uniweave.eval.geneval.score import score_folder
     from uniweave.rewards.geneval.scorer import GenEvalScorer
