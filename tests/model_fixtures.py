@@ -35,9 +35,9 @@ def random_bsq_codec(latent_dim: int, patch: int, group: int, seed: int = 0) -> 
     return codec
 
 
-def write_tiny_clip(path: Path) -> Path:
-    """A tiny random CLIPModel + CLIPProcessor (WordLevel tokenizer) saved to `path`."""
-    words = CLIP_WORDS
+def write_tiny_clip(path: Path, words: list[str] = CLIP_WORDS) -> Path:
+    """A tiny random CLIPModel + CLIPProcessor (WordLevel tokenizer over `words`, whose
+    first two are the start and end tokens) saved to `path`."""
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     # like CLIP's tokenizer: <|startoftext|> ... <|endoftext|> (the text model pools at EOS)

@@ -626,6 +626,77 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_score(parser: argparse.ArgumentParser) -> None:
+    """`uniweave score FOLDER --detector-path P --out DIR ...` (docs/geneval.md)."""
+    parser.add_argument(
+        "folder",
+        metavar="FOLDER",
+        help="images in GenEval's layout (<index>/metadata.jsonl, <index>/samples/NNNN.png)",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
+    parser.add_argument(
+        "--detector",
+        choices=("mask2former", "owlv2"),
+        default="mask2former",
+        help="object detector kind (default mask2former)",
+    )
+    parser.add_argument(
+        "--detector-path",
+        required=True,
+        metavar="P",
+        help="the detector's model directory or hub id, e.g. "
+        "facebook/mask2former-swin-small-coco-instance",
+    )
+    parser.add_argument(
+        "--clip-path",
+        default=None,
+        metavar="P",
+        help="CLIP model directory or hub id for colour clauses, e.g. "
+        "openai/clip-vit-large-patch14 (needed when a row asks for a colour)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=8, help="images per detector pass (default 8)"
+    )
+    parser.add_argument(
+        "--images-per-prompt",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="images expected per prompt (default: up to the highest sample number found)",
+    )
+    parser.add_argument(
+        "--threshold", type=float, default=0.3, help="detection score threshold (GenEval: 0.3)"
+    )
+    parser.add_argument(
+        "--counting-threshold",
+        type=float,
+        default=0.9,
+        help="the threshold on counting rows (GenEval: 0.9)",
+    )
+    parser.add_argument(
+        "--missing",
+        choices=("wrong", "skip"),
+        default="wrong",
+        help="missing or unreadable images: judged incorrect (default), or left out of the "
+        "figures as GenEval does; named either way",
+    )
+    parser.add_argument(
+        "--on-error",
+        choices=("raise", "zero"),
+        default="raise",
+        help="a detection that fails: stop (default), or count the image as failed and incorrect",
+    )
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """Check the folder, its metadata and the options, then load the models and score
+    (see `uniweave.eval.geneval.score`)."""
+    from uniweave.eval.geneval.command import score_command
+
+    return score_command(args)
+
+
 COMMANDS: list[Command] = [
     Command(
         "inspect",
@@ -651,6 +722,13 @@ COMMANDS: list[Command] = [
         "evaluate a model on a data split with the reward plugins (resumable)",
         configure_eval,
         run_eval,
+    ),
+    Command(
+        "score",
+        "score a folder of images in GenEval's layout with a detector and CLIP colour: "
+        "results JSONL and GenEval's summary table",
+        configure_score,
+        run_score,
     ),
     Command(
         "probe",

@@ -104,7 +104,8 @@ class RewardPlugin(ABC):
     def pop_counts(self) -> dict[str, float]:
         """Summable counts of what the plugin did since the last call (then reset), logged
         as `reward/<plugin>/<name>` and, with `n_rows` among them, `<x>_frac` for each
-        `n_<x>` (e.g. answer_judge's n_judged -> judged_frac). Default: none."""
+        `n_<x>` (e.g. answer_judge's n_judged -> judged_frac), and `<x>_mean` for each
+        `sum_<x>` beside an `n_<x>` (geneval's per-tag means). Default: none."""
         return {}
 
 

@@ -25,6 +25,11 @@ response has the wrong format with `invalid_format` (they score 0 and are counte
 - `clip_score` (alias `pickscore`; t2i on real images): CLIP / PickScore-style
   text-image score from a local `CLIPModel` directory (`uniweave.rewards.clip_score`;
   kwargs device, mode, batch_size). Invalid: not exactly one decodable image.
+- `geneval` (t2i on real images): GenEval's verdict on the image against the sample's
+  meta["geneval"] metadata row, 1/0 or (kwarg partial) the share of include clauses met,
+  from a transformers detector (`path`; kwargs detector, clip_path, device, batch_size,
+  threshold, partial; `uniweave.rewards.geneval.reward`). Invalid: not exactly one
+  decodable image.
 - `answer_judge` (open answers): a deterministic parser (letters, numbers, normalised
   text), then a judge — a local causal LM (`path`) or an OpenAI-compatible endpoint
   (kwargs base_url, model, timeout, retries, concurrency, api_key_env) — for the rows it
@@ -61,6 +66,7 @@ from uniweave.data.template import parse_response, response_parts
 from uniweave.rewards.base import DecodeImages, Response, RewardPlugin, build_responses
 from uniweave.rewards.clip_score import ClipScore
 from uniweave.rewards.digit_classifier import DigitClassifier
+from uniweave.rewards.geneval.reward import GenEvalReward
 from uniweave.rewards.judge import AnswerJudge
 
 __all__ = [
@@ -361,6 +367,7 @@ PLUGINS: dict[str, type[RewardPlugin]] = {
     "clip_score": ClipScore,
     "pickscore": ClipScore,
     "answer_judge": AnswerJudge,
+    "geneval": GenEvalReward,
 }
 """Plugin name (config `reward.plugins.N.name`) -> class."""
 

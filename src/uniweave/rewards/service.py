@@ -127,7 +127,9 @@ class RewardResult:
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics: reward/total_*, reward/<plugin>/{mean,std,invalid_frac,n_errors},
-        reward/task/<task>/mean, reward/{overwritten,truncated}_frac, reward/n_errors."""
+        reward/task/<task>/mean, reward/{overwritten,truncated}_frac, reward/n_errors, and
+        each plugin count `reward/<plugin>/<name>`, with `<x>_frac` = n_<x> / n_rows and
+        `<x>_mean` = sum_<x> / n_<x> (e.g. the geneval plugin's per-tag mean reward)."""
         out = {
             "reward/total_mean": _mean(self.total),
             "reward/total_std": _std(self.total),
@@ -149,6 +151,9 @@ class RewardResult:
                 out[f"reward/{key}/{name}"] = float(value)
                 if name.startswith("n_") and name != "n_rows" and "n_rows" in counts:
                     out[f"reward/{key}/{name[2:]}_frac"] = float(value) / rows if rows else 0.0
+                if name.startswith("sum_") and f"n_{name[4:]}" in counts:
+                    n = counts[f"n_{name[4:]}"]
+                    out[f"reward/{key}/{name[4:]}_mean"] = float(value) / n if n else 0.0
         for task in sorted({t for t in self.tasks if t is not None}):
             rows = torch.tensor([t == task for t in self.tasks])
             out[f"reward/task/{task}/mean"] = _mean(self.total[rows])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
-from uniweave.eval.geneval.metadata import MetadataError, MetadataRow, read_prompt_metadata
+from uniweave.rewards.geneval.metadata import MetadataError, MetadataRow, read_prompt_metadata
 
 _SAMPLE = re.compile(r"(\d+)\.png")
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from uniweave.data.errors import DatasetError
-from uniweave.eval.geneval.metadata import MetadataRow
-from uniweave.eval.geneval.rules import Verdict
+from uniweave.rewards.geneval.metadata import MetadataRow
+from uniweave.rewards.geneval.rules import Verdict
 
 RESULT_KEYS: tuple[str, ...] = (
     "filename",

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uniweave.eval.geneval.metadata import COLOURS, RELATIONS, MetadataRow
+from uniweave.rewards.geneval.metadata import COLOURS, RELATIONS, MetadataRow
 
 NO_OFFSET_PX = 1e-3
 """Below this many pixels on both axes a shrunk offset is no offset (GenEval's constant)."""
@@ -136,11 +136,14 @@ class Detection:
 class Verdict:
     """GenEval's verdict on one image: `correct`, and `reason` with one line per failed
     clause (empty when correct); `detected` holds the kept detections per class, the most
-    confident first (GenEval's `details`)."""
+    confident first (GenEval's `details`); `includes` / `excludes` say per clause of the
+    row whether it held (the `geneval` reward's partial credit reads them)."""
 
     correct: bool
     reason: str
     detected: Mapping[str, tuple[Detection, ...]] = field(default_factory=dict)
+    includes: tuple[bool, ...] = ()
+    excludes: tuple[bool, ...] = ()
 
 
 def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
@@ -245,6 +248,7 @@ def judge(
     detected = kept_detections(detections, row.tag, thresholds)
     reasons: list[str] = []
     groups: list[tuple[Detection, ...] | None] = []
+    excludes: list[bool] = []
     for i, clause in enumerate(row.include):
         name = f"include[{i}] ({clause.cls})"
         found = detected.get(clause.cls, ())[: clause.count]
@@ -291,8 +295,10 @@ def judge(
         groups.append(found if matched else None)
     for i, clause in enumerate(row.exclude):
         n = len(detected.get(clause.cls, ()))
+        excludes.append(n < clause.count)
         if n >= clause.count:
             reasons.append(
                 f"exclude[{i}] ({clause.cls}): expected {clause.cls}<{clause.count}, found {n}"
             )
-    return Verdict(not reasons, "\n".join(reasons), detected)
+    includes = tuple(group is not None for group in groups)
+    return Verdict(not reasons, "\n".join(reasons), detected, includes, tuple(excludes))

@@ -1,0 +1,278 @@
+"""Object detectors for GenEval's checks, behind one interface (`Detector`).
+
+A detector turns images into `Detection`s (class name, score, pixel box, optional mask)
+for `uniweave.rewards.geneval.rules.judge`. `detect(images, min_score)` takes a list of
+images — PIL images, or arrays / tensors of pixels in [0, 1] shaped [H, W], [H, W, 3] or
+[3, H, W] (what a reward plugin reads of a decoded response) — and returns one list of
+detections per image, running `batch_size` images per forward pass on `device`, without
+gradients. Array pixels are turned into 8-bit RGB (round(255 x), clipped) first, as if
+the image had been saved as the PNG GenEval reads. `min_score` lets a detector drop what
+scores below it (every detection scoring `min_score` or more is returned): callers pass
+the lowest threshold the rules will apply, so nothing the rules could count is lost.
+
+Two transformers detectors, each loaded from a local model directory (hub ids are
+resolved by the callers, `uniweave.config.hub`; never remote code):
+
+- `Mask2FormerDetector` (`mask2former`): `Mask2FormerForUniversalSegmentation` with its
+  image processor's `post_process_instance_segmentation` (binary maps, no score floor of
+  its own). Each instance's score is the processor's: the class probability times the mean
+  mask probability inside the mask (transformers rounds it to 6 decimals); its mask is the
+  binary map at the image's size and its box the mask's tight pixel-edge box
+  (x_min, y_min, x_max + 1, y_max + 1), as mmdet derives Mask2Former's boxes from masks.
+  An instance whose mask is empty at the image's size is dropped. The checkpoint of
+  GenEval's family is `facebook/mask2former-swin-small-coco-instance`.
+- `Owlv2Detector` (`owlv2`): open vocabulary. `Owlv2ForObjectDetection` with text queries
+  = the class names (`classes`, default GenEval's 80 COCO names); each predicted box gets
+  the class of its best query and that query's sigmoid score (the processor's
+  `post_process_object_detection`); boxes are clipped to the image, and a box left with
+  no area is dropped. No masks: colour is judged on the box crop. Checkpoint e.g.
+  `google/owlv2-base-patch16-ensemble`.
+
+Class names: a detector's labels are GenEval's names (`COCO_CLASSES`); the COCO labels
+that transformers checkpoints spell differently are renamed (`LABEL_ALIASES`: mouse ->
+computer mouse, remote -> tv remote, keyboard -> computer keyboard).
+
+Errors: a bad directory, device or option raises ValueError / FileNotFoundError when the
+detector is built (one line, naming what); a failure inside a forward pass raises
+`DetectionError` naming the detector and the batch's image indices, so the reward
+service's error policy (`reward.on_error`) and `uniweave score --on-error` can count it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from PIL import Image
+
+from uniweave.rewards.base import local_model_dir
+from uniweave.rewards.geneval.metadata import COCO_CLASSES
+from uniweave.rewards.geneval.rules import Detection
+
+LABEL_ALIASES: dict[str, str] = {
+    "mouse": "computer mouse",
+    "remote": "tv remote",
+    "keyboard": "computer keyboard",
+}
+"""COCO labels as transformers checkpoints spell them -> GenEval's names."""
+
+ImageInput = Image.Image | np.ndarray | torch.Tensor
+
+
+class DetectionError(RuntimeError):
+    """A detector's forward pass failed; names the detector and the images."""
+
+
+def to_pil(image: ImageInput) -> Image.Image:
+    """`image` as an 8-bit RGB PIL image (module docstring); ValueError for another shape."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    pixels = image.detach().float().cpu().numpy() if isinstance(image, torch.Tensor) else image
+    pixels = np.asarray(pixels, dtype=np.float32)
+    if pixels.ndim == 3 and pixels.shape[0] == 3 and pixels.shape[2] != 3:
+        pixels = pixels.transpose(1, 2, 0)
+    if pixels.ndim == 2:
+        pixels = np.repeat(pixels[:, :, None], 3, axis=2)
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or min(pixels.shape[:2]) < 1:
+        raise ValueError(
+            f"image of shape {list(pixels.shape)}: expected [H, W], [H, W, 3] or [3, H, W]"
+        )
+    if not np.isfinite(pixels).all():
+        raise ValueError("image has non-finite pixels")
+    return Image.fromarray(np.clip(np.rint(pixels * 255.0), 0, 255).astype(np.uint8), "RGB")
+
+
+def mask_box(mask: np.ndarray) -> tuple[float, float, float, float] | None:
+    """The tight pixel-edge box (x_min, y_min, x_max + 1, y_max + 1) of a boolean mask
+    [H, W], or None when the mask is empty."""
+    cols = np.flatnonzero(mask.any(axis=0))
+    rows = np.flatnonzero(mask.any(axis=1))
+    if not len(cols):
+        return None
+    return float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)
+
+
+def _check_batch_size(batch_size: Any, what: str) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{what} batch_size must be an integer >= 1, got {batch_size!r}")
+    return batch_size
+
+
+class Detector(ABC):
+    """Images -> detections per image (module docstring). `classes` is the vocabulary
+    (the class names its detections carry, what metadata is checked against), `device`
+    where it runs, `batch_size` images per forward pass."""
+
+    name: ClassVar[str]
+    classes: tuple[str, ...]
+    device: torch.device
+    batch_size: int = 8
+
+    def detect(self, images: Sequence[ImageInput], min_score: float = 0.0) -> list[list[Detection]]:
+        """Detections of each image, `batch_size` images per forward pass (module
+        docstring); `DetectionError` names the images of a batch that failed."""
+        pil = [to_pil(image) for image in images]
+        out: list[list[Detection]] = []
+        for start in range(0, len(pil), self.batch_size):
+            batch = pil[start : start + self.batch_size]
+            try:
+                found = self.detect_batch(batch, min_score)
+            except Exception as err:  # a model may fail in any way; name the images
+                last = start + len(batch) - 1
+                raise DetectionError(
+                    f"{self.name} detector failed on images {start}..{last}: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            if len(found) != len(batch):
+                raise DetectionError(
+                    f"{self.name} detector returned {len(found)} results for {len(batch)} images"
+                )
+            out.extend(found)
+        return out
+
+    @abstractmethod
+    def detect_batch(self, images: list[Image.Image], min_score: float) -> list[list[Detection]]:
+        """Detections of each of `images` (RGB PIL), in one forward pass."""
+
+    @classmethod
+    def vocabulary(cls, path: str | Path) -> tuple[str, ...]:
+        """The classes a detector built from `path` will have, read without loading it."""
+        return COCO_CLASSES
+
+
+class Mask2FormerDetector(Detector):
+    """transformers Mask2Former instance segmentation (module docstring)."""
+
+    name = "mask2former"
+
+    def __init__(self, path: str | Path, device: str = "cpu", batch_size: int = 8) -> None:
+        self.batch_size = _check_batch_size(batch_size, "mask2former")
+        self.device = local_model_dir(path, device, "mask2former")
+        from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
+
+        model = Mask2FormerForUniversalSegmentation.from_pretrained(str(path))
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.processor = AutoImageProcessor.from_pretrained(str(path))
+        labels = model.config.id2label
+        self.classes = tuple(
+            LABEL_ALIASES.get(labels[i], labels[i]) for i in range(model.config.num_labels)
+        )
+
+    @classmethod
+    def vocabulary(cls, path: str | Path) -> tuple[str, ...]:
+        """The checkpoint's labels (config.json `id2label`), renamed by `LABEL_ALIASES`."""
+        config = Path(path) / "config.json"
+        try:
+            labels = json.loads(config.read_text())["id2label"]
+            names = [labels[str(i)] for i in range(len(labels))]
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{path}: not a mask2former model directory (no config.json)"
+            ) from None
+        except (KeyError, ValueError, TypeError) as err:
+            raise ValueError(
+                f"{config}: no usable id2label ({type(err).__name__}: {err})"
+            ) from None
+        return tuple(LABEL_ALIASES.get(n, n) for n in names)
+
+    @torch.no_grad()
+    def detect_batch(self, images: list[Image.Image], min_score: float) -> list[list[Detection]]:
+        inputs = self.processor(images=images, return_tensors="pt").to(self.device)
+        outputs = self.model(**inputs)
+        sizes = [(image.height, image.width) for image in images]
+        results = self.processor.post_process_instance_segmentation(
+            outputs, threshold=min_score, target_sizes=sizes, return_binary_maps=True
+        )
+        out = []
+        for result in results:
+            infos = result["segments_info"]
+            maps = result["segmentation"]
+            found = []
+            if infos:
+                masks = maps.detach().cpu().numpy() > 0.5
+                for info, mask in zip(infos, masks):
+                    box = mask_box(mask)
+                    if box is None:
+                        continue
+                    found.append(
+                        Detection(self.classes[info["label_id"]], float(info["score"]), box, mask)
+                    )
+            out.append(found)
+        return out
+
+
+class Owlv2Detector(Detector):
+    """transformers OWLv2 open-vocabulary detection (module docstring)."""
+
+    name = "owlv2"
+
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        batch_size: int = 8,
+        classes: Sequence[str] = COCO_CLASSES,
+    ) -> None:
+        self.batch_size = _check_batch_size(batch_size, "owlv2")
+        classes = tuple(classes)
+        if not classes or not all(isinstance(c, str) and c.strip() for c in classes):
+            raise ValueError("owlv2 classes must be a non-empty list of class names")
+        if len(set(classes)) != len(classes):
+            raise ValueError("owlv2 classes name a class twice")
+        self.classes = classes
+        self.device = local_model_dir(path, device, "owlv2")
+        from transformers import Owlv2ForObjectDetection, Owlv2Processor
+
+        model = Owlv2ForObjectDetection.from_pretrained(str(path))
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.processor = Owlv2Processor.from_pretrained(str(path))
+
+    @torch.no_grad()
+    def detect_batch(self, images: list[Image.Image], min_score: float) -> list[list[Detection]]:
+        queries = [list(self.classes)] * len(images)
+        inputs = self.processor(text=queries, images=images, return_tensors="pt")
+        outputs = self.model(**inputs.to(self.device))
+        sizes = [(image.height, image.width) for image in images]
+        # the processor pads each image to a square at the bottom and right; boxes scaled to
+        # (height, width) are in the image's pixels (transformers scales by the longer side)
+        results = self.processor.image_processor.post_process_object_detection(
+            outputs, threshold=-1.0, target_sizes=sizes
+        )
+        out = []
+        for result, (height, width) in zip(results, sizes):
+            found = []
+            for score, label, box in zip(
+                result["scores"].tolist(), result["labels"].tolist(), result["boxes"].tolist()
+            ):
+                if score < min_score:
+                    continue
+                x1, x2 = (min(max(v, 0.0), float(width)) for v in (box[0], box[2]))
+                y1, y2 = (min(max(v, 0.0), float(height)) for v in (box[1], box[3]))
+                if x2 <= x1 or y2 <= y1:
+                    continue
+                found.append(Detection(self.classes[label], float(score), (x1, y1, x2, y2)))
+            out.append(found)
+        return out
+
+
+DETECTORS: dict[str, type[Detector]] = {
+    "mask2former": Mask2FormerDetector,
+    "owlv2": Owlv2Detector,
+}
+"""Detector name (`uniweave score --detector`, the `geneval` reward's `detector`) -> class."""
+
+
+def load_detector(
+    kind: str, path: str | Path, device: str = "cpu", batch_size: int = 8
+) -> Detector:
+    """The detector `kind` (`DETECTORS`) from the local model directory `path`;
+    ValueError / FileNotFoundError (one line) for an unknown kind or a bad directory."""
+    cls = DETECTORS.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown detector {kind!r}; expected one of {', '.join(DETECTORS)}")
+    return cls(path, device=device, batch_size=batch_size)
