@@ -21,7 +21,8 @@ same rows with the same seeds, paired per prompt, diff ± SE; `uniweave.eval.pai
 
 Usage: python bench/corpora_learning.py OUT [zebra] [jigsaw]
        [--sft-updates N] [--jigsaw-sft-updates N] [--grpo-updates N]
-Prints one table per arm and writes OUT/corpora_learning.json.
+Prints one table per arm (held-out verdicts, the training curves' drift/noise) and
+writes OUT/corpora_learning.json (an arm run later keeps the other arms' entries).
 """
 
 from __future__ import annotations
@@ -242,9 +243,13 @@ def table(title: str, report: dict, metric: str) -> None:
             f"  {v['split']} {v['task']} {metric}: {v['before']:.3f} -> {v['after']:.3f}"
             f"  diff {v['diff']:+.3f} ± {v['se']:.3f} (n={v['n']}): {v['verdict']}"
         )
-    for key, fit in report["curves"].items():
-        if key.startswith("reward/total"):
-            print(f"  training {key}: {fit}")
+    for key in ("loss", "reward/total_mean"):
+        fit = report["curves"].get(key)
+        if fit:
+            print(
+                f"  training {key}: {fit['first_mean']:.3f} -> {fit['last_mean']:.3f}, "
+                f"drift/noise {fit['ratio']:+.2f} over {fit['n']} updates"
+            )
 
 
 def main() -> None:
@@ -256,7 +261,8 @@ def main() -> None:
     p.add_argument("--grpo-updates", type=int, default=60)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {}
+    where = args.out / "corpora_learning.json"
+    results: dict = json.loads(where.read_text()) if where.exists() else {}  # other arms kept
     if "zebra" in args.arms:
         results["zebra"] = zebra(args.out, args.sft_updates)
         table("zebra-cot-shaped digits, SFT", results["zebra"]["report"], "pass@n")
@@ -264,7 +270,7 @@ def main() -> None:
         results["jigsaw"] = jigsaw(args.out, args.jigsaw_sft_updates, args.grpo_updates)
         table("visual jigsaw, SFT", results["jigsaw"]["sft"], "pass@n")
         table("visual jigsaw, GRPO from the SFT model", results["jigsaw"]["grpo"], "pass@n")
-    (args.out / "corpora_learning.json").write_text(json.dumps(results, indent=2, default=str))
+    where.write_text(json.dumps(results, indent=2, default=str))
 
 
 if __name__ == "__main__":
