@@ -106,6 +106,23 @@ def test_train_outside_a_terminal_logs_lines_resume_point_and_final_metrics(tmp_
     final = f"evaluating the model at update 4 on test (2 rows per task at most) into {evals}"
     assert done.stdout.index("update 4/4") < done.stdout.index(final)
     assert start not in done.stdout  # the baseline is not evaluated again on resume
+    # the run log holds the console's status lines of all three processes, timestamped
+    log = (run / "train.log").read_text().splitlines()
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
+    assert log and all(stamp.match(line) for line in log)
+    text = "\n".join(stamp.sub("", line) for line in log)
+    for shown in (stopped.stdout, killed.stdout, done.stdout):
+        for line in shown.splitlines():
+            if LINE.match(line) or line.startswith(("training ", "resumed ", "evaluat")):
+                assert line in text, line
+    assert [int(n) for n in LINE.findall(text)] == [
+        1,
+        2,
+        3,
+        3,
+        3,
+        4,
+    ]  # stopped 1-3, killed 3, done 3-4
     results = json.loads((run / "eval.json").read_text())
     tail = done.stdout.split(f"final metrics ({run / 'eval.json'}):\n", 1)[1]
     shown = dict(line.split() for line in tail.splitlines())

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -49,6 +48,7 @@ from uniweave.config.algorithms import SFTConfig
 from uniweave.config.trained_on import write_trained_on
 from uniweave.core.atomic import write_json_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
+from uniweave.core.status import RUN_LOG, open_run_log, status
 from uniweave.data.rows import has_split, resolve_tasks
 from uniweave.eval.health import HealthMonitor
 from uniweave.eval.run_report import write_report
@@ -194,10 +194,12 @@ def run_train(cfg: UniweaveConfig, stop_after: int | None = None) -> Path:
     set_determinism(cfg.run.deterministic, device)
     apply_mmap_threshold(cfg.run.host_mmap_threshold)
     info, device = init_distributed(device, cfg.trainer.parallel, cfg.trainer.collective_timeout_s)
-    source = None
+    source, close_log = None, None
     try:
         check_rank_geometry(cfg.trainer, info.world_size)  # before anything is written
         run_dir = prepare_run_dir(cfg, info)
+        if info.is_main:  # the console's status lines and log messages, in the run
+            close_log = open_run_log(run_dir / RUN_LOG)
         model = _prepare_model(cfg, run_dir, device)
         baseline_evaluations(cfg, model, run_dir, info)  # the ranks share it
         barrier(info)
@@ -230,6 +232,8 @@ def run_train(cfg: UniweaveConfig, stop_after: int | None = None) -> Path:
         if source is not None:
             source.close()  # Ray workers
         shutdown_distributed()
+        if close_log is not None:
+            close_log()
 
 
 def _digits_tasks(cfg: UniweaveConfig) -> bool:
@@ -300,7 +304,7 @@ def evaluate_split(
     main = info is None or info.is_main
     if main:  # a progress line: an evaluation can take longer than many updates
         what = "the starting model" if update == 0 else f"the model at update {update}"
-        print(f"evaluating {what} on {split} ({size} rows per task at most) into {out}", flush=True)
+        status(f"evaluating {what} on {split} ({size} rows per task at most) into {out}")
     t0 = time.perf_counter()
     summary = evaluate(
         split_config(cfg, split),
@@ -312,7 +316,7 @@ def evaluate_split(
         ranks=(info.rank, info.world_size, info.cpu_group) if info and info.enabled else None,
     )
     if main:
-        print(f"evaluated {split} in {time.perf_counter() - t0:.0f} s", flush=True)
+        status(f"evaluated {split} in {time.perf_counter() - t0:.0f} s")
     return task_metrics(summary) if summary is not None else {}
 
 
@@ -472,11 +476,10 @@ def report(run_dir: Path, update: int, split: str | None) -> None:
     for alarm in summary["alarms"]:
         fresh = alarm["update"] == update and alarm["key"].startswith(f"{split}/")
         if split is not None and alarm["name"].startswith("heldout") and fresh:
-            print(
+            status(
                 f"health alarm: {alarm['name']} at update {update}: {alarm['message']} "
                 f"(health.{alarm['knob']}={alarm['threshold']:g})",
-                file=sys.stderr,
-                flush=True,
+                err=True,
             )
 
 
@@ -497,6 +500,6 @@ class HealthWatch:
                 if record.get("update", 0) < update:
                     self.monitor.observe(record["update"], record)
         for alarm in self.monitor.observe(update, metrics):
-            print(alarm.line(), file=sys.stderr, flush=True)
+            status(alarm.line(), err=True)
         if any(k.startswith("val/") for k in metrics):
             report(self.run_dir, update, "val")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from uniweave.config import UniweaveConfig, config_hash
+from uniweave.core.status import status
 from uniweave.models.base import UnifiedModel
 from uniweave.train.dist.comm import DistInfo, barrier
 from uniweave.train.dist.parallel import Parallel
@@ -157,12 +158,11 @@ class Checkpointer:
         self.parent = parent_record(found) if self.from_parent else found.state.get("parent")
         if self.dist.is_main and parent is not None:
             if self.from_parent:
-                print(f"starting from the parent checkpoint {found.path} (run.parent)", flush=True)
+                status(f"starting from the parent checkpoint {found.path} (run.parent)")
             else:
-                print(
+                status(
                     f"resuming from this run's own checkpoint {found.path} (not the "
-                    f"run.parent {parent})",
-                    flush=True,
+                    f"run.parent {parent})"
                 )
         if found.sharded != self.parallel.distributed:
             raise TrainingError(

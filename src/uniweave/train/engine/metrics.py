@@ -23,6 +23,7 @@ import numpy as np
 
 from uniweave.config.schema import LoggingConfig
 from uniweave.core.atomic import atomic_write, write_text_atomic
+from uniweave.core.status import log_only, status
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -310,13 +311,15 @@ class Progress:
             self._progress.update(self._task, advance=1, loss=loss, rate=rate)
 
     def logged(self, update: int, metrics: dict[str, Any]) -> None:
-        """Update `update` was logged: in plain mode print its line (s/update: the mean
-        wall time per update since this process started training, evaluations and
-        checkpoints included)."""
-        if not self.plain:
-            return
+        """Update `update` was logged: its line (s/update: the mean wall time per update
+        since this process started training, evaluations and checkpoints included) in the
+        run log, and printed in plain mode (`uniweave.core.status`)."""
         pace = (time.monotonic() - self._t0) / max(update - self._start, 1)
-        print(progress_line(update, self.total, metrics, pace), flush=True)
+        line = progress_line(update, self.total, metrics, pace)
+        if self.plain:
+            status(line)
+        else:  # the terminal shows the bar; the run log gets the line
+            log_only(line)
 
     def close(self) -> None:
         if self._progress is not None:

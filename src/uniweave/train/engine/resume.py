@@ -21,6 +21,7 @@ from torch import nn
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash, resume_conflicts
 from uniweave.config.hashing import SCHEDULE_KEYS, check_extension, diff_configs, resumable_summary
+from uniweave.core.status import status
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.forward_mode import draws_dropout
 from uniweave.train.state import checkpoint as ckpt
@@ -114,10 +115,9 @@ def execution_changes(
     if say:
         what = [f"world size {before} -> {world_size}"] if moved else []
         what += [f"config {', '.join(keys)}"] if keys else []
-        print(
+        status(
             f"execution change at update {found.update}: {'; '.join(what)} (the same "
-            "updates, computed in another order: float rounding, not bit for bit)",
-            flush=True,
+            "updates, computed in another order: float rounding, not bit for bit)"
         )
     return changes
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from uniweave.config import UniweaveConfig
+from uniweave.core.status import status
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.models.base import UnifiedModel
 from uniweave.train.dist.comm import DistInfo, all_reduce_sum
@@ -285,13 +286,12 @@ class Trainer:
             self.save()
         if self.dist.is_main:
             if resumed:
-                print(
+                status(
                     f"resumed from update {self.update} ({self.checkpoints.resumed_from}); "
-                    f"{self.t.total_updates - self.update} updates to go",
-                    flush=True,
+                    f"{self.t.total_updates - self.update} updates to go"
                 )
             else:
-                print(f"training {self.t.total_updates} updates into {self.run_dir}", flush=True)
+                status(f"training {self.t.total_updates} updates into {self.run_dir}")
         log = self.cfg.logging
         logger = None
         if self.dist.is_main:
