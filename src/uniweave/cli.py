@@ -76,10 +76,13 @@ def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
     model directories resolved to local snapshots (`uniweave.config.hub`), its `model`
     section checked against the kind's registration (creates nothing)."""
     from uniweave.config.hub import resolve_hub_ids
-    from uniweave.data.rows import resolve_tasks
     from uniweave.models import check_model_config
 
-    cfg = resolve_tasks(resolve_hub_ids(load_config(args.config, args.overrides)))
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
+    if cfg.data.tasks is None:  # read from the rows (imports the data loader: not for --help)
+        from uniweave.data.rows import resolve_tasks
+
+        cfg = resolve_tasks(cfg)
     check_model_config(cfg.model)
     return cfg
 
@@ -115,13 +118,15 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
-    """`inspect CONFIG [key=value ...]`, `inspect --fingerprints RUN_DIR`, or `inspect
-    DATA_DIR` (a folder of .jsonl rows, e.g. one `uniweave data convert` wrote)."""
+    """`inspect CONFIG [key=value ...]`, `inspect --fingerprints RUN_DIR`, `inspect RUN_DIR`
+    (what every entry of a run directory is), or `inspect DATA_DIR` (a folder of .jsonl
+    rows, e.g. one `uniweave data convert` wrote)."""
     parser.add_argument(
         "config",
         nargs="?",
         metavar="CONFIG",
-        help="YAML config file, or a folder of .jsonl rows (counts of rows and parts per type)",
+        help="YAML config file, a run directory (what each entry is), or a folder of .jsonl "
+        "rows (counts of rows and parts per type)",
     )
     parser.add_argument(
         "overrides",
@@ -157,6 +162,17 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise ConfigError("inspect needs CONFIG (or --fingerprints RUN_DIR)")
     from pathlib import Path
 
+    if Path(args.config).is_dir():
+        from uniweave.train.layout import describe_run_dir, is_run_dir
+
+        if is_run_dir(Path(args.config)):
+            if args.overrides or args.sources:
+                raise ConfigError("a run directory takes no KEY=VALUE overrides or --sources")
+            entries = describe_run_dir(Path(args.config))
+            width = max(len(name) for name, _ in entries)
+            for name, what in entries:
+                sys.stdout.write(f"{name:<{width}}  {what}\n")
+            return 0
     if Path(args.config).is_dir() or args.config.endswith(".jsonl"):
         if args.overrides or args.sources:
             raise ConfigError("a data folder takes no KEY=VALUE overrides or --sources")
