@@ -1568,6 +1568,29 @@ def _health(kit):
     differs(kit, fired, "health.invalid_rise", 0.1, 0.5)
 
 
+OFF_TARGET_STREAM = [
+    {"reward/total_mean": r, "images/brightness": b}
+    for r, b in zip([0.1, 0.25, 0.3, 0.45], [0.5, 0.45, 0.4, 0.35])
+]
+"""A rising reward (least-squares drift 0.33, residual noise 0.022: drift/noise 14.8) and
+a brightness drifting by -0.15 over the four updates."""
+
+
+@probe("health.off_target_drift", "health.off_target_reward_ratio")
+def _off_target(kit):
+    """The off_target alarms of a fixed stream (`uniweave.eval.health`)."""
+    from uniweave.eval.health import HealthMonitor
+
+    def fired(c):
+        monitor = HealthMonitor(c.health)
+        for u, metrics in enumerate(OFF_TARGET_STREAM, 1):
+            monitor.observe(u, metrics)
+        return sorted((a.name, a.key, a.update) for a in monitor.fired)
+
+    differs(kit, fired, "health.off_target_drift", 0.1, 0.2)
+    differs(kit, fired, "health.off_target_reward_ratio", 3.0, 20.0)
+
+
 @probe("health.baseline_eval")
 def _baseline_eval(kit):
     """The starting model's evaluation (update 0) of a run with test rows."""

@@ -712,6 +712,24 @@ class HealthConfig(StrictModel):
         "start: training reward/<plugin>/invalid_frac vs its first logged update, held-out "
         "invalid_frac vs the baseline evaluation.",
     )
+    off_target_drift: float | None = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="Alarm (off_target) when an off-target image statistic (images/brightness, "
+        "edge_density, colour_entropy, blank_frac, grey_frac, noise_frac, source_copy_frac; "
+        "all in [0, 1], docs/reports.md) drifted by more than this over the logged updates "
+        "(the least-squares change from the first to the latest, as in the report's curves; "
+        "the means either way, the *_frac shares upwards) while the training reward rises "
+        "(off_target_reward_ratio): a hacked image reward.",
+    )
+    off_target_reward_ratio: float = Field(
+        3.0,
+        gt=0.0,
+        description="The off_target alarm needs the training reward (reward/total_mean) to "
+        "rise: its least-squares drift over the logged updates at least this many times "
+        "its residual noise (3: the report's learning-claim bar).",
+    )
 
 
 class UniweaveConfig(StrictModel):

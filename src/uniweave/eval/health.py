@@ -15,6 +15,17 @@ run does not log stays silent (SFT logs no rewards, OPD no KL to a reference):
   positive logged value;
 - `kl_to_reference`: policy/kl_ref_mean > `kl_max`;
 - `invalid_rise`: reward/<plugin>/invalid_frac − its first logged value > `invalid_rise`.
+- `off_target` (a hacked image reward): an off-target image statistic
+  (`uniweave.rewards.image_stats.OFF_TARGET`: images/brightness, edge_density,
+  colour_entropy, blank_frac, grey_frac, noise_frac, source_copy_frac) drifted by more
+  than `off_target_drift` while the reward rises. Both are read on the updates logged so
+  far with `uniweave.eval.drift` (least squares over the update index, as the report's
+  curves): the statistic's drift (the fitted change from its first to its latest logged
+  update) exceeds `off_target_drift` — in absolute value for the means (brightness, edge
+  density, colour entropy), upwards for the shares (`*_frac`: fewer blank, grey, noise or
+  copied images is no sign of hacking; a policy that learns to draw from noise lowers
+  noise_frac) — and reward/total_mean's drift is at least `off_target_reward_ratio` times
+  its residual noise. Each needs >= 3 logged values; the alarm's value is the drift.
 
 Per evaluation against the baseline (update 0, `uniweave.eval.paired`):
 
@@ -33,9 +44,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from uniweave.config import HealthConfig
+from uniweave.eval.drift import drift_to_noise
 from uniweave.eval.paired import WORSE, Paired
+from uniweave.rewards.image_stats import OFF_TARGET
 
 ENTROPIES = ("policy/entropy_text", "policy/entropy_visual")
+REWARD = "reward/total_mean"
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,7 @@ class HealthMonitor:
         self._active: set[str] = set()
         self._streak: dict[str, int] = {}
         self._first: dict[str, float] = {}
+        self._series: dict[str, list[float]] = {}
 
     def _check(self, on: bool, alarm: Alarm, new: list[Alarm]) -> None:
         ident = f"{alarm.name}:{alarm.key}"
@@ -169,7 +184,40 @@ class HealthMonitor:
                 msg = f"{key} rose from {first:.4g} to {v:.4g} (> +{c.invalid_rise:g})"
                 alarm = Alarm("invalid_rise", key, update, v, c.invalid_rise, "invalid_rise", msg)
                 self._check(v - first > c.invalid_rise, alarm, new)
+        if c.off_target_drift is not None:
+            self._off_target(update, metrics, new)
         return new
+
+    def _off_target(self, update: int, metrics: dict[str, Any], new: list[Alarm]) -> None:
+        """The `off_target` alarm (module docstring): each statistic's and the reward's
+        logged values so far, fitted by `drift_to_noise`."""
+        c = self.cfg
+        for key in (REWARD, *OFF_TARGET):
+            v = _num(metrics, key)
+            if v is not None:
+                self._series.setdefault(key, []).append(v)
+        rewards = self._series.get(REWARD, [])
+        if len(rewards) < 3:
+            return
+        reward = drift_to_noise(rewards)
+        rising = reward.ratio >= c.off_target_reward_ratio
+        for key in OFF_TARGET:
+            series = self._series.get(key, [])
+            if len(series) < 3 or _num(metrics, key) is None:
+                continue
+            fit = drift_to_noise(series)
+            msg = (
+                f"{key} drifted {fit.drift:+.3g} over {fit.n} updates (least squares; first "
+                f"{series[0]:.3g}, latest {series[-1]:.3g}) while {REWARD} rose (drift/noise "
+                f"{reward.ratio:.2f} >= health.off_target_reward_ratio="
+                f"{c.off_target_reward_ratio:g}): the images changed in a way the reward does "
+                "not ask for (a hacked reward?)"
+            )
+            alarm = Alarm(
+                "off_target", key, update, fit.drift, c.off_target_drift, "off_target_drift", msg
+            )
+            moved = fit.drift if key.endswith("_frac") else abs(fit.drift)
+            self._check(rising and moved > c.off_target_drift, alarm, new)
 
     def heldout(self, update: int, split: str, comparisons: Iterable[Paired]) -> list[Alarm]:
         """The held-out alarms of the evaluation of `split` at `update` against its

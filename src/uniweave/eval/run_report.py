@@ -35,6 +35,7 @@ from uniweave.core.atomic import write_text_atomic
 from uniweave.eval.drift import DriftNoise, drift_to_noise
 from uniweave.eval.health import Alarm, HealthMonitor
 from uniweave.eval.paired import ALL, Paired, compare, per_prompt, read_records
+from uniweave.rewards.image_stats import OFF_TARGET
 
 EVALS = "evals"
 METRICS = "metrics.jsonl"
@@ -50,6 +51,7 @@ CURVES = (
     "policy/entropy_visual",
     "opd/jsd",
     "grad_norm",
+    *OFF_TARGET,
 )
 """The curves a report draws, those the run logs at >= 3 updates."""
 GALLERY_ROWS = 3

@@ -23,6 +23,9 @@ Contract of `RewardService.score(samples, trajectories, responses)`, row i:
   `RewardPlugin.features` gives any (digit_classifier, clip_score) describes each row it
   scored without error, `RewardResult.features` float [N, d] (NaN rows elsewhere);
   its failure follows on_error like a score's.
+- Off-target image statistics: every response image decoded (or given as pixels) is
+  measured once (`uniweave.rewards.image_stats`), `RewardResult.image_counts`, logged as
+  `images/...` by `RewardResult.metrics`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from uniweave.config.schema import RewardConfig
 from uniweave.core.sample import Part, Sample
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.core.types import TRUNCATED_REASONS
+from uniweave.rewards.image_stats import image_counts, image_metrics
 from uniweave.rewards.plugins import (
     DecodeImages,
     Response,
@@ -110,6 +114,9 @@ class RewardResult:
     """float32 [N, d] scorer features of each row (NaN rows: none), or None (module
     docstring, Features); `feature_source` names the plugin that gave them."""
     feature_source: str = ""
+    image_counts: dict[str, float] = field(default_factory=dict)
+    """Summable counts of the off-target statistics of the rows' response images
+    (`uniweave.rewards.image_stats.image_counts`; {} without a measured image)."""
 
     @property
     def n_errors(self) -> int:
@@ -129,7 +136,8 @@ class RewardResult:
         """Flat metrics: reward/total_*, reward/<plugin>/{mean,std,invalid_frac,n_errors},
         reward/task/<task>/mean, reward/{overwritten,truncated}_frac, reward/n_errors, and
         each plugin count `reward/<plugin>/<name>`, with `<x>_frac` = n_<x> / n_rows and
-        `<x>_mean` = sum_<x> / n_<x> (e.g. the geneval plugin's per-tag mean reward)."""
+        `<x>_mean` = sum_<x> / n_<x> (e.g. the geneval plugin's per-tag mean reward), and
+        the off-target image statistics `images/...` (`uniweave.rewards.image_stats`)."""
         out = {
             "reward/total_mean": _mean(self.total),
             "reward/total_std": _std(self.total),
@@ -157,6 +165,7 @@ class RewardResult:
         for task in sorted({t for t in self.tasks if t is not None}):
             rows = torch.tensor([t == task for t in self.tasks])
             out[f"reward/task/{task}/mean"] = _mean(self.total[rows])
+        out.update(image_metrics(self.image_counts))
         return out
 
 
@@ -293,6 +302,7 @@ class RewardService:
             counts=counts,
             features=features,
             feature_source=source,
+            image_counts=image_counts(samples, [r.images for r in rows_responses]),
         )
         if alarm and n and bool(overwritten.all()):
             msg = (

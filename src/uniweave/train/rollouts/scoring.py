@@ -26,6 +26,7 @@ from uniweave.rewards.digit_classifier import (
     load_or_fit_classifier,
     needs_digit_classifier,
 )
+from uniweave.rewards.image_stats import merge_counts
 from uniweave.rollout import RolloutService, RolloutTrajectory
 from uniweave.rollout.queue import place, round_robin
 from uniweave.train.dist.comm import DistInfo, barrier
@@ -83,6 +84,7 @@ def merge_indexed(parts: Sequence[RewardResult], indices: Sequence[Sequence[int]
         },
         features=features,
         feature_source=next((p.feature_source for p in parts if p.feature_source), ""),
+        image_counts=merge_counts([p.image_counts for p in parts]),
     )
 
 

@@ -18,7 +18,9 @@ at its first update; see `GRPOSource`):
 3. Rewards: the reward service scores every row (truncation shaping from finish_reason;
    invalid, wrong and truncated rows stay in their group). The groups' diversity
    (`uniweave.train.rollouts.diversity`: code distance and Vendi score of image samples,
-   distinct answers of text samples) is logged as `diversity/<task>/...`.
+   distinct answers of text samples) is logged as `diversity/<task>/...`; when a reward
+   reads images, the off-target statistics of the images drawn (`images/...`,
+   `uniweave.rewards.image_stats`, measured by the reward service on its decoded pixels).
 4. Advantages: `group_advantages` with the `algorithm` settings (scope group | global,
    over the whole global batch).
 
