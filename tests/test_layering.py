@@ -25,6 +25,7 @@ Inside `uniweave.train` the sub-packages have an order of their own, lowest firs
     rollouts               prompts, scoring, stats and Ray workers of rollout methods
     methods.<name>         one method each (sft, grpo, opd): source, objective, job
     run, preflight         what `uniweave train` runs
+    layout                 what each entry of a run directory is (`uniweave inspect RUN_DIR`)
 
 A method never imports another method (what two methods share lives lower, in
 `rollouts` or `engine`), and no module imports a private name (`_x`) of another module,
@@ -291,6 +292,7 @@ TRAIN_LAYERS: dict[str, int] = {
     "methods": 3,
     "run": 4,
     "preflight": 4,
+    "layout": 4,
 }
 """Sub-package (or top-level module) of `uniweave.train` -> its order inside train."""
 MAX_TRAIN_TOP_MODULES = 6
