@@ -730,9 +730,12 @@ def run_eval(args: argparse.Namespace) -> int:
     geneval = _geneval_defaults(args)
     cfg = load_weights_config(args)
     if geneval:
-        from uniweave.eval.geneval.command import eval_command
+        from uniweave.eval.geneval.command import check_eval, eval_command
+        from uniweave.train.preflight import preflight_inference
 
-        return eval_command(args, cfg)
+        plan = check_eval(args, cfg)
+        preflight_inference(cfg)
+        return eval_command(args, cfg, plan)
     from uniweave.eval import run_eval as evaluate
     from uniweave.train.preflight import preflight_inference
 

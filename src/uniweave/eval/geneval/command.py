@@ -13,6 +13,14 @@ Order of work, so that a mistake costs no model load:
    `results.jsonl`, `summary.txt` and `summary.json` to `--out`.
 
 Prints the problems (one line each, counted per kind) and GenEval's summary table.
+
+`uniweave eval CONFIG --geneval METADATA` (`check_eval`, then `eval_command`) checks the
+same options, every row of the metadata file (against the detector's vocabulary, and a
+colour row without `--clip-path`) and the output folder (`generation.check_out`) before
+the CLI preflights the model; then it builds the model, draws the absent images
+(`uniweave.eval.geneval.generation`), loads the detector and scores the folder with
+`score_folder` (missing policy "wrong"), writing results.jsonl, summary.txt and
+summary.json beside the images: the files `uniweave score` writes for that folder.
 """
 
 from __future__ import annotations
@@ -20,9 +28,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from uniweave.config import COMMAND_LINE, ConfigError, UniweaveConfig
 from uniweave.config.hub import resolve
@@ -104,14 +111,25 @@ def score_command(args: argparse.Namespace) -> int:
     return 0 if result.summary is not None else 1
 
 
-def eval_command(args: argparse.Namespace, cfg: UniweaveConfig) -> int:
-    """Run `uniweave eval CONFIG --geneval METADATA` (`uniweave.eval.geneval.generation`):
-    check the options and every metadata row (exit 2 naming FILE:LINE and the field) and
-    the output folder, then build the model, draw the absent images, and score the folder
-    exactly as `uniweave score` does, writing its results beside the images."""
-    from uniweave.eval.geneval.generation import check_out, generate_folder
-    from uniweave.models.build import build_model, resolve_device
-    from uniweave.train.preflight import preflight_inference
+@dataclass(frozen=True)
+class GenEvalPlan:
+    """What `uniweave eval --geneval` checked before any model: the options, the rows and
+    the output folder."""
+
+    out: Path
+    rows: list[MetadataRow]
+    thresholds: GenEvalThresholds
+    kind: type
+    detector_dir: Path
+    clip_dir: Path | None
+    classes: tuple[str, ...]
+
+
+def check_eval(args: argparse.Namespace, cfg: UniweaveConfig) -> GenEvalPlan:
+    """Step one of `uniweave eval CONFIG --geneval METADATA`: the options, every metadata
+    row against the detector's classes (exit 2 naming FILE:LINE and the field) and the
+    output folder (`check_out`); builds no model and writes nothing."""
+    from uniweave.eval.geneval.generation import check_out
 
     default = cfg.evaluation.output_dir or str(Path(cfg.run.output_dir) / "geneval")
     out = Path(args.out or default)
@@ -119,16 +137,28 @@ def eval_command(args: argparse.Namespace, cfg: UniweaveConfig) -> int:
     rows = read_metadata(args.geneval, classes)
     _check_colour(rows, clip_dir)
     check_out(out)
-    preflight_inference(cfg)
+    return GenEvalPlan(out, rows, thresholds, kind, detector_dir, clip_dir, classes)
+
+
+def eval_command(args: argparse.Namespace, cfg: UniweaveConfig, plan: GenEvalPlan) -> int:
+    """Step two (after the CLI's preflight of the model): build the model, draw the absent
+    images (`uniweave.eval.geneval.generation`), then score the folder exactly as
+    `uniweave score` does, writing its results beside the images."""
+    from uniweave.eval.geneval.generation import generate_folder
+    from uniweave.models.build import build_model, resolve_device
+
+    out = plan.out
     device = resolve_device(cfg.run.device)
     model = build_model(cfg).to(device).eval()
-    generated = generate_folder(cfg, model, rows, out, args.images_per_prompt, args.geneval)
+    generated = generate_folder(cfg, model, plan.rows, out, args.images_per_prompt, args.geneval)
     del model
     print(f"uniweave eval: drew {generated.drawn} images, kept {generated.kept} already drawn "
           f"({out / 'generation.json'})", file=sys.stderr)  # fmt: skip
-    folder = read_folder(out, classes, args.images_per_prompt)
-    detector_device = args.device or ("cuda" if torch.device(device).type == "cuda" else "cpu")
-    scorer = _scorer(args, kind, detector_dir, clip_dir, thresholds, detector_device)
+    folder = read_folder(out, plan.classes, args.images_per_prompt)
+    detector_device = args.device or ("cuda" if device.type == "cuda" else "cpu")
+    scorer = _scorer(
+        args, plan.kind, plan.detector_dir, plan.clip_dir, plan.thresholds, detector_device
+    )
     result = score_folder(folder, scorer, out, "wrong", args.on_error)
     sys.stdout.write((out / "summary.txt").read_text(encoding="utf-8"))
     print(f"uniweave eval: results in {out} (generation.json, results.jsonl, summary.txt, "
