@@ -1,6 +1,6 @@
 """Tiny random models and model assets shared by several test modules (not collected: no
 test_ prefix): the UniAR test sizes and a seeded random BSQ codec, and a tiny random
-CLIP model saved as a directory."""
+CLIP model and a tiny random Mask2Former saved as directories."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from transformers import (
     CLIPImageProcessorPil,
     CLIPModel,
     CLIPProcessor,
+    Mask2FormerConfig,
+    Mask2FormerForUniversalSegmentation,
+    Mask2FormerImageProcessorPil,
     PreTrainedTokenizerFast,
+    SwinConfig,
 )
 
 from uniweave.codecs.bsq import BSQCodec
@@ -24,6 +28,35 @@ UNIAR_SIZES = SMALL_SIZES.model_copy(update={"initializer_range": 0.5})
 
 CLIP_WORDS = ["<|startoftext|>", "<|endoftext|>", "<unk>", "a", "cat", "dog", "red", "photo", "of"]
 """The tiny CLIP's whole vocabulary (WordLevel)."""
+
+
+M2F_LABELS = {0: "cat", 1: "dog", 2: "mouse"}
+"""The tiny Mask2Former's labels; "mouse" is COCO's spelling of GenEval's "computer mouse"."""
+
+
+def write_tiny_mask2former(path: Path) -> Path:
+    """A tiny random Mask2Former (labels `M2F_LABELS`) whose class head favours "cat"
+    (bias +8 on its logit), so that instance scores (class probability x mean mask
+    probability) clear 0.3; saved with its image processor (64x64) to `path`."""
+    backbone = SwinConfig(
+        image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
+        window_size=2, out_features=["stage1", "stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    config = Mask2FormerConfig(
+        backbone_config=backbone, num_labels=3, hidden_dim=32, num_queries=6,
+        encoder_layers=1, decoder_layers=2, num_attention_heads=2, encoder_feedforward_dim=16,
+        dim_feedforward=16, mask_feature_size=32, feature_size=32, common_stride=4,
+        id2label=M2F_LABELS, label2id={v: k for k, v in M2F_LABELS.items()},
+        use_pretrained_backbone=False,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Mask2FormerForUniversalSegmentation(config).eval()
+    with torch.no_grad():
+        model.class_predictor.bias[0] += 8.0
+    model.save_pretrained(str(path))
+    Mask2FormerImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(str(path))
+    return path
 
 
 def random_bsq_codec(latent_dim: int, patch: int, group: int, seed: int = 0) -> BSQCodec:

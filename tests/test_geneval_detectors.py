@@ -15,21 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_fixtures import write_tiny_clip
+from model_fixtures import write_tiny_clip, write_tiny_mask2former
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     CLIPModel,
     CLIPProcessor,
-    Mask2FormerConfig,
-    Mask2FormerForUniversalSegmentation,
-    Mask2FormerImageProcessorPil,
     Owlv2Config,
     Owlv2ForObjectDetection,
     Owlv2ImageProcessorPil,
     Owlv2Processor,
     PreTrainedTokenizerFast,
-    SwinConfig,
 )
 
 from uniweave.cli import main
@@ -51,8 +47,6 @@ from uniweave.rewards.service import PluginSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-M2F_LABELS = {0: "cat", 1: "dog", 2: "mouse"}
-"""The tiny Mask2Former's labels; "mouse" is COCO's spelling of GenEval's "computer mouse"."""
 OWL_CLASSES = ("cat", "dog", "car")
 CLIP_WORDS = [
     "<|startoftext|>", "<|endoftext|>", "<unk>", "a", "photo", "of", "-", "colored",
@@ -66,28 +60,7 @@ CLIP_WORDS = [
 
 @pytest.fixture(scope="module")
 def m2f_dir(tmp_path_factory) -> Path:
-    """A tiny random Mask2Former whose class head favours "cat" (bias +8 on its logit), so
-    that instance scores (class probability x mean mask probability) clear 0.3."""
-    path = tmp_path_factory.mktemp("m2f")
-    backbone = SwinConfig(
-        image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
-        window_size=2, out_features=["stage1", "stage2", "stage3", "stage4"],
-    )  # fmt: skip
-    config = Mask2FormerConfig(
-        backbone_config=backbone, num_labels=3, hidden_dim=32, num_queries=6,
-        encoder_layers=1, decoder_layers=2, num_attention_heads=2, encoder_feedforward_dim=16,
-        dim_feedforward=16, mask_feature_size=32, feature_size=32, common_stride=4,
-        id2label=M2F_LABELS, label2id={v: k for k, v in M2F_LABELS.items()},
-        use_pretrained_backbone=False,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Mask2FormerForUniversalSegmentation(config).eval()
-    with torch.no_grad():
-        model.class_predictor.bias[0] += 8.0
-    model.save_pretrained(str(path))
-    Mask2FormerImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(str(path))
-    return path
+    return write_tiny_mask2former(tmp_path_factory.mktemp("m2f"))
 
 
 def _word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:

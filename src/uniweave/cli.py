@@ -113,8 +113,132 @@ def load_weights_config(args: argparse.Namespace) -> UniweaveConfig:
 
 
 def configure_eval(parser: argparse.ArgumentParser) -> None:
+    """`eval CONFIG [key=value ...]`: the data split (uniweave.eval.runner); with
+    `--geneval METADATA`: GenEval's images drawn and scored (docs/geneval.md)."""
     add_config_arguments(parser)
     add_random_init_argument(parser)
+    group = parser.add_argument_group(
+        "GenEval (with --geneval; the other options act only with it)"
+    )
+    group.add_argument(
+        "--geneval",
+        default=None,
+        metavar="METADATA",
+        help="a GenEval metadata JSONL (e.g. evaluation_metadata.jsonl): draw N images per "
+        "prompt into GenEval's folder layout, then score them as 'uniweave score' does",
+    )
+    group.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="the layout and results (default evaluation.output_dir, else "
+        "<run.output_dir>/geneval); a rerun draws only the images not there yet",
+    )
+    group.add_argument(
+        "--images-per-prompt",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="images drawn per prompt (default 4, GenEval's)",
+    )
+    add_detector_arguments(group, evaluating=True)
+
+
+def add_detector_arguments(parser, evaluating: bool = False) -> None:
+    """The detector, CLIP and rule options `score` and `eval --geneval` share; for eval
+    every default is None (an option given without --geneval is refused), filled in by
+    `_geneval_defaults`."""
+    unset = evaluating
+    parser.add_argument(
+        "--detector",
+        choices=("mask2former", "owlv2"),
+        default=None if unset else "mask2former",
+        help="object detector kind (default mask2former)",
+    )
+    parser.add_argument(
+        "--detector-path",
+        required=not evaluating,
+        default=None,
+        metavar="P",
+        help="the detector's model directory or hub id, e.g. "
+        "facebook/mask2former-swin-small-coco-instance",
+    )
+    parser.add_argument(
+        "--clip-path",
+        default=None,
+        metavar="P",
+        help="CLIP model directory or hub id for colour clauses, e.g. "
+        "openai/clip-vit-large-patch14 (needed when a row asks for a colour)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None if unset else "cpu",
+        help="the detector's and CLIP's device (default: "
+        + ("the run's device, run.device)" if evaluating else "cpu)"),
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None if unset else 8,
+        help="images per detector pass (default 8)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None if unset else 0.3,
+        help="detection score threshold (GenEval: 0.3)",
+    )
+    parser.add_argument(
+        "--counting-threshold",
+        type=float,
+        default=None if unset else 0.9,
+        help="the threshold on counting rows (GenEval: 0.9)",
+    )
+    parser.add_argument(
+        "--on-error",
+        choices=("raise", "zero"),
+        default=None if unset else "raise",
+        help="a detection that fails: stop (default), or count the image as failed and incorrect",
+    )
+
+
+_GENEVAL_DEFAULTS = {
+    "out": None,
+    "images_per_prompt": 4,
+    "detector": "mask2former",
+    "detector_path": None,
+    "clip_path": None,
+    "device": None,
+    "batch_size": 8,
+    "threshold": 0.3,
+    "counting_threshold": 0.9,
+    "on_error": "raise",
+}
+
+
+def _geneval_defaults(args: argparse.Namespace) -> bool:
+    """Whether `eval` runs GenEval; refuses a GenEval option without --geneval and
+    --geneval without --detector-path; fills the unset options' defaults."""
+    if args.geneval is None:
+        for name in _GENEVAL_DEFAULTS:
+            if getattr(args, name) is not None:
+                option = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    "acts only with --geneval METADATA", key=option, source=COMMAND_LINE
+                )
+        return False
+    if args.detector_path is None:
+        raise ConfigError(
+            "--geneval needs the detector that scores the images, e.g. "
+            "facebook/mask2former-swin-small-coco-instance",
+            key="--detector-path",
+            source=COMMAND_LINE,
+        )
+    for name, value in _GENEVAL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return True
 
 
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
@@ -601,8 +725,17 @@ def run_config(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Validate the config (a model.path or --random-init), then evaluate the model (see
-    `uniweave.eval.runner`)."""
+    `uniweave.eval.runner`); with --geneval, draw and score GenEval's images (see
+    `uniweave.eval.geneval.generation`)."""
+    geneval = _geneval_defaults(args)
     cfg = load_weights_config(args)
+    if geneval:
+        from uniweave.eval.geneval.command import check_eval, eval_command
+        from uniweave.train.preflight import preflight_inference
+
+        plan = check_eval(args, cfg)
+        preflight_inference(cfg)
+        return eval_command(args, cfg, plan)
     from uniweave.eval import run_eval as evaluate
     from uniweave.train.preflight import preflight_inference
 
@@ -650,30 +783,7 @@ def configure_score(parser: argparse.ArgumentParser) -> None:
         help="images in GenEval's layout (<index>/metadata.jsonl, <index>/samples/NNNN.png)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
-    parser.add_argument(
-        "--detector",
-        choices=("mask2former", "owlv2"),
-        default="mask2former",
-        help="object detector kind (default mask2former)",
-    )
-    parser.add_argument(
-        "--detector-path",
-        required=True,
-        metavar="P",
-        help="the detector's model directory or hub id, e.g. "
-        "facebook/mask2former-swin-small-coco-instance",
-    )
-    parser.add_argument(
-        "--clip-path",
-        default=None,
-        metavar="P",
-        help="CLIP model directory or hub id for colour clauses, e.g. "
-        "openai/clip-vit-large-patch14 (needed when a row asks for a colour)",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
-    parser.add_argument(
-        "--batch-size", type=_positive_int, default=8, help="images per detector pass (default 8)"
-    )
+    add_detector_arguments(parser)
     parser.add_argument(
         "--images-per-prompt",
         type=_positive_int,
@@ -682,26 +792,11 @@ def configure_score(parser: argparse.ArgumentParser) -> None:
         help="images expected per prompt (default: up to the highest sample number found)",
     )
     parser.add_argument(
-        "--threshold", type=float, default=0.3, help="detection score threshold (GenEval: 0.3)"
-    )
-    parser.add_argument(
-        "--counting-threshold",
-        type=float,
-        default=0.9,
-        help="the threshold on counting rows (GenEval: 0.9)",
-    )
-    parser.add_argument(
         "--missing",
         choices=("wrong", "skip"),
         default="wrong",
         help="missing or unreadable images: judged incorrect (default), or left out of the "
         "figures as GenEval does; named either way",
-    )
-    parser.add_argument(
-        "--on-error",
-        choices=("raise", "zero"),
-        default="raise",
-        help="a detection that fails: stop (default), or count the image as failed and incorrect",
     )
 
 

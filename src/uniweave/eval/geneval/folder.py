@@ -1,6 +1,6 @@
 """A folder of generated images in GenEval's layout, read with nothing skipped silently.
 
-The layout (GenEval's README; `uniweave eval` will write it, anything else may have):
+The layout (GenEval's README; `uniweave eval --geneval` writes it, anything else may have):
 
     <root>/<index>/metadata.jsonl      one metadata row (`read_prompt_metadata`)
     <root>/<index>/samples/NNNN.png    the prompt's images, numbered from 0000
