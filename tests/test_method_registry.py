@@ -215,7 +215,10 @@ def test_inspect_plan_and_describe_know_its_keys(tmp_path, capsys, reinforce, sm
     assert "Samples per prompt" in out
     assert cli.main(["config", "describe", "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "algorithm[reinforce].baseline" in out or "reinforce" in out
+    assert "one of 'sft', 'grpo', 'opd', 'reinforce'" in out
+    assert "sft \\| grpo \\| opd \\| reinforce, chosen by algorithm.name." in out
+    assert "| `algorithm[reinforce].samples_per_prompt` | int (>= 1) | `2` |" in out
+    assert "| `algorithm[reinforce].baseline` | one of 'mean', 'none' | `\"mean\"` |" in out
 
     recipe = yaml.safe_load(
         (ROOT / "src/uniweave/assets/recipes/janus_pro/grpo_i2t_mc_lora.yaml").read_text()
