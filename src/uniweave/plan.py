@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from uniweave.config.methods import get_key, method
 from uniweave.models.uniar.full_shape import QWEN3_VL_2B_TEXT, QWEN3_VL_2B_VISION
 
 GIB = 1024**3
@@ -422,12 +423,14 @@ def glibc_range(peak: int) -> str:
 
 
 def teacher_shapes(cfg: Any, s: Shapes) -> Shapes | None:
-    """OPD's teacher sizes: the student's when `algorithm.teacher.path` is `model.path`,
-    else read from the teacher directory's config.json (a Janus-Pro or UniAR checkpoint).
+    """The frozen teacher's sizes of a method that has one (its spec's `teacher` key; OPD:
+    `algorithm.teacher.path`): the student's when that directory is `model.path`, else
+    read from the teacher directory's config.json (a Janus-Pro or UniAR checkpoint).
     None for the other methods. ValueError / OSError naming the directory otherwise."""
-    if cfg.algorithm.name != "opd":
+    key = method(cfg.algorithm.name).teacher
+    if key is None:
         return None
-    path = cfg.algorithm.teacher.path
+    path = get_key(cfg.algorithm, key)
     if cfg.model.path is not None and Path(path).resolve() == Path(cfg.model.path).resolve():
         return s
     from uniweave.models.registry import model_kind
@@ -444,11 +447,12 @@ def setup_from_config(
     """The `Setup` a config trains with (docs/plan.md lists the keys read). OPD: the
     teacher's sizes too (`teacher_shapes`)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
-    samples = algo.name != "sft"
+    spec = method(algo.name)
+    samples = spec.rollouts
     new = rollout.max_new_tokens if rollout.max_new_tokens is not None else s.image_tokens
     if not samples:  # SFT rows are prompt + target: a whole image for text-to-image rows
         new = s.image_tokens if "t2i" in cfg.data.tasks else rollout.max_new_tokens
-    kl = getattr(algo, "kl", None)
+    own = {"chunk": 128, "kl_copy": False, **spec.plan_setup(algo)}  # the method's hooks
     return Setup(
         gpus=gpus,
         gpu_mem_gib=gpu_mem,
@@ -461,8 +465,8 @@ def setup_from_config(
         cfg=samples and rollout.guidance != 1.0,
         prompt_tokens=prompt_tokens,
         new_tokens=new,
-        chunk=getattr(algo, "chunk_size", 128),
-        kl_copy=algo.name == "grpo" and kl is not None and kl.type != "none",
+        chunk=own["chunk"],
+        kl_copy=own["kl_copy"],
         ref_copy_with_lora=cfg.model.initial_adapter is not None,
         gather_bytes={"fp32": 4, "bf16": 2, "fp64": 8}[trainer.fsdp.param_dtype],
         reshard=trainer.fsdp.reshard_after_forward,
@@ -524,7 +528,8 @@ def run(args: Any) -> int:
     try:
         st = setup_from_config(cfg, args.gpus, args.gpu_mem, args.prompt_tokens, s, host=host)
     except (OSError, ValueError) as err:  # the teacher's directory (the student's was read)
-        raise ConfigError(str(err), key="algorithm.teacher.path", source=args.config) from None
+        key = f"algorithm.{method(cfg.algorithm.name).teacher}"
+        raise ConfigError(str(err), key=key, source=args.config) from None
     if host:
         st.runtime_bytes = runtime_rss()
         st.chosen = ("ddp", st.chosen[1]) if st.chosen else None

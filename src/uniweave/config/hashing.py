@@ -10,6 +10,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from uniweave.config.methods import method
+
 ConfigLike = BaseModel | Mapping[str, Any]
 
 SHORT_HASH_LEN = 12
@@ -134,10 +136,14 @@ def resume_conflicts(saved: ConfigLike, current: BaseModel) -> list[str]:
     `checkpoint.resume_mode` of `current` decides: `strict` allows only `ALWAYS_RESUMABLE`
     keys to change (paths, checkpoint cadence, logging, execution-only settings such as
     the micro-batch size); every other mode also the keys `RESUME_MODES` gives it
-    (`allow_schedule_changes`: total_updates, the lr schedule, eval cadence; ...).
+    (`allow_schedule_changes`: total_updates, the lr schedule, eval cadence; ...), and
+    any mode the method's own `resumable_keys` (`uniweave.config.methods`; the built-in
+    methods have none).
     """
     mode = current.checkpoint.resume_mode  # type: ignore[attr-defined]
-    allowed = ALWAYS_RESUMABLE + RESUME_MODES[mode]
+    algo = current.algorithm  # type: ignore[attr-defined]
+    own = tuple(f"algorithm.{key}" for key in method(algo.name).resumable_keys)
+    allowed = ALWAYS_RESUMABLE + RESUME_MODES[mode] + own
     return [k for k in diff_configs(saved, current) if not _under(k, allowed)]
 
 

@@ -1,5 +1,6 @@
-"""Hub ids where a model directory is expected: `model.path`, `algorithm.teacher.path`
-and `reward.plugins[i].path` may name a Hugging Face hub repository
+"""Hub ids where a model directory is expected: `model.path`, the model directories of
+the method (its spec's `model_dirs`: OPD's `algorithm.teacher.path`) and
+`reward.plugins[i].path` may name a Hugging Face hub repository
 (`deepseek-community/Janus-Pro-1B`) instead of a local directory.
 
 A value is a hub id when it is `org/name` (one slash, no leading `.`, `/` or `~`) and no
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from uniweave.config.errors import ConfigError
+from uniweave.config.methods import get_key, method, with_key
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 TRUE = {"1", "ON", "YES", "TRUE"}
@@ -72,12 +74,14 @@ def resolve_hub_ids(cfg: Any) -> Any:
     path = resolve(cfg.model.path, "model.path")
     if path != cfg.model.path:
         update["model"] = cfg.model.model_copy(update={"path": path})
-    teacher = getattr(cfg.algorithm, "teacher", None)
-    if teacher is not None:
-        path = resolve(teacher.path, "algorithm.teacher.path")
-        if path != teacher.path:
-            new_teacher = teacher.model_copy(update={"path": path})
-            update["algorithm"] = cfg.algorithm.model_copy(update={"teacher": new_teacher})
+    algo = cfg.algorithm
+    for dotted in method(algo.name).model_dirs:  # OPD: teacher.path
+        value = get_key(algo, dotted)
+        path = resolve(value, f"algorithm.{dotted}")
+        if path != value:
+            algo = with_key(algo, dotted, path)
+    if algo is not cfg.algorithm:
+        update["algorithm"] = algo
     plugins = list(cfg.reward.plugins)
     changed = False
     for i, plugin in enumerate(plugins):

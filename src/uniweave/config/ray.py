@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from uniweave.config.base import StrictModel, incompatible
+from uniweave.config.methods import method, names
 
 
 class RayConfig(StrictModel):
@@ -67,8 +68,9 @@ def check_workers(cfg: Any) -> None:
                 )
         return
     key = "rollout.workers" if rollout else "reward.workers"
-    if cfg.algorithm.name not in ("grpo", "opd"):
-        raise incompatible(key, f"Ray workers are built for grpo and opd, not {cfg.algorithm.name}")
+    if not method(cfg.algorithm.name).ray_workers:
+        built = " and ".join(names(ray_workers=True))
+        raise incompatible(key, f"Ray workers are built for {built}, not {cfg.algorithm.name}")
     if reward and not cfg.reward.plugins:
         raise incompatible("reward.workers", "acts only with reward.plugins (nothing to score)")
     if cfg.trainer.parallel != "none":

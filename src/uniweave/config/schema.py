@@ -8,11 +8,13 @@ raise `incompatible(...)` naming the dotted key at fault.
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Field, model_validator
+from pydantic.fields import FieldInfo
 
-from uniweave.config.algorithms import AlgorithmConfig, GRPOConfig, OPDConfig, SFTConfig
+from uniweave.config import methods as registry
+from uniweave.config.algorithms import AlgorithmConfig, SFTConfig
 from uniweave.config.base import StrictModel, changed, first_changed, incompatible
 from uniweave.config.errors import suggest
 from uniweave.config.ray import RayConfig, check_workers
@@ -767,30 +769,9 @@ class UniweaveConfig(StrictModel):
             tasks: set[str] | None = None
         else:
             tasks = set(self.data.tasks)
-        if isinstance(algo, GRPOConfig):
-            if self.trainer.global_batch_size % algo.group_size:
-                raise incompatible(
-                    "trainer.global_batch_size",
-                    f"{self.trainer.global_batch_size} is not a multiple of "
-                    f"algorithm.group_size={algo.group_size}",
-                )
-            if not self.reward.plugins:
-                raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
-            if algo.share_prompt_prefix and (
-                self.model.kind != "tiny"
-                or (self.model.path is None and self.model.tiny.mixer_kernel)
-            ):
-                raise incompatible(
-                    "algorithm.share_prompt_prefix",
-                    "built for the tiny model without the conv prior (model.kind tiny, "
-                    "model.tiny.mixer_kernel 0)",
-                )
-            if algo.share_prompt_prefix and self.trainer.gradient_checkpointing:
-                raise incompatible(
-                    "algorithm.share_prompt_prefix",
-                    "continues from a KV cache, which gradient checkpointing drops: turn "
-                    "trainer.gradient_checkpointing off",
-                )
+        spec = registry.method(algo.name)
+        if spec.check is not None:
+            spec.check(self, tasks)
         if self.model.initial_adapter is not None:
             if self.model.path is None:
                 raise incompatible(
@@ -803,34 +784,10 @@ class UniweaveConfig(StrictModel):
                     "is trained on unmerged: it needs trainer.lora.enabled true (with the "
                     "adapter's r, alpha and target_modules)",
                 )
-        if isinstance(algo, OPDConfig) and algo.routing != "all" and not self.reward.plugins:
-            raise incompatible(
-                "reward.plugins",
-                f"opd routing '{algo.routing}' verifies rows: it needs at least one reward plugin",
-            )
         if self.trainer.packing:
-            self._packing(algo)
-        if isinstance(algo, SFTConfig) and algo.bitflip.probability > 0:
-            if self.model.visual_head != "bsq":
-                raise incompatible(
-                    "algorithm.bitflip.probability", "bit flips need model.visual_head=bsq"
-                )
-        if isinstance(algo, SFTConfig) and algo.soft_bsq.weight > 0 and tasks is not None:
-            self._soft_bsq(tasks)
-        if isinstance(algo, GRPOConfig) and algo.information_gain.weight > 0:
-            if self.trainer.parallel != "none":
-                raise incompatible(
-                    "algorithm.information_gain.weight",
-                    "is built for one process (trainer.parallel none): the behaviour "
-                    f"policy's views are not sharded under {self.trainer.parallel}",
-                )
-        if isinstance(algo, SFTConfig) and algo.necessity_distillation.weight > 0:
-            if self.trainer.parallel != "none":
-                raise incompatible(
-                    "algorithm.necessity_distillation.weight",
-                    "is built for one process (trainer.parallel none): its EMA shadow is not "
-                    f"sharded or checkpointed under {self.trainer.parallel}",
-                )
+            self._packing(spec)
+        if spec.check_late is not None:
+            spec.check_late(self, tasks)
         if tasks is not None:
             if self.data.path is None:
                 self._digits_rollout(tasks)
@@ -844,18 +801,18 @@ class UniweaveConfig(StrictModel):
             )
         if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
             raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
-        self._inert(algo)
-        self._cadence(algo)
-        self._gradient_diagnostics(algo)
+        self._inert(spec)
+        self._cadence(spec)
+        self._gradient_diagnostics(spec)
         return self
 
-    def _continuous_batching(self, algo: AlgorithmConfig) -> None:
+    def _continuous_batching(self, spec: registry.MethodSpec) -> None:
         """rollout.continuous_batching: built for in-process training rollouts of models
         with plain RoPE positions and a plain KV cache (`uniweave.rollout.continuous`)."""
         key = "rollout.continuous_batching"
-        if isinstance(algo, SFTConfig):
+        if not spec.rollouts:
             raise incompatible(
-                key, "acts only with rollouts in training (grpo, opd); evaluation is static"
+                key, f"acts only with rollouts in training ({_rollouts()}); evaluation is static"
             )
         if self.rollout.workers > 0:
             raise incompatible(
@@ -874,7 +831,7 @@ class UniweaveConfig(StrictModel):
                 "state): set model.tiny.mixer_kernel 0",
             )
 
-    def _inert(self, algo: AlgorithmConfig) -> None:
+    def _inert(self, spec: registry.MethodSpec) -> None:
         """Settings another section makes inactive, refused when set to a non-default
         value (a value equal to the default is harmless). `RolloutConfig` on its own maps
         1:1 onto the engine's `SamplingParams`, which take any combination; a run refuses
@@ -893,9 +850,9 @@ class UniweaveConfig(StrictModel):
                 "rollout.temperature)",
             )
         if rollout.assignment == "dynamic":
-            if isinstance(algo, SFTConfig):
+            if not spec.rollouts:
                 raise incompatible(
-                    "rollout.assignment", "acts only with rollouts in training (grpo, opd)"
+                    "rollout.assignment", f"acts only with rollouts in training ({_rollouts()})"
                 )
             if rollout.workers > 0:
                 raise incompatible(
@@ -904,10 +861,11 @@ class UniweaveConfig(StrictModel):
                     "ranks, not for Ray rollout workers (rollout.workers > 0): use static",
                 )
         if changed(rollout, "precision"):
-            if isinstance(algo, SFTConfig):
+            if not spec.rollouts:
                 raise incompatible(
                     "rollout.precision",
-                    "acts only with rollouts in training (grpo, opd); evaluation samples in fp32",
+                    f"acts only with rollouts in training ({_rollouts()}); evaluation samples "
+                    "in fp32",
                 )
             if self.trainer.precision == "fp64":
                 raise incompatible(
@@ -921,7 +879,7 @@ class UniweaveConfig(StrictModel):
                     "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
                 )
         if rollout.continuous_batching:
-            self._continuous_batching(algo)
+            self._continuous_batching(spec)
         if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
             raise incompatible(
                 "rollout.cycle_repeats",
@@ -937,38 +895,38 @@ class UniweaveConfig(StrictModel):
             raise incompatible(
                 "data.over_length", "acts only with data.max_sequence_tokens set (no limit)"
             )
-        if not isinstance(algo, SFTConfig):
+        if spec.rollouts:
             if self.data.max_sequence_tokens is not None:
                 raise incompatible(
                     "data.max_sequence_tokens",
-                    f"acts only with sft: {algo.name} rows are bounded by the rollout "
-                    "(rollout.max_new_tokens and the model's context length)",
+                    f"acts only with {_row_methods()}: {spec.name} rows are bounded by the "
+                    "rollout (rollout.max_new_tokens and the model's context length)",
                 )
             if changed(self.data, "shuffle"):
                 raise incompatible(
                     "data.shuffle",
-                    f"acts only with sft: {algo.name} draws its prompts from a fresh "
-                    "permutation of each task's pool every epoch",
+                    f"acts only with {_row_methods()}: {spec.name} draws its prompts from a "
+                    "fresh permutation of each task's pool every epoch",
                 )
         elif changed(self.logging, "samples_every"):
             raise incompatible(
                 "logging.samples_every",
-                "acts only with rollouts in training (grpo, opd); sft logs no samples",
+                f"acts only with rollouts in training ({_rollouts()}); {spec.name} logs no samples",
             )
 
-    def _cadence(self, algo: AlgorithmConfig) -> None:
+    def _cadence(self, spec: registry.MethodSpec) -> None:
         """Epoch cadence, best-checkpoint and rollout-saving settings where they can act
         (`uniweave.train.engine.trainer`, `uniweave.train.engine.retention`;
-        docs/campaigns-validation.md)."""
-        sft = isinstance(algo, SFTConfig)
+        docs/campaigns-validation.md). A method's own validation metrics are its spec's
+        `val_metrics`."""
         epochs = (("trainer.eval_every_epochs", self.trainer.eval_every_epochs),
                   ("checkpoint.every_epochs", self.checkpoint.every_epochs))  # fmt: skip
         for key, value in epochs:
-            if value > 0 and not sft:
+            if value > 0 and spec.rollouts:
                 raise incompatible(
                     key,
-                    f"acts only with sft: {algo.name} draws each task's prompts from its own "
-                    "pool, so the run has no single epoch boundary",
+                    f"acts only with {_row_methods()}: {spec.name} draws each task's prompts "
+                    "from its own pool, so the run has no single epoch boundary",
                 )
         if self.trainer.eval_every_epochs > 0 and self.data.val_size == 0:
             raise incompatible(
@@ -976,9 +934,11 @@ class UniweaveConfig(StrictModel):
                 f"{self.trainer.eval_every_epochs} evaluates nothing: data.val_size is 0",
             )
         c = self.checkpoint
-        if c.save_rollouts and sft:
+        if c.save_rollouts and not spec.rollouts:
             raise incompatible(
-                "checkpoint.save_rollouts", "acts only with grpo or opd (sft samples no rollouts)"
+                "checkpoint.save_rollouts",
+                f"acts only with {' or '.join(registry.names(rollouts=True))} ({spec.name} "
+                "samples no rollouts)",
             )
         if c.keep_best is None:
             if changed(c, "keep_best_mode"):
@@ -992,89 +952,52 @@ class UniweaveConfig(StrictModel):
                 f"{c.keep_best} is never measured: set trainer.eval_every or "
                 "trainer.eval_every_epochs",
             )
-        losses = {
-            "val/loss",
-            "val/loss_text",
-            f"val/loss_image_{VISUAL_LOSS[self.model.visual_head]}",
-        }
+        own: set[str] = set()
+        prefix, hint = None, ""
+        if spec.val_metrics is not None:
+            own, prefix, hint = spec.val_metrics(self)
         task = c.keep_best.split("/")[1]
-        if c.keep_best in losses and sft:
+        if c.keep_best in own:
             return
-        if c.keep_best.startswith("val/ig/") and sft and algo.information_gain.weight > 0:
+        if prefix is not None and c.keep_best.startswith(prefix):
             return
         if task in (self.data.tasks or [task]) and c.keep_best.count("/") >= 2:
             return
-        known = sorted(losses) if sft else []
         raise incompatible(
             "checkpoint.keep_best",
             f"'{c.keep_best}' is not a validation metric of this run (expected "
-            f"{', '.join(known + ['val/<task>/<statistic>'])} with <task> in data.tasks"
-            f"{', or val/ig/... with information gain on' if sft else ''})",
+            f"{', '.join(sorted(own) + ['val/<task>/<statistic>'])} with <task> in data.tasks"
+            f"{hint})",
         )
 
-    def _gradient_diagnostics(self, algo: AlgorithmConfig) -> None:
-        """The OPD gradient diagnostics split the gradient into the distillation and the
-        GT-replay part (`uniweave.train.engine.diagnostics`): only OPD with GT rows has
-        both, and the split is built for one process."""
+    def _gradient_diagnostics(self, spec: registry.MethodSpec) -> None:
+        """The gradient diagnostics split the gradient into a method's parts
+        (`uniweave.train.engine.diagnostics`; OPD: the distillation and the GT-replay
+        part): they act only for a method whose spec has `gradient_diagnostics`, which
+        adds its own checks."""
         key = "logging.gradient_diagnostics_every_updates"
         if self.logging.gradient_diagnostics_every_updates == 0:
             return
-        if not isinstance(algo, OPDConfig):
-            raise incompatible(
-                key, f"acts only with opd (distillation vs GT-replay gradients), not {algo.name}"
-            )
-        if algo.gt_replay.mode == "none":
+        if spec.gradient_diagnostics is None:
+            built = " or ".join(m.name for m in registry.methods() if m.gradient_diagnostics)
             raise incompatible(
                 key,
-                "acts only with GT replay (algorithm.gt_replay.mode uniform or failure): "
-                "without GT rows there is no second gradient to compare",
+                f"acts only with {built} (distillation vs GT-replay gradients), not {spec.name}",
             )
-        if self.trainer.parallel != "none":
-            raise incompatible(
-                key,
-                f"is built for one process (trainer.parallel none), not {self.trainer.parallel}",
-            )
+        spec.gradient_diagnostics(self)
 
-    def _soft_bsq(self, tasks: set[str]) -> None:
-        """Soft-BSQ compares expected and target BSQ codes: it needs BSQ bit heads and,
-        for the digits tasks, a task whose answers hold an image (dataset rows: checked
-        by `uniweave.train.preflight.check_rows`)."""
-        key = "algorithm.soft_bsq.weight"
-        if self.model.visual_head != "bsq":
-            raise incompatible(
-                key,
-                f"acts only with model.visual_head bsq (a {self.model.visual_head} head "
-                "predicts no bits to take the expected code of)",
-            )
-        if self.data.path is None and not tasks & IMAGE_GENERATION_TASKS:
-            raise incompatible(
-                key,
-                f"acts only on image answers: tasks {sorted(tasks)} are text-only (add one "
-                f"of {', '.join(sorted(IMAGE_GENERATION_TASKS))})",
-            )
-
-    def _packing(self, algo: AlgorithmConfig) -> None:
-        """Sequence packing is built for SFT rows on the tiny model, without per-row noise
-        or IG's blind-view masks (`uniweave.train.engine.batching`)."""
-        if not isinstance(algo, SFTConfig):
-            raise incompatible("trainer.packing", f"packing is built for sft, not {algo.name}")
+    def _packing(self, spec: registry.MethodSpec) -> None:
+        """Sequence packing is built for the methods whose spec has `packing` (SFT rows),
+        on the tiny model; the spec refuses what its own rows cannot pack
+        (`uniweave.train.engine.batching`)."""
+        if spec.packing is None:
+            built = " or ".join(m.name for m in registry.methods() if m.packing)
+            raise incompatible("trainer.packing", f"packing is built for {built}, not {spec.name}")
         if self.model.kind != "tiny":
             raise incompatible(
                 "trainer.packing", f"packing needs model.kind=tiny (got {self.model.kind})"
             )
-        if algo.bitflip.probability > 0:
-            raise incompatible(
-                "trainer.packing", "packing with BitFlip noise (per-row seeds) is not built"
-            )
-        if algo.information_gain.weight != 0:
-            raise incompatible(
-                "trainer.packing", "packing with Information Gain (blind-view masks) is not built"
-            )
-        if algo.necessity_distillation.weight != 0:
-            raise incompatible(
-                "trainer.packing",
-                "packing with necessity distillation (blind-view masks) is not built",
-            )
+        spec.packing(self)
 
     def _digits_rollout(self, tasks: set[str]) -> None:
         """Rollout checks that the digits tasks' names decide (dataset rows decide it
@@ -1111,3 +1034,39 @@ class UniweaveConfig(StrictModel):
                 f"task '{task}' has no reward route: add it to a plugin's tasks (or leave "
                 "that plugin's tasks null)",
             )
+
+
+def _rollouts() -> str:
+    """'grpo, opd': the registered methods that train on rollouts (for messages)."""
+    return ", ".join(registry.names(rollouts=True))
+
+
+def _row_methods() -> str:
+    """'sft': the registered methods that train on dataset rows (for messages)."""
+    return " or ".join(registry.names(rollouts=False))
+
+
+def _rebuild_algorithm_field() -> None:
+    """`UniweaveConfig.algorithm`: the discriminated union of the registered methods'
+    config classes (`uniweave.config.methods`), rebuilt when a method is registered or
+    removed (the built-in ones are the union it is declared with)."""
+    specs = registry.methods()
+    members = tuple(spec.config for spec in specs)
+    field = UniweaveConfig.model_fields["algorithm"]
+    if members == get_args(field.annotation):
+        return
+    info = FieldInfo.merge_field_infos(
+        FieldInfo.from_annotation(Annotated[Union[members], Field(discriminator="name")]),
+        default_factory=field.default_factory,
+        description=algorithm_description(),
+    )
+    UniweaveConfig.__pydantic_fields__["algorithm"] = info
+    UniweaveConfig.model_rebuild(force=True)
+
+
+def algorithm_description() -> str:
+    """The description of the `algorithm` field: the registered method names."""
+    return " | ".join(registry.names()) + ", chosen by algorithm.name."
+
+
+registry.on_change(_rebuild_algorithm_field)

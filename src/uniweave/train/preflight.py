@@ -48,14 +48,15 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from pathlib import Path
+from types import SimpleNamespace
 
 from uniweave.codecs import codec_geometry
 from uniweave.codecs.base import CONFIG_NAME as CODEC_CONFIG
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.errors import InputError
+from uniweave.config.methods import get_key, method, names
 from uniweave.config.schema import DIGITS_IMAGE_SIZE, ModelConfig
 from uniweave.core.atomic import is_temporary
-from uniweave.core.sample import GenerationRequest, ImagePart, Sample
 from uniweave.data.images import processor_for
 from uniweave.data.loader import DatasetError, Rows, load_rows
 from uniweave.data.rows import answer_image_grid, check_targets, has_split, split_key, split_rows
@@ -71,16 +72,11 @@ from uniweave.rewards.service import build_reward_service
 from uniweave.rollout.config import sampling_params
 from uniweave.train.dist.parallel import check_fsdp2_support
 from uniweave.train.engine.adapters import check_initial_adapter
-from uniweave.train.methods.grpo.job import check_prefix_sharing
-from uniweave.train.methods.opd.objective import KEY as TEACHER_KEY
-from uniweave.train.methods.opd.objective import compare_action_spaces
 from uniweave.train.rollouts.prompts import check_exact_length
 from uniweave.train.rollouts.workers import RayPlan, check_capacity
 
 HEADER_BYTES = 8
 SHARD_INDEX = ".safetensors.index.json"
-ROLLOUT_METHODS = ("grpo", "opd")
-"""Methods whose training rolls the policy out under the `rollout` section."""
 RUN_CODEC, RUN_TOKENIZER = "codec", "tokenizer"
 """Where a run directory keeps the codec and tokenizer of a model built from the config
 (`uniweave.train.run`)."""
@@ -97,8 +93,11 @@ classifier (`uniweave eval`, `uniweave generate --task`), generations, a codec o
 fitted ahead of the run, evaluations; with `uniweave eval`'s `eval-<split>` directories."""
 
 
-def preflight(cfg: UniweaveConfig, algorithms: Collection[str]) -> None:
-    """Check everything `cfg` makes a run read (module docstring); writes nothing."""
+def preflight(cfg: UniweaveConfig, algorithms: Collection[str] | None = None) -> None:
+    """Check everything `cfg` makes a run read (module docstring); writes nothing.
+    `algorithms`: the method names that can be trained (default: every registered one)."""
+    if algorithms is None:
+        algorithms = names()
     if cfg.algorithm.name not in algorithms:
         raise ConfigError(
             f"'{cfg.algorithm.name}' cannot be trained yet",
@@ -112,9 +111,9 @@ def preflight(cfg: UniweaveConfig, algorithms: Collection[str]) -> None:
     check_weights(cfg.model.path, "model.path")
     check_weights(cfg.model.initial_adapter, "model.initial_adapter")
     check_initial_adapter(cfg)
-    teacher = getattr(cfg.algorithm, "teacher", None)  # OPD
-    if teacher is not None:
-        check_weights(teacher.path, "algorithm.teacher.path")
+    spec = method(cfg.algorithm.name)
+    for dotted in spec.model_dirs:  # OPD: the teacher
+        check_weights(get_key(cfg.algorithm, dotted), f"algorithm.{dotted}")
     if cfg.model.path is None:  # a model built from the config (tiny, uniar) reads its codec
         check_weights(cfg.model.codec.path, "model.codec.path")
     for k, plugin in enumerate(cfg.reward.plugins):
@@ -125,8 +124,8 @@ def preflight(cfg: UniweaveConfig, algorithms: Collection[str]) -> None:
         check_rows(cfg, geometry)
     if cfg.reward.plugins:
         check_rewards(cfg)
-    if teacher is not None:
-        check_teacher(cfg)
+    if spec.preflight is not None:  # OPD: the teacher's action spaces
+        spec.preflight(cfg, SimpleNamespace(inspect=_inspect, student_facts=_student_facts))
 
 
 def check_run_dir(out: Path) -> None:
@@ -288,7 +287,7 @@ Geometry = tuple[tuple[int, int], tuple[int, int] | None]
 def check_model(cfg: UniweaveConfig) -> Geometry | None:
     """The model as its files and config say, no weights read (module docstring); returns
     its codec grid and image size (None for a kind that cannot tell them up front)."""
-    m, algo = cfg.model, cfg.algorithm
+    m, spec = cfg.model, method(cfg.algorithm.name)
     if m.path is None:
         grid = _config_grid(m)  # prefix sharing: the schema decides from model.tiny
         size: tuple[int, int] | None = (DIGITS_IMAGE_SIZE, DIGITS_IMAGE_SIZE)  # its codec's
@@ -302,11 +301,10 @@ def check_model(cfg: UniweaveConfig) -> Geometry | None:
                 f"model.visual_head is {m.visual_head}",
                 key="model.visual_head",
             )
-        if algo.name == "grpo":
-            where = f"the {m.kind} model at {m.path}"
-            check_prefix_sharing(algo, facts.supports_prefix_sharing, where)
+        if spec.preflight_model is not None:  # GRPO: prompt-prefix sharing
+            spec.preflight_model(cfg, facts, f"the {m.kind} model at {m.path}")
         grid, size = facts.grid, facts.image_size
-    if algo.name in ROLLOUT_METHODS:
+    if spec.rollouts:
         check_exact_length(cfg.rollout, grid)
     return grid, size
 
@@ -336,20 +334,6 @@ def _student_facts(cfg: UniweaveConfig) -> ModelFacts | None:
     return ModelFacts.of(model)
 
 
-def check_teacher(cfg: UniweaveConfig) -> None:
-    """OPD: the teacher directory holds a model of the student's action spaces
-    (`compare_action_spaces`), from its files (module docstring)."""
-    path = cfg.algorithm.teacher.path
-    if not Path(path).is_dir():
-        raise ConfigError(f"{path} is not a directory", key=TEACHER_KEY)
-    teacher = _inspect(path, TEACHER_KEY, full=True)
-    if teacher is None:
-        return  # a kind without `inspect`: checked when the teacher is loaded
-    student = _student_facts(cfg)
-    if student is not None:
-        compare_action_spaces(student, teacher)
-
-
 def _processor(cfg: UniweaveConfig, geometry: Geometry | None):
     """The image processor and grid the run reads dataset rows with (`dataset_rows`:
     `processor_for` the model's kind at its codec's image size); for a kind that cannot
@@ -365,14 +349,6 @@ def _as_input_error(err: DatasetError, key: str) -> InputError:
     """`err` as an InputError naming the key it carries (the file of its split, or
     `data.tasks`), else `key`."""
     return InputError(str(err), err.key or key)
-
-
-def _has_target(sample: Sample) -> bool:
-    return any(p.role == "assistant" and not isinstance(p, GenerationRequest) for p in sample.parts)
-
-
-def _has_image_target(sample: Sample) -> bool:
-    return any(p.role == "assistant" and isinstance(p, ImagePart) for p in sample.parts)
 
 
 def _evaluated_splits(cfg: UniweaveConfig) -> tuple[str, ...]:
@@ -393,6 +369,8 @@ def check_rows(cfg: UniweaveConfig, geometry: Geometry | None = None) -> Rows:
     processor, grid = _processor(cfg, geometry)
     codec_grid = geometry[0] if geometry else None
     data = cfg.data
+    spec = method(cfg.algorithm.name)
+    rollouts = spec.rollouts
     try:
         load_rows(data.path, processor, grid, data.default_task)
         train = split_rows(data, "train", processor, grid)
@@ -400,30 +378,17 @@ def check_rows(cfg: UniweaveConfig, geometry: Geometry | None = None) -> Rows:
             if path is not None:
                 split_rows(data, split, processor, grid)
         # the prompts a verifier scores need their answers
-        if cfg.algorithm.name in ROLLOUT_METHODS:
+        if rollouts:
             check_dataset_answers(cfg, ("train",))
         evaluated = _evaluated_splits(cfg)
     except DatasetError as err:
         raise _as_input_error(err, "data.path") from None
     # val/test rows: read and verified as the run's evaluations will (`uniweave eval` too)
     check_split_rows(cfg, evaluated, geometry)
-    if cfg.algorithm.name in ROLLOUT_METHODS:
+    if rollouts:
         check_prompts(cfg, train, codec_grid)
-    if cfg.algorithm.name == "sft":
-        for sample in train.samples:
-            if not _has_target(sample):
-                raise InputError(
-                    f"{train.where.get(sample.id, sample.id)}: messages: no assistant turn "
-                    "to learn (SFT trains on the assistant's answer)",
-                    "data.path",
-                )
-        soft_bsq = cfg.algorithm.soft_bsq.weight > 0
-        if soft_bsq and not any(map(_has_image_target, train.samples)):
-            raise ConfigError(
-                "acts only on image answers: no training row of data.path has an image "
-                "in an assistant turn",
-                key="algorithm.soft_bsq.weight",
-            )
+    if spec.preflight_rows is not None:  # SFT: every row has a target to learn
+        spec.preflight_rows(cfg, train)
     if cfg.model.path is None and cfg.model.kind == "tiny" and not data.uses_bpe:
         try:
             check_targets(train, build_tokenizer())
@@ -439,8 +404,7 @@ def check_prompts(cfg: UniweaveConfig, rows: Rows, codec_grid: tuple[int, int] |
     `rollout.min_grid_side`..`max_grid_side`; for OPD's privileged teacher
     (`algorithm.teacher.privilege: answer`) it has an answer."""
     params = sampling_params(cfg.rollout)
-    teacher = getattr(cfg.algorithm, "teacher", None)
-    privileged = teacher is not None and teacher.privilege == "answer"
+    own = method(cfg.algorithm.name).preflight_prompt  # OPD: a privileged teacher's answers
     tasks = set(cfg.data.tasks)
     for sample in rows.samples:
         if sample.task not in tasks:
@@ -460,11 +424,8 @@ def check_prompts(cfg: UniweaveConfig, rows: Rows, codec_grid: tuple[int, int] |
                 f"[{params.min_grid_side}, {params.max_grid_side}] per side",
                 "rollout.min_grid_side" if low else "rollout.max_grid_side",
             )
-        if privileged and sample.answer is None:
-            raise InputError(
-                f"{where}: answer: missing; the privileged teacher reads the row's answer",
-                "algorithm.teacher.privilege",
-            )
+        if own is not None:
+            own(cfg, sample, where)
 
 
 def _never_decode(codes):

@@ -37,16 +37,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash, to_yaml
-from uniweave.config.algorithms import SFTConfig
+from uniweave.config.methods import method, methods
 from uniweave.config.trained_on import write_trained_on
-from uniweave.core.atomic import write_json_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.core.status import RUN_LOG, open_run_log, status
 from uniweave.data.rows import has_split, resolve_tasks
@@ -78,12 +77,7 @@ from uniweave.train.engine.metrics import METRICS, plot_metrics, read_metrics
 from uniweave.train.engine.protocols import BatchSource, Objective
 from uniweave.train.engine.resume import check_resume
 from uniweave.train.engine.trainer import Trainer
-from uniweave.train.methods.grpo.job import build_grpo_job
-from uniweave.train.methods.opd.job import build_opd_job
-from uniweave.train.methods.sft.information_gain import ig_evaluation
-from uniweave.train.methods.sft.job import build_sft_job
-from uniweave.train.methods.sft.source import sft_trajectories
-from uniweave.train.methods.sft.validation import validation_loss
+from uniweave.train.methods.sft.validation import ig_report_name
 from uniweave.train.preflight import EVALS, preflight
 from uniweave.train.state import checkpoint as ckpt
 from uniweave.train.state.checkpoint import write_text_atomic
@@ -170,7 +164,23 @@ def _prepare_model(cfg: UniweaveConfig, run_dir: Path, device: torch.device) -> 
 
 
 JobBuilder = Callable[[UniweaveConfig, UnifiedModel, Path, DistInfo], tuple[BatchSource, Objective]]
-JOBS: dict[str, JobBuilder] = {"sft": build_sft_job, "grpo": build_grpo_job, "opd": build_opd_job}
+
+
+class _Jobs(Mapping[str, JobBuilder]):
+    """`algorithm.name` -> its job builder: the registered methods' specs
+    (`uniweave.config.methods`), read at each lookup."""
+
+    def __getitem__(self, name: str) -> JobBuilder:
+        return method(name).build_job
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([spec.name for spec in methods()])
+
+    def __len__(self) -> int:
+        return len(methods())
+
+
+JOBS: Mapping[str, JobBuilder] = _Jobs()
 
 
 def run_train(cfg: UniweaveConfig, stop_after: int | None = None) -> Path:
@@ -322,7 +332,8 @@ def evaluate_split(
 
 def _val_evaluator(cfg: UniweaveConfig, model: UnifiedModel, run_dir: Path, info=None):
     """Validation metrics every `trainer.eval_every` updates, or None when the run has no
-    val rows: `val/<task>/<statistic>` (`evaluate_split` on the val split) and, for SFT,
+    val rows: `val/<task>/<statistic>` (`evaluate_split` on the val split) and the
+    method's own metrics (its spec's `evaluator`, `uniweave.config.methods`): for SFT,
     the teacher-forced validation loss `val/loss`, `val/loss_text`, `val/loss_image_<head>`
     of the val rows (`uniweave.train.methods.sft.validation`) and, with Information Gain on,
     the IG metrics `val/ig/...` of the same rows (cycle index pinned to 0): means, and the
@@ -335,26 +346,17 @@ def _val_evaluator(cfg: UniweaveConfig, model: UnifiedModel, run_dir: Path, info
     info = info or DistInfo()
     if not _rows_of(cfg, "val", cfg.data.val_size):
         return None
-    sft = isinstance(cfg.algorithm, SFTConfig)
-    ig = cfg.algorithm.information_gain if sft else None
-    rows: list = []  # serialised at the first evaluation (none without an eval cadence)
+    spec = method(cfg.algorithm.name)
+    own = spec.evaluator(cfg) if spec.evaluator is not None else None  # SFT's losses, IG
 
     def evaluate_val(update: int) -> dict[str, float]:
         with evaluation_model(cfg, model, run_dir) as evaluated:
             found = evaluate_split(cfg, evaluated, run_dir, "val", update, info)
             metrics = {f"val/{k}": v for k, v in found.items()}
-            if not sft or not info.is_main:
+            if own is None or not info.is_main:
                 return metrics
-            pad = evaluated.special_ids.pad
-            if not rows:
-                rows.extend(sft_trajectories(cfg, evaluated, "val", cfg.data.val_size))
-            losses = validation_loss(cfg, evaluated, rows, pad)
-            metrics.update({f"val/{k}": v for k, v in losses.items()})
-            if ig.weight > 0:
-                gains, report = ig_evaluation(evaluated, rows, ig, pad)
-                metrics.update({f"val/{k}": v for k, v in gains.items()})
-                (run_dir / EVALS).mkdir(parents=True, exist_ok=True)
-                write_json_atomic(ig_report_path(run_dir, update), report, indent=1)
+            found = own(evaluated, run_dir / EVALS, update)
+            metrics.update({f"val/{k}": v for k, v in found.items()})
             return metrics
 
     return evaluate_val
@@ -401,7 +403,7 @@ def evaluation_model(cfg: UniweaveConfig, model: UnifiedModel, run_dir: Path):
 
 def ig_report_path(run_dir: Path, update: int) -> Path:
     """Where the IG validation report of update `update` is written (`ig_distributions`)."""
-    return run_dir / EVALS / f"ig-val-update-{update:06d}.json"
+    return run_dir / EVALS / ig_report_name(update)
 
 
 def finish_run(

@@ -4,8 +4,8 @@
 names them: `model.path` (the weights, tokenizer, codec a run starts from — and so the
 GRPO reference, the initial policy), `model.initial_adapter`, `model.codec.path` (a
 model built from the config), the dataset files (`data.path`, `data.val_path`,
-`data.test_path`), OPD's teacher (`algorithm.teacher.path`) and the reward plugins'
-model directories (`reward.plugins.N.path`). `input_fingerprints` fingerprints each
+`data.test_path`), the model directories the method reads (its spec's `model_dirs`:
+OPD's teacher, `algorithm.teacher.path`) and the reward plugins' model directories (`reward.plugins.N.path`). `input_fingerprints` fingerprints each
 (`uniweave.config.fingerprint`: sizes, safetensors headers, content hashes cached by
 size/mtime/inode); `check_fingerprints` refuses (a `ConfigError`, exit 2) a resume when
 any recorded file changed, naming the file and the key.
@@ -18,6 +18,7 @@ from typing import Any
 
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.fingerprint import changed_files, fingerprint
+from uniweave.config.methods import get_key, method
 
 FINGERPRINTS = "fingerprints"
 """The key of a checkpoint's state.json that holds them."""
@@ -33,9 +34,8 @@ def run_inputs(cfg: UniweaveConfig) -> dict[str, str]:
         "data.val_path": cfg.data.val_path,
         "data.test_path": cfg.data.test_path,
     }
-    teacher = getattr(cfg.algorithm, "teacher", None)
-    if teacher is not None:
-        found["algorithm.teacher.path"] = teacher.path
+    for dotted in method(cfg.algorithm.name).model_dirs:  # the method's (OPD: its teacher)
+        found[f"algorithm.{dotted}"] = get_key(cfg.algorithm, dotted)
     for k, plugin in enumerate(cfg.reward.plugins):
         found[f"reward.plugins.{k}.path"] = plugin.path
     return {key: path for key, path in found.items() if path is not None}

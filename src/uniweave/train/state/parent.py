@@ -15,14 +15,15 @@ import json
 from pathlib import Path
 
 from uniweave.config import ConfigError, UniweaveConfig
+from uniweave.config.methods import method
 from uniweave.train.state import checkpoint as ckpt
 
 
 def parent_checkpoint(cfg: UniweaveConfig) -> ckpt.Checkpoint:
     """The checkpoint `run.parent` names: a checkpoint directory (verified), or a run
     directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
-    for a checkpoint inside a GRPO round (`algorithm.updates_per_batch` K > 1, update not
-    a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    for a checkpoint inside a GRPO round (the spec's `updates_per_round`: GRPO's
+    `algorithm.updates_per_batch` K > 1, update not a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
     root = Path(cfg.run.parent)
     try:
         if (root / ckpt.STATE).is_file():
@@ -35,7 +36,7 @@ def parent_checkpoint(cfg: UniweaveConfig) -> ckpt.Checkpoint:
         raise ConfigError(f"{exc}", key="run.parent") from None
     if found is None:
         raise ConfigError(f"{root}: no intact checkpoint", key="run.parent")
-    k = getattr(cfg.algorithm, "updates_per_batch", 1)
+    k = method(cfg.algorithm.name).updates_per_round(cfg.algorithm)
     if found.update % k:
         raise ConfigError(
             f"{found.path}: update {found.update} is inside a GRPO round "

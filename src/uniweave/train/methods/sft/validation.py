@@ -59,3 +59,8 @@ def validation_loss(
     if n_visual:
         out[f"loss_image_{VISUAL_LOSS[cfg.model.visual_head]}"] = visual_sum / n_visual
     return out
+
+
+def ig_report_name(update: int) -> str:
+    """The file name, under the run's `evals/`, of the IG validation report of `update`."""
+    return f"ig-val-update-{update:06d}.json"
