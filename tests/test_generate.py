@@ -82,3 +82,43 @@ def test_generate_scores_like_eval_reads_an_image_and_defaults_its_out(tmp_path,
     summary = json.loads((out / "generations.json").read_text())
     assert summary["image"] == str(tmp_path / "one.png")
     assert texts(out) != first  # the image changed what the model was asked
+
+
+def test_generate_draws_with_janus_pro_s_own_template(tmp_path, capsys):
+    """The responses are parsed by the model's template (Janus-Pro's image markers), not
+    the tiny model's ChatML: the drawn image is found and written."""
+    from uniweave.cli import main
+    from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(initializer_range=0.2),
+                                 ["a red apple"])  # fmt: skip
+    cfg = {
+        "run": {"name": "j", "seed": 5, "output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "model": {"kind": "janus_pro", "path": str(ckpt)},
+        "data": {"tasks": ["t2i"]},
+        "rollout": {"guidance": 5.0, "batch_size": 2},
+    }
+    config = write_config(tmp_path / "j.yaml", cfg)
+    out = tmp_path / "out"
+    args = [
+        "generate",
+        str(config),
+        "--prompt",
+        "a red apple",
+        "--n",
+        "2",
+        "--draw",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0, capsys.readouterr().err
+    summary = json.loads((out / "generations.json").read_text())
+    assert [len(s["images"]) for s in summary["samples"]] == [1, 1]
+    for sample in summary["samples"]:
+        with Image.open(sample["images"][0]) as img:
+            rgb = np.asarray(img)
+        assert img.mode == "RGB"  # colour kept, not averaged to grey
+        # not upscaled (>= 64 px) or upscaled 16x (a tiny test image), with its margins
+        assert rgb.shape[0] == rgb.shape[1] and rgb.shape[0] > 8
+        inner = rgb[8:-8, 8:-8].reshape(-1, 3).astype(int)
+        assert (inner.max(axis=1) - inner.min(axis=1)).max() > 0, "no colour in the image"

@@ -34,7 +34,7 @@ from uniweave.core.atomic import atomic_write, write_json_atomic
 from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.images import processor_for, read_rgb
-from uniweave.rewards.plugins import build_responses, parse_response
+from uniweave.rewards.plugins import build_responses
 from uniweave.rollout import RolloutEngine, RolloutRequest
 from uniweave.rollout.config import sampling_params
 from uniweave.train.engine.build import build_model, resolve_device
@@ -43,26 +43,38 @@ SCALE = 16
 
 
 def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, cols: int = 8) -> Path:
-    """Tile grayscale images in [0, 1] into one PNG, each upscaled `scale`x (nearest)."""
+    """Tile images in [0, 1] into one PNG. Greyscale [H, W] (the tiny model's digits, bright
+    strokes on black) are drawn dark on white and upscaled `scale`x (nearest); colour
+    [H, W, 3] (Janus-Pro, UniAR) keep their colours, upscaled only when smaller than 64
+    pixels. ValueError for a mix of the two or another shape (never a dropped channel)."""
     if not images:
         raise ValueError("no images to write")
+    colour = images[0].ndim == 3
+    for img in images:
+        if img.shape != images[0].shape or (img.ndim == 3 and img.shape[-1] != 3):
+            raise ValueError(f"images of shapes {images[0].shape} and {img.shape}: one grid "
+                             "takes one shape, [H, W] or [H, W, 3]")  # fmt: skip
     h, w = images[0].shape[:2]
+    if colour and max(h, w) >= 64:
+        scale = 1
     rows = (len(images) + cols - 1) // cols
     ncols = min(cols, len(images))
     pad = max(2, scale // 2)
-    canvas = np.ones((rows * (h * scale + pad) + pad, ncols * (w * scale + pad) + pad))
+    shape = (rows * (h * scale + pad) + pad, ncols * (w * scale + pad) + pad)
+    canvas = np.ones(shape + ((3,) if colour else ()))
     for k, img in enumerate(images):
         r, c = divmod(k, cols)
-        big = np.kron(np.clip(_grey(img), 0.0, 1.0), np.ones((scale, scale)))
+        clipped = np.clip(img, 0.0, 1.0)
+        if colour:
+            big = np.kron(clipped, np.ones((scale, scale, 1)))
+        else:
+            big = 1.0 - np.kron(clipped, np.ones((scale, scale)))
         y, x = pad + r * (h * scale + pad), pad + c * (w * scale + pad)
-        canvas[y : y + h * scale, x : x + w * scale] = 1.0 - big
+        canvas[y : y + h * scale, x : x + w * scale] = big
+    mode = "RGB" if colour else "L"
     with atomic_write(path, "wb") as f:
-        Image.fromarray((canvas * 255).round().astype(np.uint8), mode="L").save(f, format="PNG")
+        Image.fromarray((canvas * 255).round().astype(np.uint8), mode=mode).save(f, format="PNG")
     return path
-
-
-def _grey(img: np.ndarray) -> np.ndarray:
-    return img.mean(axis=-1) if img.ndim == 3 else img
 
 
 def read_prompt_image(cfg: UniweaveConfig, path: str, image_size: tuple[int, int]) -> ImagePart:
@@ -128,7 +140,7 @@ def _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards
         for m in range(n)
     ]
     trajs = RolloutEngine(model, model.tokenizer).generate(requests)
-    parsed = [parse_response(t, model.tokenizer) for t in trajs]
+    parsed = [model.parse_response(t) for t in trajs]  # the model's own template
     responses, _ = build_responses(parsed, model.codec.decode)
     scores = None
     if rewards is not None:
