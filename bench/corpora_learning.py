@@ -20,7 +20,7 @@ same rows with the same seeds, paired per prompt, diff ± SE; `uniweave.eval.pai
   and the training reward's drift/noise.
 
 Usage: python bench/corpora_learning.py OUT [zebra] [jigsaw]
-       [--sft-updates N] [--jigsaw-sft-updates N] [--grpo-updates N]
+       [--sft-updates N] [--jigsaw-sft-updates N] [--grpo-updates N] [--grpo-batch N]
 Prints one table per arm (held-out verdicts, the training curves' drift/noise) and
 writes OUT/corpora_learning.json (an arm run later keeps the other arms' entries).
 """
@@ -110,11 +110,15 @@ def uniweave(*args: str) -> None:
 
 def train(config: dict, path: Path) -> dict:
     """`uniweave train` on `config` (written to `path`); the run's report.json."""
+    run = Path(config["run"]["output_dir"])
+    if (run / "DONE").exists():  # an earlier invocation finished it: its figures stand
+        print(f"{run}: done earlier; its report.json is read as it is", flush=True)
+        return json.loads((run / "report.json").read_text()) | {"wall_s": float("nan")}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     t0 = time.perf_counter()
     uniweave("train", str(path))
     wall = time.perf_counter() - t0
-    report = json.loads((Path(config["run"]["output_dir"]) / "report.json").read_text())
+    report = json.loads((run / "report.json").read_text())
     report["wall_s"] = wall
     return report
 
@@ -173,7 +177,7 @@ def zebra(out: Path, updates: int) -> dict:
     return {"rows": counts, "report": report}
 
 
-def jigsaw(out: Path, sft_updates: int, grpo_updates: int) -> dict:
+def jigsaw(out: Path, sft_updates: int, grpo_updates: int, grpo_batch: int) -> dict:
     images = out / "digits_png"
     n_images = digits_folder(images)
     data = out / "jigsaw"
@@ -212,7 +216,11 @@ def jigsaw(out: Path, sft_updates: int, grpo_updates: int) -> dict:
     sft_report = train(sft, out / "jigsaw_sft.yaml")
     grpo = {
         **common,
-        "run": {"name": "jigsaw_grpo", "seed": 0, "output_dir": str(out / "jigsaw_grpo")},
+        "run": {
+            "name": "jigsaw_grpo",
+            "seed": 0,
+            "output_dir": str(out / f"jigsaw_grpo_u{grpo_updates}_b{grpo_batch}"),
+        },
         "model": {**TINY, "path": str(out / "jigsaw_sft" / "model")},
         "rollout": {"max_new_tokens": 16, "temperature": 1.0, "batch_size": 128},
         "algorithm": {
@@ -226,7 +234,7 @@ def jigsaw(out: Path, sft_updates: int, grpo_updates: int) -> dict:
             "optimizer": {"lr": 3.0e-4, "weight_decay": 0.0},
             "scheduler": {"name": "constant"},
             "total_updates": grpo_updates,
-            "global_batch_size": 128,
+            "global_batch_size": grpo_batch,  # grpo_batch / 8 prompts per update
             "micro_batch_size": 128,
             "grad_clip": 1.0,
         },
@@ -259,6 +267,7 @@ def main() -> None:
     p.add_argument("--sft-updates", type=int, default=400)
     p.add_argument("--jigsaw-sft-updates", type=int, default=300)
     p.add_argument("--grpo-updates", type=int, default=60)
+    p.add_argument("--grpo-batch", type=int, default=128, help="rows per GRPO update (G = 8)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     where = args.out / "corpora_learning.json"
@@ -267,7 +276,9 @@ def main() -> None:
         results["zebra"] = zebra(args.out, args.sft_updates)
         table("zebra-cot-shaped digits, SFT", results["zebra"]["report"], "pass@n")
     if "jigsaw" in args.arms:
-        results["jigsaw"] = jigsaw(args.out, args.jigsaw_sft_updates, args.grpo_updates)
+        results["jigsaw"] = jigsaw(
+            args.out, args.jigsaw_sft_updates, args.grpo_updates, args.grpo_batch
+        )
         table("visual jigsaw, SFT", results["jigsaw"]["sft"], "pass@n")
         table("visual jigsaw, GRPO from the SFT model", results["jigsaw"]["grpo"], "pass@n")
     where.write_text(json.dumps(results, indent=2, default=str))
