@@ -400,3 +400,18 @@ def test_data_tasks_follow_from_rows_with_one_label(tmp_path, caplog):
         DatasetError, match=r"have 2 tasks: angle_mc \(1\), b \(2\); set data.tasks"
     ):
         resolve_tasks(validate_config({**raw, "data": {"path": str(two)}}))
+
+
+def test_conversion_counts_are_logged_once_per_dataset(tmp_path, caplog):
+    img = tmp_path / "img"
+    img.mkdir()
+    Image.fromarray(RED).save(img / "r.png")
+    rows = write_rows(tmp_path / "rows.jsonl", [qa(0, image="img/r.png"), qa(1)])
+    with caplog.at_level("INFO"):
+        for _ in range(3):  # training, the baseline and the final evaluation read it again
+            load_rows(rows, GreyscaleProcessor((8, 8), "error"), (1, 1))
+    said = [r.getMessage() for r in caplog.records if "greyscale" in r.getMessage()]
+    assert said == [
+        f"{rows}: 1 images for a greyscale 8x8 model: 1 colour images converted to "
+        "greyscale (BT.601 luma), 0 resized"
+    ]

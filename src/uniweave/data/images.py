@@ -149,8 +149,19 @@ def processor_for(
     return GreyscaleProcessor(size, resize) if model_kind == "tiny" else RGBProcessor(size, resize)
 
 
-def log_summary(processor: ImageProcessor) -> None:
-    """Log the processor's counts (colour images converted, images resized)."""
-    if processor.n_images:
-        level = logging.WARNING if getattr(processor, "n_colour", 0) else logging.INFO
-        logger.log(level, "%s", processor.summary())
+_LOGGED: set[tuple[str, str]] = set()
+"""(dataset, summary) pairs this process has logged (`log_summary`)."""
+
+
+def log_summary(processor: ImageProcessor, dataset: str) -> None:
+    """Log the processor's counts (colour images converted, images resized) of reading
+    `dataset`, once per process: a run reads the same rows for training, the baseline and
+    each evaluation, and the same counts said again are noise."""
+    if not processor.n_images:
+        return
+    key = (dataset, processor.summary())
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    level = logging.WARNING if getattr(processor, "n_colour", 0) else logging.INFO
+    logger.log(level, "%s: %s", dataset, key[1])

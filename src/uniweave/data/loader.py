@@ -296,7 +296,7 @@ def load_rows(
     if not samples:
         raise DatasetError(f"{path}: empty dataset; expected at least one row")
     if processor is not None:
-        log_summary(processor)
+        log_summary(processor, str(path))
     return Rows(samples, where, splits)
 
 
