@@ -185,6 +185,7 @@ def jigsaw(out: Path, sft_updates: int, grpo_updates: int, grpo_batch: int) -> d
         uniweave("data", "jigsaw", str(images), str(data), "--grid", "2", "--seed", "0",
                  "--val-fraction", "0", "--test-fraction", "0.15")  # fmt: skip
     rows = data / "jigsaw.jsonl"
+    sft_dir = out / f"jigsaw_sft_u{sft_updates}"
     common = {
         "model": TINY,
         "data": {
@@ -200,7 +201,7 @@ def jigsaw(out: Path, sft_updates: int, grpo_updates: int, grpo_batch: int) -> d
     }
     sft = {
         **common,
-        "run": {"name": "jigsaw_sft", "seed": 0, "output_dir": str(out / "jigsaw_sft")},
+        "run": {"name": "jigsaw_sft", "seed": 0, "output_dir": str(sft_dir)},
         "algorithm": {"name": "sft"},
         "trainer": {
             "optimizer": {"lr": 2.0e-3, "weight_decay": 0.01},
@@ -219,9 +220,9 @@ def jigsaw(out: Path, sft_updates: int, grpo_updates: int, grpo_batch: int) -> d
         "run": {
             "name": "jigsaw_grpo",
             "seed": 0,
-            "output_dir": str(out / f"jigsaw_grpo_u{grpo_updates}_b{grpo_batch}"),
+            "output_dir": str(out / f"jigsaw_grpo_s{sft_updates}_u{grpo_updates}_b{grpo_batch}"),
         },
-        "model": {**TINY, "path": str(out / "jigsaw_sft" / "model")},
+        "model": {**TINY, "path": str(sft_dir / "model")},
         "rollout": {"max_new_tokens": 16, "temperature": 1.0, "batch_size": 128},
         "algorithm": {
             "name": "grpo",
