@@ -110,3 +110,14 @@ def fingerprint_cache(tmp_path_factory):
         os.environ.pop("UNIWEAVE_CACHE_DIR", None)
     else:
         os.environ["UNIWEAVE_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def installed_uniweave(tmp_path_factory):
+    """`installed.install_wheel`: this checkout's wheel, built once per session and
+    installed by the README's install block into a fresh virtual environment outside the
+    checkout (its `work` folder holds only `dist/`; a test runs its commands in a folder
+    of its own, or in `work` when it checks what they leave there)."""
+    from installed import install_wheel
+
+    return install_wheel(tmp_path_factory.mktemp("wheel"))

@@ -387,7 +387,8 @@ def test_data_tasks_follow_from_rows_with_one_label(tmp_path, caplog):
         resolved = resolve_tasks(cfg)
     assert resolved.data.tasks == ["angle_mc"]
     assert (
-        f"data.tasks not set: [angle_mc], the one task of the 3 train rows of {one}" in caplog.text
+        f"data.tasks not set: [angle_mc], the one task of the 3 train rows of {one}; "
+        "reward.plugins.0 (text_exact) score it (tasks null: every task)" in caplog.text
     )
     assert resolve_tasks(resolved) is resolved
     # the config is validated again with the label: a reward route to another task is caught

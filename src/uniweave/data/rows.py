@@ -84,8 +84,18 @@ def resolve_tasks(cfg: UniweaveConfig) -> UniweaveConfig:
         )
     (task,) = labels
     # a warning, so the last-resort handler shows it: the command chose a config value
+    scorers = [
+        f"reward.plugins.{k} ({plugin.name})"
+        for k, plugin in enumerate(cfg.reward.plugins)
+        if plugin.tasks is None
+    ]
+    scored = f"; {', '.join(scorers)} score it (tasks null: every task)" if scorers else ""
     logger.warning(
-        "data.tasks not set: [%s], the one task of the %d train rows of %s", task, len(train), path
+        "data.tasks not set: [%s], the one task of the %d train rows of %s%s",
+        task,
+        len(train),
+        path,
+        scored,
     )
     raw = cfg.model_dump(mode="json")
     raw["data"]["tasks"] = [task]
