@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -589,6 +590,33 @@ def test_a_replaced_dataset_file_refuses_the_resume_naming_it(tmp_path, codec_di
     code, _, err = _train(tmp_path, cfg, capsys=capsys)
     assert code == 2, err
     assert f"{rows} content changed" in err and "data.path" in err, err
+
+
+def test_a_dataset_path_naming_another_file_is_refused_as_another_file(tmp_path, codec_dir, capsys):
+    """data.path moved to another file of the same name: the refusal says it is another
+    file (not that the recorded one changed), and its suggestion (the recorded path)
+    resumes."""
+    first = export_task("i2t_mc", "train", 8, tmp_path / "a")
+    second = export_task("i2t_mc", "train", 8, tmp_path / "b", seed=1)
+    assert first.name == second.name and first.read_bytes() != second.read_bytes()
+    data = {"tasks": ["i2t_mc"], "train_size": 8, "val_size": 0, "test_size": 0}
+    cfg = tiny_config(
+        tmp_path / "run",
+        codec_dir,
+        data={**data, "path": str(first)},
+        trainer={"total_updates": 2},
+    )
+    code, _, err = _train(tmp_path, cfg, "--stop-after-updates", "1", capsys=capsys)
+    assert code == 0, err
+    moved = {**cfg, "data": {**cfg["data"], "path": str(second)}}
+    code, _, err = _train(tmp_path, moved, capsys=capsys)
+    assert code == 2, err
+    assert f"data.path names {second}, another file than the {first.resolve()}" in err, err
+    assert "changed" not in err, err
+    fix = re.search(r"set (data\.path)=(\S+) to resume", err)
+    assert fix is not None and fix.group(2) == str(first.resolve()), err
+    code, _, err = _train(tmp_path, moved, f"{fix.group(1)}={fix.group(2)}", capsys=capsys)
+    assert code == 0, err
 
 
 def test_content_hashes_are_cached_by_size_mtime_and_inode(tmp_path):

@@ -72,6 +72,17 @@ def check_fingerprints(saved: dict[str, Any] | None, cfg: UniweaveConfig, where:
                 key=key,
             ) from None
         changes = changed_files(record["files"], current)
+        recorded = record.get("path")
+        if changes and recorded is not None and str(root.resolve()) != recorded:
+            # another file or folder than the one the checkpoint read: not a change of it
+            back = f"set {key}={recorded} to resume" if Path(recorded).exists() else None
+            raise ConfigError(
+                f"refusing to resume {where}: {key} names {root}, another "
+                f"{'folder' if root.is_dir() else 'file'} than the {recorded} the checkpoint "
+                f"was written with ({len(changes)} file(s) differ); "
+                f"{back + ', or ' if back else ''}use a new run.output_dir to train on it",
+                key=key,
+            )
         if changes:
             name, what = changes[0]
             file = root / name if root.is_dir() else root
