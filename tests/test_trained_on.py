@@ -79,3 +79,43 @@ def test_a_model_without_a_record_is_not_checked(tmp_path):
     (tmp_path / "m" / TRAINED_ON).write_text("[1, 2]\n")
     (line,) = mismatch_warnings(cfg)
     assert "not a trained_on record" in line and "not checked" in line
+
+
+def test_config_yaml_and_inspect_record_the_loaded_model_s_sizes(tmp_path, capsys, caplog):
+    """With model.path, the run's config.yaml, `inspect` and `inspect --sources` show the
+    sizes the model directory records, not the config's model.tiny that it does not have
+    (the config here says 2 layers of width 48; the model has 1 of width 32)."""
+    from uniweave import cli
+
+    data = make_dataset(tmp_path / "data", 4)
+    config = write_config(tmp_path, data)
+    first = run_train(load_config(config, TRAIN))
+    saved = json.loads((first / "model" / "uniweave_model.json").read_text())["config"]
+    assert (saved["hidden_size"], saved["num_layers"]) == (32, 1)
+    other = [
+        *TRAIN,
+        f"model.path={first / 'model'}",
+        "model.tiny.hidden_size=48",
+        "model.tiny.num_layers=2",
+        f"run.output_dir={tmp_path / 'second'}",
+    ]
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="uniweave.models.registry"):
+        assert cli.main(["inspect", str(config), *other, "--sources"]) == 0
+    out = capsys.readouterr().out
+    record = f"{first / 'model'}/uniweave_model.json"
+    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+        line = next(x for x in out.splitlines() if x.startswith(f"model.tiny.{key}: "))
+        assert line.split("#")[0].split(": ")[1].strip() == str(saved[key]), line
+        assert line.rstrip().endswith(f"# {record}"), line
+    assert "model.tiny.hidden_size 48 -> 32, model.tiny.num_layers 2 -> 1" in caplog.text
+    hashed = out.splitlines()[-1]
+    assert cli.main(["inspect", str(config), *other]) == 0
+    plain = capsys.readouterr().out
+    assert "    hidden_size: 32\n    num_layers: 1\n" in plain
+    assert plain.splitlines()[-1] == hashed  # --sources and plain agree on the config
+
+    assert cli.main(["train", str(config), *other]) == 0
+    written = (tmp_path / "second" / "config.yaml").read_text()
+    assert "    hidden_size: 32\n    num_layers: 1\n" in written
+    assert f"hash: {(tmp_path / 'second' / 'config_hash').read_text().strip()}" == hashed

@@ -77,6 +77,7 @@ def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
     section checked against the kind's registration (creates nothing)."""
     from uniweave.config.hub import resolve_hub_ids
     from uniweave.models import check_model_config
+    from uniweave.models.registry import with_saved_sizes
 
     cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     if cfg.data.tasks is None:  # read from the rows (imports the data loader: not for --help)
@@ -84,7 +85,7 @@ def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
 
         cfg = resolve_tasks(cfg)
     check_model_config(cfg.model)
-    return cfg
+    return with_saved_sizes(cfg)  # model.path: the loaded model's sizes, not model.tiny's
 
 
 def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
@@ -307,9 +308,21 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.sources:
         from uniweave.config.hub import resolve_hub_ids
         from uniweave.models import check_model_config
+        from uniweave.models.registry import MODEL_CONFIG, saved_sizes, with_saved_sizes
 
         cfg, rows = config_sources(args.config, args.overrides)
-        check_model_config(resolve_hub_ids(cfg).model)
+        resolved = resolve_hub_ids(cfg)
+        check_model_config(resolved.model)
+        loaded = saved_sizes(resolved.model)  # model.path: the model's own sizes
+        if loaded:
+            cfg = with_saved_sizes(resolved)
+            files = {"tiny": MODEL_CONFIG, "codec": "codec/codec.json"}
+            rows = [
+                (k, json.dumps(loaded[k]), f"{cfg.model.path}/{files[k.split('.')[1]]}")
+                if k in loaded
+                else (k, v, source)
+                for k, v, source in rows
+            ]
         width = min(60, max(len(f"{k}: {v}") for k, v, _ in rows))
         for key, value, source in rows:
             sys.stdout.write(f"{f'{key}: {value}':<{width}}  # {source}\n")

@@ -208,8 +208,16 @@ class ModelConfig(StrictModel):
         "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
         "rslora and target_modules, and the base it was trained on).",
     )
-    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny sizes.")
-    codec: CodecConfig = Field(default_factory=CodecConfig, description="Tiny model's codec.")
+    tiny: TinyModelConfig = Field(
+        default_factory=TinyModelConfig,
+        description="Tiny sizes; with model.path (kind tiny), the sizes the model directory "
+        "records replace them (stated in the log, recorded in config.yaml).",
+    )
+    codec: CodecConfig = Field(
+        default_factory=CodecConfig,
+        description="Tiny model's codec; with model.path (kind tiny), its codec's sizes "
+        "replace these.",
+    )
 
     @model_validator(mode="after")
     def _what_the_kind_reads(self) -> ModelConfig:

@@ -91,6 +91,7 @@ from uniweave.eval.records import RESULTS, ResultLog
 from uniweave.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
 from uniweave.models.base import UnifiedModel
 from uniweave.models.build import build_model, dataset_rows, resolve_device
+from uniweave.models.registry import with_saved_sizes
 from uniweave.rewards import (
     RewardService,
     build_responses,
@@ -536,6 +537,7 @@ def run_eval(cfg: UniweaveConfig) -> Path:
     """`uniweave eval`: build the model (`model.path`, or the tiny model built from the
     config's seed), evaluate it, and return the output directory."""
     cfg = resolve_tasks(cfg)  # data.tasks null: the rows' one label
+    cfg = with_saved_sizes(cfg)  # model.path: the loaded model's sizes
     e = cfg.evaluation
     out = Path(e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}")
     evaluation_reward(cfg)  # a task nothing can score: a ConfigError before the model loads

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,10 +50,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from uniweave.config.errors import ConfigError
-from uniweave.config.schema import ModelConfig
+from uniweave.config.schema import ModelConfig, UniweaveConfig
 
 if TYPE_CHECKING:  # models.base imports torch; a lookup must not
     from uniweave.models.base import UnifiedModel, VisualHead
+
+logger = logging.getLogger(__name__)
 
 MODEL_CONFIG = "uniweave_model.json"
 TRANSFORMERS_CONFIG = "config.json"
@@ -443,3 +446,63 @@ def load_model(path: str | Path) -> UnifiedModel:
     if spec is None or not spec.implemented:
         raise ValueError(f"{path}: unknown model kind {kind!r}; known: {_names(discover())}")
     return spec.load(path)
+
+
+_CODEC_SIZES = {  # codec.json field -> model.codec key, per codec kind (tiny model codecs)
+    "vq": {"codebook_size": "codebook_size", "patch": "patch_size"},
+    "bsq": {"latent_dim": "bits", "patch": "patch_size", "group": "group"},
+}
+
+
+def saved_sizes(model: ModelConfig) -> dict[str, Any]:
+    """{dotted `model.` key: value} of the sizes a tiny model directory at `model.path`
+    records (`uniweave_model.json`'s `config`, its `codec/codec.json`); {} without model.path, for another kind, or for a directory that
+    records none (the loader's own checks report a broken one)."""
+    if model.path is None or model.kind != "tiny" or not Path(model.path).is_dir():
+        return {}
+    root = Path(model.path)
+    try:
+        record = read_json(root / MODEL_CONFIG)
+    except ValueError:
+        return {}
+    config = record.get("config")
+    if record.get("kind") != "tiny" or not isinstance(config, dict):
+        return {}
+    config = dict(config)
+    if "max_positions" in config:  # the name files written before the size classes used
+        config.setdefault("max_position_embeddings", config.pop("max_positions"))
+    found = {f"tiny.{k}": config[k] for k in type(model.tiny).model_fields if k in config}
+    try:
+        codec = read_json(root / "codec" / "codec.json")
+    except ValueError:
+        codec = {}
+    for field, key in _CODEC_SIZES.get(str(codec.get("kind")), {}).items():
+        if field in codec:
+            found[f"codec.{key}"] = codec[field]
+    return {f"model.{key}": value for key, value in found.items()}
+
+
+def with_saved_sizes(cfg: UniweaveConfig) -> UniweaveConfig:
+    """`cfg` itself, or, when `model.path` is a tiny model directory whose sizes differ from
+    `model.tiny` / `model.codec` (`saved_sizes`), `cfg` with the loaded model's sizes in
+    their place (validated again), stated in the log: what `config.yaml`, `uniweave inspect`
+    and the config hash then record is the model that runs, not sizes it does not have."""
+    current = cfg.model.model_dump()
+    found = {
+        key: value
+        for key, value in saved_sizes(cfg.model).items()
+        if current[key.split(".")[1]][key.split(".")[2]] != value
+    }
+    if not found:
+        return cfg
+    from uniweave.config import validate_config
+
+    was = ", ".join(
+        f"{k} {current[k.split('.')[1]][k.split('.')[2]]} -> {v}" for k, v in found.items()
+    )
+    logger.warning("model sizes from the model at %s (not the config's): %s", cfg.model.path, was)
+    raw = cfg.model_dump(mode="json")
+    for key, value in found.items():
+        _, section, name = key.split(".")
+        raw["model"][section][name] = value
+    return validate_config(raw, source=f"the sizes recorded in {cfg.model.path}")

@@ -53,6 +53,7 @@ from uniweave.eval.health import HealthMonitor
 from uniweave.eval.run_report import write_report
 from uniweave.eval.runner import evaluate, split_config, task_metrics
 from uniweave.models.base import UnifiedModel
+from uniweave.models.registry import with_saved_sizes
 from uniweave.rewards import evaluation_reward
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
 from uniweave.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
@@ -188,6 +189,7 @@ def run_train(cfg: UniweaveConfig, stop_after: int | None = None) -> Path:
     the run directory. `stop_after` N: commit a checkpoint and return after N new
     updates (no export or final evaluation unless the run is complete)."""
     cfg = resolve_tasks(cfg)  # data.tasks null: the rows' one label
+    cfg = with_saved_sizes(cfg)  # model.path: the loaded model's sizes in config.yaml
     preflight(cfg, JOBS)
     check_world_size(cfg.trainer.world_size, cfg.run.device)
     if cfg.trainer.world_size > 1 and not is_spawned_worker():
