@@ -118,7 +118,7 @@ def test_fused_refuses_a_model_with_active_dropout():
     batch = TrajectoryBatch.collate(_rows(model), model.special_ids.pad)
     objective = SFTObjective(_config("fused"))
     objective.begin_update(7, [batch], DistInfo())
-    with pytest.raises(RuntimeError, match="student_full_view sequential"):
+    with pytest.raises(RuntimeError, match="student_full_view=sequential"):
         objective.loss(model, batch, objective.count(batch))
     objective = SFTObjective(_config("sequential"))
     objective.begin_update(7, [batch], DistInfo())

@@ -1789,7 +1789,7 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      "rollout": {"continuous_batching": True, "workers": 1}}, "rollout.continuous_batching",
      "acts only in-process", {"rollout": {"workers": 0}}),
     ("continuous_batching_with_the_conv_prior", {**GRPO_RUN, "rollout": {
-        "continuous_batching": True}}, "rollout.continuous_batching", "mixer_kernel 0",
+        "continuous_batching": True}}, "rollout.continuous_batching", "mixer_kernel=0",
      {"model": {"tiny": {"mixer_kernel": 0}}}),
     ("continuous_batching_under_uniar", {**GRPO_RUN, **UNIAR, "rollout": {
         "continuous_batching": True}}, "rollout.continuous_batching", "model.kind uniar",

@@ -836,7 +836,7 @@ class UniweaveConfig(StrictModel):
             raise incompatible(
                 key,
                 "not built for the tiny model's conv prior (its cache carries per-row mixer "
-                "state): set model.tiny.mixer_kernel 0",
+                "state): set model.tiny.mixer_kernel=0",
             )
 
     def _inert(self, spec: registry.MethodSpec) -> None:

@@ -40,7 +40,9 @@ class SchedulerConfig(StrictModel):
     def _no_warmup_for_constant(self) -> SchedulerConfig:
         if self.name == "constant" and self.warmup_steps > 0:
             raise incompatible(
-                "warmup_steps", "the 'constant' schedule has no warmup; use 'warmup_constant'"
+                "warmup_steps",
+                "the 'constant' schedule has no warmup; set "
+                "trainer.scheduler.name=warmup_constant (or trainer.scheduler.warmup_steps=0)",
             )
         if self.name != "warmup_cosine" and self.min_lr_ratio:
             raise incompatible(

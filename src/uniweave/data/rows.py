@@ -79,7 +79,7 @@ def resolve_tasks(cfg: UniweaveConfig) -> UniweaveConfig:
         shown = ", ".join(f"{t} ({n})" for t, n in sorted(labels.items()))
         raise DatasetError(
             f"not set, and the train rows of {path} have {len(labels)} tasks: {shown}; "
-            f"set data.tasks to those to train on (e.g. data.tasks=[{','.join(sorted(labels))}])",
+            f"set data.tasks to those to train on (e.g. set data.tasks=[{','.join(sorted(labels))}])",
             key="data.tasks",
         )
     (task,) = labels
@@ -209,7 +209,7 @@ def check_targets(rows: Rows, tokenizer: PreTrainedTokenizerBase) -> None:
                 raise DatasetError(
                     f"{rows.where.get(sample.id, sample.id)}: assistant text {part.text[:40]!r} "
                     f"has {ids.count(unk)} token(s) outside the tokenizer's vocabulary "
-                    f"({', '.join(map(repr, words[:3]))}); use data.tokenizer=bpe"
+                    f"({', '.join(map(repr, words[:3]))}); set data.tokenizer=bpe"
                 )
 
 

@@ -414,7 +414,7 @@ def check_prompts(cfg: UniweaveConfig, rows: Rows, codec_grid: tuple[int, int] |
         if grid is None and params.length_semantics == "exact":
             raise InputError(
                 f"{where}: messages: the answer is not one image, and length_semantics "
-                "'exact' rolls out image-only rows (use 'cap', or leave the row out)",
+                "'exact' rolls out image-only rows (set rollout.length_semantics=cap, or leave the row out)",
                 "rollout.length_semantics",
             )
         if grid is not None and codec_grid is not None and not params.grid_allowed(*grid):

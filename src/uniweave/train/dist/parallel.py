@@ -105,7 +105,7 @@ def check_fsdp2_support() -> None:
     if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         raise ConfigError(
             f"fsdp2 needs FSDPModule.set_reduce_scatter_unused_params, which torch "
-            f"{torch.__version__} does not have (torch 2.13 does); use ddp or a newer torch",
+            f"{torch.__version__} does not have (torch 2.13 does); set trainer.parallel=ddp or use a newer torch",
             key="trainer.parallel",
         )
 

@@ -47,8 +47,8 @@ def check_resume(found: ckpt.Checkpoint, cfg: UniweaveConfig) -> None:
         if schedule and mode == "strict":
             fix = (
                 f"to extend or reschedule this run ({', '.join(schedule)}), set "
-                "checkpoint.resume_mode: allow_schedule_changes "
-                f"(checkpoint.resume_mode=allow_schedule_changes on the command line); else {fix}"
+                "checkpoint.resume_mode=allow_schedule_changes (in a recipe: checkpoint: "
+                f"{{resume_mode: allow_schedule_changes}}); else {fix}"
             )
         raise ConfigError(
             f"refusing to resume: the config changed at {', '.join(refused)} "

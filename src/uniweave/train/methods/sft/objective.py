@@ -261,7 +261,7 @@ class SFTObjective(Objective):
         if self.half and fused and dropout:
             raise RuntimeError(
                 "information_gain.student_full_view fused: the model has active dropout, so "
-                "the SFT forward is not a clean full view; use student_full_view sequential"
+                "the SFT forward is not a clean full view; set algorithm.information_gain.student_full_view=sequential"
             )
         if (self.half and fused) or not (noisy or dropout or self.half):
             logp = full_logp(out, text_pos, visual_pos)

@@ -69,7 +69,7 @@ def within_limit(cfg: UniweaveConfig, trajs: list, samples: list, where: dict, s
             row = where.get(sample.id) or f"task {sample.task!r} row {sample.id!r}"
             raise ConfigError(
                 f"{row}: the {split} row serialises to {len(traj)} positions, more than "
-                f"{limit} (set data.over_length: drop to leave such rows out)",
+                f"{limit} (set data.over_length=drop to leave such rows out)",
                 key="data.max_sequence_tokens",
             )
     dropped = len(trajs) - len(kept)
