@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
+from suggestions import proposals
 from trainer_helpers import ForkedCLI, run_cli
 
 from uniweave.codecs import build_codec
@@ -964,6 +965,35 @@ def test_bad_input(case: Case, results):
     else:  # nothing written: no run directory (unless the case made it), no other file
         assert "out" in r["inputs"] or not r["out"].exists(), lines[0]
         assert r["now"] == r["inputs"], lines[0]
+
+
+def test_every_proposed_fix_is_accepted_or_changes_the_message(results, world):
+    """Every refusal of the matrix that proposes a change (`set KEY=VALUE`, `pass --FLAG`:
+    tests/suggestions.py), rerun from fresh inputs with that change appended to its
+    command: exit 0, or another error (the next problem, never the same one)."""
+    cases = {c.id: c for c in CASES}
+    cli = ForkedCLI()
+    walked = []
+    for case_id, r in sorted(results.items()):
+        line = r["done"].stderr.strip()
+        for change in proposals(line):
+            case = cases[case_id]
+            d = world.root / "fixes" / f"{case_id}-{len(walked)}"
+            d.mkdir(parents=True)
+            out = d / "run" if case.existing else d / "out"
+            if case.existing:
+                shutil.copytree(world.run, out)
+            args = case.make(d, out, world)
+            env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
+            again = cli.run([*case.command, *args, *change], cwd=d, env=env)
+            after = again.stderr.strip().splitlines()
+            assert again.returncode == 0 or after[-1:] != [line], (case_id, change, line)
+            walked.append((case_id, change, again.returncode))
+    if len(results) == len(CASES):  # the whole matrix ran: these cases propose a fix
+        proposing = {"resume_with_more_updates_under_strict", "image_wrong_size"}
+        assert {c for c, _, _ in walked} >= proposing, walked
+    # the fixes this matrix proposes are whole: each one is accepted
+    assert all(code == 0 for _, _, code in walked), walked
 
 
 def test_a_valid_rerun_of_a_copied_run_is_accepted(world, tmp_path):

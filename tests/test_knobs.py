@@ -1796,9 +1796,6 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
      {"model": {"kind": "tiny", "visual_head": "bsq"}}),
     ("rollout_assignment_under_sft", {"rollout": {"assignment": "dynamic"}},
      "rollout.assignment", "acts only with rollouts in training (grpo, opd)", GRPO_RUN),
-    ("image_resize_without_data_path", {"data": {"image_resize": "resize"}},
-     "data.image_resize", "acts only on data.path images",
-     {"data": {"path": "rows.jsonl", "tasks": ["colour"]}}),
 ]  # fmt: skip
 
 

@@ -24,38 +24,13 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
+from suggestions import proposals
 
 from uniweave import cli
 from uniweave.config import ConfigError, load_config
 from uniweave.data.loader import DatasetError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "uniweave"
-
-SET = re.compile(r"\bset ((?:[a-z_][a-z0-9_.]*=\S+)(?: [a-z_][a-z0-9_.]*=\S+)*)")
-FLAG = re.compile(r"\bpass (--[a-z][a-z-]*)(?: ([a-z0-9_]+)\b)?")
-
-
-def _value(text: str) -> str:
-    """A proposed value without the sentence around it: trailing punctuation and a closing
-    bracket the value did not open are cut."""
-    while (
-        text
-        and text[-1] in ".,;:)"
-        and not (text[-1] == ")" and text.count("(") >= text.count(")"))
-    ):
-        text = text[:-1]
-    return text
-
-
-def proposals(message: str) -> list[list[str]]:
-    """Each change `message` proposes, as the argument words that apply it: KEY=VALUE
-    overrides (`set A=1 B=2` is one change of two overrides) or a flag with its value."""
-    out = []
-    for m in SET.finditer(message):
-        out.append([_value(pair) for pair in m.group(1).split(" ")])
-    for m in FLAG.finditer(message):
-        out.append([m.group(1)] + ([m.group(2)] if m.group(2) else []))
-    return out
 
 
 def test_proposals_parse_as_a_user_reads_them():

@@ -280,7 +280,8 @@ class DataConfig(StrictModel):
     )
     image_resize: Literal["resize", "error"] = Field(
         "error",
-        description="A dataset image whose size differs from the model's: resize it "
+        description="A dataset image (data.path rows; also `uniweave generate --image`, "
+        "with or without data.path) whose size differs from the model's: resize it "
         "(bicubic) or stop with its file:line.",
     )
     tokenizer: Literal["auto", "word", "bpe"] = Field(
@@ -359,12 +360,6 @@ class DataConfig(StrictModel):
             for key in ("val_path", "test_path", "default_task"):
                 if getattr(self, key) is not None:
                     raise incompatible(key, "needs data.path (the digits tasks are built in)")
-            if changed(self, "image_resize"):
-                raise incompatible(
-                    "image_resize",
-                    "acts only on data.path images (the built-in digits images are the tiny "
-                    "model's size)",
-                )
         if self.default_task is not None and self.default_task not in self.tasks:
             raise incompatible("default_task", f"'{self.default_task}' is not in data.tasks")
         return self
