@@ -4,7 +4,8 @@ A method lives in its folder, `uniweave.train.methods.<name>`, whose `spec` modu
 its `MethodSpec` and registers it: the config class of its `algorithm:` section, the job
 builder that makes its batch source and objective, its config checks, its preflight
 checks, its planner hooks, the model directories it reads (checked, fingerprinted and
-resolved from hub ids like `model.path`) and the keys a resume may change. The config
+resolved from hub ids like `model.path`), the keys a resume may change and the metrics
+its progress lines show. The config
 schema, `uniweave.train.preflight`, `uniweave.train.run`, the planner, the input
 fingerprints and the trainer ask the spec of `cfg.algorithm.name`; none of them names a
 method.
@@ -91,6 +92,10 @@ class MethodSpec:
     """(algo) -> `uniweave.plan.Setup` fields the method sets (chunk, kl_copy)."""
     teacher: str | None = None
     """Dotted key under `algorithm` of a frozen teacher directory the planner sizes."""
+    progress: tuple[tuple[str, str, str], ...] = ()
+    """What a progress line shows beside the loss and the learning rate, when the update
+    logged it: (label, metric key, format spec) each, in order (GRPO: its reward, KL to
+    the reference and zero-variance share)."""
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

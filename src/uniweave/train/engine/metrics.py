@@ -232,15 +232,9 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-# What a progress line shows beside the loss, when the update logged it: (label, metric
-# key, format). The keys are the ones runs write: the reward service's mean reward
-# (GRPO; OPD's verification), GRPO's KL to the reference and its share of groups whose
-# rewards are all equal (no learning signal).
-PROGRESS_FIELDS = (
-    ("reward", "reward/total_mean", ".4f"),
-    ("kl", "policy/kl_ref_mean", ".3g"),
-    ("zero-var", "adv/frac_zero_std_groups", ".2f"),
-)
+ProgressFields = tuple[tuple[str, str, str], ...]
+"""(label, metric key, format spec) of what a progress line shows beside the loss: the
+method's own figures (`uniweave.config.methods.MethodSpec.progress`)."""
 
 
 def interactive() -> bool:
@@ -256,12 +250,16 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(
-    update: int, total: int, metrics: dict[str, Any], seconds_per_update: float
+    update: int,
+    total: int,
+    metrics: dict[str, Any],
+    seconds_per_update: float,
+    fields: ProgressFields = (),
 ) -> str:
-    """One plain log line: update/total, loss, the `PROGRESS_FIELDS` the update logged
-    (reward, KL, zero-variance share), lr, s/update and the ETA at that pace."""
+    """One plain log line: update/total, loss, the method's `fields` the update logged
+    (GRPO: reward, KL, zero-variance share), lr, s/update and the ETA at that pace."""
     parts = [f"update {update}/{total}", f"loss {metrics['loss']:.4f}"]
-    for label, key, fmt in PROGRESS_FIELDS:
+    for label, key, fmt in fields:
         if isinstance(metrics.get(key), (int, float)):
             parts.append(f"{label} {metrics[key]:{fmt}}")
     if isinstance(metrics.get("lr"), (int, float)):
@@ -275,12 +273,21 @@ class Progress:
     """Progress of a run for a person. On an interactive terminal (`interactive`) a rich
     bar with updates/s, loss and ETA (when `enabled`, i.e. `logging.progress_bar`);
     elsewhere (`plain`: a log file, `nohup`, SLURM, CI=true) one `progress_line` on stdout
-    per logged update (`logged`), whatever `enabled` says."""
+    per logged update (`logged`), whatever `enabled` says. `fields`: the method's figures
+    on the line (`progress_line`)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, plain: bool = False) -> None:
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        enabled: bool,
+        plain: bool = False,
+        fields: ProgressFields = (),
+    ) -> None:
         self._progress = None
         self.total = total
         self.plain = plain
+        self.fields = fields
         self._start, self._t0 = start, time.monotonic()
         if enabled and not plain:
             from rich.progress import (
@@ -315,7 +322,7 @@ class Progress:
         since this process started training, evaluations and checkpoints included) in the
         run log, and printed in plain mode (`uniweave.core.status`)."""
         pace = (time.monotonic() - self._t0) / max(update - self._start, 1)
-        line = progress_line(update, self.total, metrics, pace)
+        line = progress_line(update, self.total, metrics, pace, self.fields)
         if self.plain:
             status(line)
         else:  # the terminal shows the bar; the run log gets the line

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from uniweave.config import UniweaveConfig
+from uniweave.config.methods import method
 from uniweave.core.status import status
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.models.base import UnifiedModel
@@ -298,9 +299,8 @@ class Trainer:
             logger = MetricsLogger(self.run_dir, log, self.cfg.model_dump(mode="json"))
         total = self.t.total_updates
         main = self.dist.is_main
-        progress = Progress(
-            total, self.update, log.progress_bar and main, plain=main and not interactive()
-        )
+        plain, shown = main and not interactive(), method(self.cfg.algorithm.name).progress
+        progress = Progress(total, self.update, log.progress_bar and main, plain, shown)
         start = self.update
         if remeasures(self.cfg, self.checkpoints.from_parent, self.evaluator is not None):
             # rollout caps changed from the parent: the validation baseline under the new

@@ -83,4 +83,11 @@ SPEC = MethodSpec(
     preflight_model=_preflight_model,
     plan_setup=_plan_setup,
     updates_per_round=_updates_per_round,
+    # the reward service's mean reward, the KL to the reference, the share of groups
+    # whose rewards are all equal (no learning signal)
+    progress=(
+        ("reward", "reward/total_mean", ".4f"),
+        ("kl", "policy/kl_ref_mean", ".3g"),
+        ("zero-var", "adv/frac_zero_std_groups", ".2f"),
+    ),
 )

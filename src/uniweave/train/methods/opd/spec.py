@@ -92,4 +92,11 @@ SPEC = MethodSpec(
     preflight=_preflight,
     plan_setup=_plan_setup,
     teacher="teacher.path",
+    # the student's distance to the teacher (JSD over positions), their top-1 agreement,
+    # and the verifier's mean reward when routing verifies rows
+    progress=(
+        ("jsd", "opd/jsd", ".4f"),
+        ("top1", "opd/top1_agreement", ".2f"),
+        ("reward", "reward/total_mean", ".4f"),
+    ),
 )

@@ -148,4 +148,5 @@ SPEC = MethodSpec(
     val_metrics=_val_metrics,
     evaluator=_evaluator,
     preflight_rows=_preflight_rows,
+    progress=(),  # the loss (the cross-entropy), which every progress line shows
 )
