@@ -285,3 +285,45 @@ def test_the_fixed_length_trap_fires_its_alarm_within_three_updates(
     assert len(trap) == 1 and trap[0]["update"] == 1 and trap[0]["value"] == 1.0
     md = (run_dir / "report.md").read_text()
     assert "truncation_overwrite at update" in md[: md.index("## Verdicts")]
+
+
+# -- an alarm once per run ------------------------------------------------------------------
+
+
+def test_an_alarm_prints_once_and_the_report_lists_when_it_fired_again(tmp_path, capsys):
+    """The zero-variance share crosses `health.zero_variance_share` (0.75) at updates 2, 5,
+    9 and 14 of 16 and clears in between: the run prints the alarm once (at 2), a resumed
+    run replays the logged updates and prints nothing, and the report lists it once,
+    "again at updates 5, 9, 14"."""
+    from uniweave.train.engine.metrics import METRICS
+    from uniweave.eval.run_report import write_report
+    from uniweave.train.run import HealthWatch
+
+    cfg = validate_config({"run": {"output_dir": str(tmp_path)}})
+    (tmp_path / "config.yaml").write_text(json.dumps(cfg.model_dump(mode="json")))
+    fires = {2, 5, 9, 14}
+    stream = [
+        (u, {"loss": 1.0, "adv/frac_zero_std_groups": 1.0 if u in fires else 0.25})
+        for u in range(1, 17)
+    ]
+
+    def feed(updates) -> str:
+        watch = HealthWatch(cfg, tmp_path)  # a process: a resume replays what was logged
+        for u, metrics in updates:
+            watch.update(u, metrics)
+            with (tmp_path / METRICS).open("a") as f:
+                f.write(json.dumps({"update": u, **metrics}) + "\n")
+        return capsys.readouterr().err
+
+    first = feed(stream[:10])
+    lines = re.findall(r"^health alarm: zero_variance at update (\d+):", first, re.M)
+    assert lines == ["2"]
+    assert "zero_variance" not in feed(stream[10:])  # resumed at update 11: fires at 14
+    summary = write_report(tmp_path)
+    (alarm,) = summary["alarms"]
+    assert (alarm["update"], alarm["again_at"]) == (2, [5, 9, 14])
+    md = (tmp_path / "report.md").read_text()
+    section = md[md.index("## Alarms (1)") : md.index("## Verdicts")]
+    assert section.count("zero_variance at update") == 1 and "again at updates 5, 9, 14" in section
+    page = (tmp_path / "report.html").read_text()
+    assert "Alarms (1)" in page and "again at updates 5, 9, 14" in page

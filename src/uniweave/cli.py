@@ -561,7 +561,11 @@ def run_report(args: argparse.Namespace) -> int:
         run = Path(args.runs[0])
         summary = write_report(run)
         for alarm in summary["alarms"]:
-            print(f"alarm: {alarm['name']} at update {alarm['update']}: {alarm['message']}")
+            again = f"; again at updates {', '.join(map(str, alarm['again_at']))}"
+            print(
+                f"alarm: {alarm['name']} at update {alarm['update']}: {alarm['message']}"
+                + (again if alarm["again_at"] else "")
+            )
         for v in summary["verdicts"]:
             print(f"{v['split']} {v['task']} {v['metric']}: {v['verdict']}")
         print(f"report: {run / REPORT_MD} {run / REPORT_HTML}")

@@ -32,8 +32,11 @@ Per evaluation against the baseline (update 0, `uniweave.eval.paired`):
 - `heldout_drop`: a task's mean@n or pass@n "got worse" (`heldout_se` SE test);
 - `heldout_invalid_rise`: a task's invalid_frac rose by more than `invalid_rise`.
 
-An alarm fires when its condition turns true (one line each time it turns true again
-after clearing); `Alarm.line()` is the line printed to stderr.
+An alarm fires when its condition turns true, and again each time it turns true after
+clearing; `HealthMonitor.fired` keeps every firing. A run prints an alarm (one alarm: a
+name and the metric it read) once, at its first firing (`HealthMonitor.first_time`,
+`Alarm.line()` is the line printed to stderr); the report lists it once with the updates
+it fired again at (`once_each`).
 """
 
 from __future__ import annotations
@@ -74,6 +77,23 @@ class Alarm:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def ident(self) -> str:
+        """Which alarm this is a firing of: its name and metric."""
+        return f"{self.name}:{self.key}"
+
+
+def once_each(fired: Iterable[Alarm]) -> list[tuple[Alarm, list[int]]]:
+    """Each alarm of `fired` (in firing order) once: (its first firing, the updates it
+    fired again at), in the order of first firings."""
+    out: dict[str, tuple[Alarm, list[int]]] = {}
+    for alarm in fired:
+        if alarm.ident in out:
+            out[alarm.ident][1].append(alarm.update)
+        else:
+            out[alarm.ident] = (alarm, [])
+    return list(out.values())
+
 
 def _num(metrics: dict[str, Any], key: str) -> float | None:
     v = metrics.get(key)
@@ -101,6 +121,12 @@ class HealthMonitor:
             new.append(alarm)
         elif not on:
             self._active.discard(ident)
+
+    def first_time(self, alarms: Iterable[Alarm]) -> list[Alarm]:
+        """Those of `alarms` (firings of this monitor) that are their alarm's first firing:
+        what a run prints."""
+        firsts = {a.ident: a for a in reversed(self.fired)}
+        return [a for a in alarms if firsts.get(a.ident) is a]
 
     def observe(self, update: int, metrics: dict[str, Any]) -> list[Alarm]:
         """The alarms that fire at `update` given its metrics."""

@@ -33,7 +33,7 @@ import yaml
 from uniweave.config import HealthConfig
 from uniweave.core.atomic import write_text_atomic
 from uniweave.eval.drift import DriftNoise, drift_to_noise
-from uniweave.eval.health import Alarm, HealthMonitor
+from uniweave.eval.health import Alarm, HealthMonitor, once_each
 from uniweave.eval.paired import ALL, Paired, compare, per_prompt, read_records
 from uniweave.rewards.image_stats import OFF_TARGET
 
@@ -269,7 +269,16 @@ def _gallery(s: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
 
 
 def _alarm_summary(alarms: list[Alarm]) -> list[str]:
-    return [a.line().removeprefix("health alarm: ") for a in alarms]
+    """One line per alarm (name and metric): its first firing, then the updates it fired
+    again at (after clearing)."""
+    lines = []
+    for first, again in once_each(alarms):
+        line = first.line().removeprefix("health alarm: ")
+        if again:
+            line += f"; again at update{'s' if len(again) > 1 else ''} "
+            line += ", ".join(map(str, again))
+        lines.append(line)
+    return lines
 
 
 def _head_lines(data: dict[str, Any]) -> list[str]:
@@ -304,8 +313,9 @@ def render_md(data: dict[str, Any]) -> str:
     z = data["z"]
     lines = [f"# uniweave run report: {data['name']}", ""]
     lines += [f"- {x}" for x in _head_lines(data)]
-    lines += ["", f"## Alarms ({len(data['alarms'])})", ""]
-    lines += [f"- {x}" for x in _alarm_summary(data["alarms"])] or ["none fired"]
+    alarms = _alarm_summary(data["alarms"])
+    lines += ["", f"## Alarms ({len(alarms)})", ""]
+    lines += [f"- {x}" for x in alarms] or ["none fired"]
     lines += ["", "## Verdicts (latest evaluation vs the start)", ""]
     vs = verdicts(data)
     if vs:
@@ -429,8 +439,8 @@ def render_html(data: dict[str, Any]) -> str:
     e = html.escape
     parts = [f"<h1>uniweave run report: {e(str(data['name']))}</h1><ul>"]
     parts += [f"<li>{e(x).replace('`', '')}</li>" for x in _head_lines(data)]
-    parts.append(f"</ul><h2>Alarms ({len(data['alarms'])})</h2>")
     alarms = _alarm_summary(data["alarms"])
+    parts.append(f"</ul><h2>Alarms ({len(alarms)})</h2>")
     parts.append(
         "<ul>" + "".join(f'<li class="alarm">{e(a)}</li>' for a in alarms) + "</ul>"
         if alarms
@@ -503,7 +513,7 @@ def summary_json(data: dict[str, Any]) -> dict[str, Any]:
         "config_hash": data["config_hash"],
         "parent": data["parent"],
         "updates": data["updates"],
-        "alarms": [a.as_dict() for a in data["alarms"]],
+        "alarms": [{**a.as_dict(), "again_at": again} for a, again in once_each(data["alarms"])],
         "verdicts": [{"split": s, **p.as_dict()} for s, p in verdicts(data)],
         "curves": {k: f.as_dict() for k, _, f in data["curves"]},
     }
@@ -536,7 +546,7 @@ def compare_runs(a: Path, b: Path, out: Path) -> Path:
         ["algorithm", da["algorithm"], db["algorithm"]],
         ["config hash", da["config_hash"][:12], db["config_hash"][:12]],
         ["updates", str(da["updates"]), str(db["updates"])],
-        ["alarms", str(len(da["alarms"])), str(len(db["alarms"]))],
+        ["alarms", str(len(once_each(da["alarms"]))), str(len(once_each(db["alarms"])))],
     ]
     for name, d in (("A", da), ("B", db)):
         for split, p in verdicts(d):

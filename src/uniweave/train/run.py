@@ -475,9 +475,10 @@ def baseline_evaluations(
 
 def report(run_dir: Path, update: int, split: str | None) -> None:
     """Rewrite the run report (`uniweave.eval.run_report`) and print the held-out alarms of
-    the `split` evaluation at `update`, one line each, to stderr."""
+    the `split` evaluation at `update` that fired for the first time, one line each, to
+    stderr."""
     summary = write_report(run_dir)
-    for alarm in summary["alarms"]:
+    for alarm in summary["alarms"]:  # each alarm once, at its first firing
         fresh = alarm["update"] == update and alarm["key"].startswith(f"{split}/")
         if split is not None and alarm["name"].startswith("heldout") and fresh:
             status(
@@ -489,8 +490,9 @@ def report(run_dir: Path, update: int, split: str | None) -> None:
 
 class HealthWatch:
     """Rank 0's live health alarms (`uniweave.eval.health`): every update's metrics through
-    the monitor, a fired alarm printed as one line to stderr, and the report rewritten
-    after every evaluation. A resumed run first replays its logged updates silently."""
+    the monitor, an alarm printed as one line to stderr when it first fires (once per run:
+    the report lists the updates it fired again at), and the report rewritten after every
+    evaluation. A resumed run first replays its logged updates silently."""
 
     def __init__(self, cfg: UniweaveConfig, run_dir: Path) -> None:
         self.monitor = HealthMonitor(cfg.health)
@@ -503,7 +505,7 @@ class HealthWatch:
             for record in read_metrics(self.run_dir / METRICS):
                 if record.get("update", 0) < update:
                     self.monitor.observe(record["update"], record)
-        for alarm in self.monitor.observe(update, metrics):
+        for alarm in self.monitor.first_time(self.monitor.observe(update, metrics)):
             status(alarm.line(), err=True)
         if any(k.startswith("val/") for k in metrics):
             report(self.run_dir, update, "val")
