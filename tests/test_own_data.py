@@ -404,6 +404,7 @@ def test_data_tasks_follow_from_rows_with_one_label(tmp_path, caplog):
 
 
 def test_conversion_counts_are_logged_once_per_dataset(tmp_path, caplog):
+    """One line per dataset a run reads, whoever reads it and how often."""
     img = tmp_path / "img"
     img.mkdir()
     Image.fromarray(RED).save(img / "r.png")
@@ -416,3 +417,16 @@ def test_conversion_counts_are_logged_once_per_dataset(tmp_path, caplog):
         f"{rows}: 1 images for a greyscale 8x8 model: 1 colour images converted to "
         "greyscale (BT.601 luma), 0 resized"
     ]
+    # a run reads with one processor, whose counts add up over its reads (preflight read
+    # the file, then the training split, once said 1 then 2 images): each read's own counts
+    shared = GreyscaleProcessor((8, 8), "error")
+    again = write_rows(tmp_path / "again.jsonl", [qa(0, image="img/r.png"), qa(1)])
+    with caplog.at_level("INFO"):
+        for _ in range(3):
+            load_rows(again, shared, (1, 1))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(str(again))]
+    assert said == [
+        f"{again}: 1 images for a greyscale 8x8 model: 1 colour images converted to "
+        "greyscale (BT.601 luma), 0 resized"
+    ]
+    assert shared.counts() == {"n_images": 3, "n_resized": 0, "n_colour": 3}

@@ -295,8 +295,8 @@ def test_an_alarm_prints_once_and_the_report_lists_when_it_fired_again(tmp_path,
     9 and 14 of 16 and clears in between: the run prints the alarm once (at 2), a resumed
     run replays the logged updates and prints nothing, and the report lists it once,
     "again at updates 5, 9, 14"."""
-    from uniweave.train.engine.metrics import METRICS
     from uniweave.eval.run_report import write_report
+    from uniweave.train.engine.metrics import METRICS
     from uniweave.train.run import HealthWatch
 
     cfg = validate_config({"run": {"output_dir": str(tmp_path)}})

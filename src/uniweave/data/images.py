@@ -24,7 +24,7 @@ float, clipped to [0, 1]) and counted.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -86,6 +86,11 @@ class _Sized:
         if self.resize not in ("resize", "error"):
             raise ValueError(f"resize must be 'resize' or 'error', got {self.resize!r}")
 
+    def counts(self) -> dict[str, int]:
+        """The counts so far (`n_*` fields): a read's own counts are the difference of
+        two of these (`log_summary`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name.startswith("n_")}
+
     def fit(self, rgb: np.ndarray, name: str) -> np.ndarray:
         """`rgb` [H, W, 3] at `size`: as is, resized, or ValueError (data.image_resize)."""
         if rgb.ndim != 3 or rgb.shape[-1] != 3:
@@ -117,11 +122,12 @@ class GreyscaleProcessor(_Sized):
             self.n_colour += 1
         return np.clip(rgb @ LUMA, 0.0, 1.0).astype(np.float32)
 
-    def summary(self) -> str:
+    def summary(self, n: dict[str, int]) -> str:
+        """The line of counts `n` (`counts()`, or a read's share of them)."""
         return (
-            f"{self.n_images} images for a greyscale {self.size[0]}x{self.size[1]} model: "
-            f"{self.n_colour} colour images converted to greyscale (BT.601 luma), "
-            f"{self.n_resized} resized"
+            f"{n['n_images']} images for a greyscale {self.size[0]}x{self.size[1]} model: "
+            f"{n['n_colour']} colour images converted to greyscale (BT.601 luma), "
+            f"{n['n_resized']} resized"
         )
 
 
@@ -132,9 +138,10 @@ class RGBProcessor(_Sized):
     def __call__(self, rgb: np.ndarray, name: str = "image") -> np.ndarray:
         return self.fit(rgb, name)
 
-    def summary(self) -> str:
+    def summary(self, n: dict[str, int]) -> str:
+        """The line of counts `n` (`counts()`, or a read's share of them)."""
         return (
-            f"{self.n_images} RGB images at {self.size[0]}x{self.size[1]}: {self.n_resized} resized"
+            f"{n['n_images']} RGB images at {self.size[0]}x{self.size[1]}: {n['n_resized']} resized"
         )
 
 
@@ -153,15 +160,20 @@ _LOGGED: set[tuple[str, str]] = set()
 """(dataset, summary) pairs this process has logged (`log_summary`)."""
 
 
-def log_summary(processor: ImageProcessor, dataset: str) -> None:
-    """Log the processor's counts (colour images converted, images resized) of reading
-    `dataset`, once per process: a run reads the same rows for training, the baseline and
-    each evaluation, and the same counts said again are noise."""
-    if not processor.n_images:
+def log_summary(
+    processor: ImageProcessor, dataset: str, before: dict[str, int] | None = None
+) -> None:
+    """Log the counts (colour images converted, images resized) of one read of `dataset`
+    (the processor's counts less `before`, its `counts()` when the read began), once per
+    process: a run reads the same rows for preflight, training, the baseline and each
+    evaluation, with one processor whose counts add up, and the same counts said again
+    are noise."""
+    n = {k: v - (before or {}).get(k, 0) for k, v in processor.counts().items()}
+    if not n["n_images"]:
         return
-    key = (dataset, processor.summary())
+    key = (dataset, processor.summary(n))
     if key in _LOGGED:
         return
     _LOGGED.add(key)
-    level = logging.WARNING if getattr(processor, "n_colour", 0) else logging.INFO
+    level = logging.WARNING if n.get("n_colour", 0) else logging.INFO
     logger.log(level, "%s: %s", dataset, key[1])

@@ -282,6 +282,7 @@ def load_rows(
     samples: list[Sample] = []
     where: dict[str, str] = {}
     splits: dict[str, str | None] = {}
+    before = processor.counts() if processor is not None else None
     for file in dataset_files(path):
         rows = _jsonl_rows(file) if file.suffix == ".jsonl" else _parquet_rows(file)
         images = _Images(file.parent, processor, image_grid)
@@ -296,7 +297,7 @@ def load_rows(
     if not samples:
         raise DatasetError(f"{path}: empty dataset; expected at least one row")
     if processor is not None:
-        log_summary(processor, str(path))
+        log_summary(processor, str(path), before)
     return Rows(samples, where, splits)
 
 
