@@ -50,6 +50,14 @@ def test_inspect_explains_every_entry_of_a_run_directory(tmp_path):
     assert f"[{n} entries]" in lines["checkpoints/"]
     assert [n for n, _ in describe_run_dir(run)] == present
 
+    # `inspect RUN | head -1`: a reader that leaves before the command writes (the read
+    # end of its stdout pipe closed at once; it imports for seconds first) ends it quietly,
+    # as SIGPIPE would (141), with no traceback and no error line
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()
+    assert child.wait(timeout=300) == 141
+    assert child.stderr.read() == ""
+
 
 def test_the_docs_name_every_run_directory_entry():
     text = DOCS.read_text()
