@@ -1,8 +1,8 @@
 """Run reports: a reward curve with its noise band, before/after image grids, markdown.
 
-The curve plots the per-update metric, its least-squares line (docs/numerics.md §12)
-and a band of ± one residual std around the line: the noise a learning claim is measured
-against. The image grid shows, for each digit 0-9, images drawn by a model before and
+The curve (`uniweave.eval.curves`) plots the per-update metric, its least-squares line
+(docs/numerics.md §12) and a band of ± one residual std around the line: the noise a
+learning claim is measured against. The image grid shows, for each digit 0-9, images drawn by a model before and
 after training from the same stateless seeds.
 """
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from uniweave.core.atomic import atomic_write
 from uniweave.core.sample import GenerationRequest, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.digits import T2I_PROMPT
-from uniweave.eval.drift import DriftNoise, drift_to_noise
+from uniweave.eval import curves
+from uniweave.eval.drift import DriftNoise
 from uniweave.models.base import UnifiedModel
 from uniweave.rewards.plugins import build_responses
 from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
@@ -25,39 +25,14 @@ from uniweave.train.engine.metrics import read_metrics
 
 
 def reward_curve_png(metrics_path: Path, key: str, out_png: Path) -> DriftNoise:
-    """Plot `key` per update with its fitted line ± residual std; return the fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [r for r in read_metrics(metrics_path) if isinstance(r.get(key), (int, float))]
-    if len(records) < 3:
-        raise ValueError(f"{metrics_path}: fewer than 3 updates log {key!r}")
-    x = np.array([r["update"] for r in records], dtype=float)
-    y = np.array([r[key] for r in records], dtype=float)
-    fit = drift_to_noise(y.tolist())
-    line = y.mean() + fit.slope * (np.arange(y.size) - (y.size - 1) / 2)
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(x, y, lw=0.9, color="tab:blue", alpha=0.7, label=key)
-    ax.plot(x, line, color="tab:red", lw=1.5, label=f"least squares (drift {fit.drift:+.3f})")
-    ax.fill_between(
-        x,
-        line - fit.noise,
-        line + fit.noise,
-        color="tab:red",
-        alpha=0.15,
-        label=f"± residual std ({fit.noise:.3f})",
-    )
-    ax.set_xlabel("update")
-    ax.set_ylabel(key)
-    ax.set_title(f"drift / noise = {fit.ratio:.2f}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    with atomic_write(out_png, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
+    """Plot `key` per update with its fitted line ± residual std (a one-panel
+    `uniweave.eval.curves` figure); return the fit."""
+    records = read_metrics(metrics_path)
+    drawn = curves.select(records, signals=((key, (key,)),))
+    fit = drawn.panels[0].fit if drawn.panels else None
+    if fit is None:
+        raise ValueError(f"{metrics_path}: fewer than 3 updates log {key!r}, or all are equal")
+    curves.draw(drawn, out_png)
     return fit
 
 

@@ -3,17 +3,21 @@ comparison of two runs (`uniweave report RUN_DIR`, `uniweave report A B`; docs/r
 
 Everything is read from the run directory, so a report can be rebuilt at any time:
 `config.yaml` (the `health:` thresholds), `config_hash`, `evals/<split>-update-NNNNNN/`
-(the evaluator's records), `metrics.jsonl` (curves, and the alarms replayed through
-`uniweave.eval.health.HealthMonitor`) and `curves.png` when the run wrote it.
+(the evaluator's records) and `metrics.jsonl` (curves, and the alarms replayed through
+`uniweave.eval.health.HealthMonitor`). Writing a report also (re)draws the run's
+`curves.png` (`uniweave.eval.curves`: one panel per signal, no constant or duplicate
+curve).
 
 Sections, in order: alarms; the run (config hash, parent: `model.path` and, when it is
 another run's `model/`, that run's config hash); one verdict line per (split, task,
 metric) — the latest evaluation against the baseline (update 0), with the paired test of
 `uniweave.eval.paired`; the held-out table (value at every evaluation, and its paired
-difference ± SE from the start); the training curves with their least-squares drift and
-residual-noise band (`uniweave.eval.drift`); a gallery of the first rows of every task at
-the baseline and at the latest evaluation. The html is self-contained: curves are inline
-SVG, images (and curves.png) are base64 data URIs.
+difference ± SE from the start); the training curves (`curves.png`, what it left out, and
+each curve's least-squares drift and residual noise, `uniweave.eval.drift`); a gallery of
+the first rows of every task at the baseline and at the latest evaluation, the same in
+both files: prompt and response text HTML-escaped, control characters as escapes
+(`printable`), the prompt's and the response's images (`<img>` tags: relative paths in
+the markdown, base64 data URIs in the html, which is self-contained).
 
 Files are written atomically (temporary + rename), so a reader never sees half a report.
 """
@@ -24,6 +28,7 @@ import base64
 import html
 import json
 import re
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,28 +37,16 @@ import yaml
 
 from uniweave.config import HealthConfig
 from uniweave.core.atomic import write_text_atomic
+from uniweave.eval import curves as training_curves
 from uniweave.eval.drift import DriftNoise, drift_to_noise
 from uniweave.eval.health import Alarm, HealthMonitor, once_each
 from uniweave.eval.paired import ALL, Paired, compare, per_prompt, read_records
-from uniweave.rewards.image_stats import OFF_TARGET
 
 EVALS = "evals"
 METRICS = "metrics.jsonl"
 REPORT_MD, REPORT_HTML, REPORT_JSON = "report.md", "report.html", "report.json"
 COMPARE_MD, COMPARE_HTML = "compare.md", "compare.html"
-CURVES = (
-    "loss",
-    "reward/total_mean",
-    "adv/frac_zero_std_groups",
-    "reward/overwritten_frac",
-    "policy/kl_ref_mean",
-    "policy/entropy_text",
-    "policy/entropy_visual",
-    "opd/jsd",
-    "grad_norm",
-    *OFF_TARGET,
-)
-"""The curves a report draws, those the run logs at >= 3 updates."""
+CURVES_PNG = "curves.png"
 GALLERY_ROWS = 3
 GALLERY_HEAD = ["task", "prompt", "response", "images", "finish", "reward"]
 _EVAL_DIR = re.compile(r"^(train|val|test)-update-(\d{6})$")
@@ -148,19 +141,8 @@ def _collect(run_dir: Path) -> dict[str, Any]:
             monitor.observe(update, payload)
         else:
             monitor.heldout(update, *payload)
-    curves = []
-    for key in CURVES:
-        points = [
-            (r["update"], float(r[key]))
-            for r in records
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
-        ]
-        if len(points) >= 3:
-            try:
-                fit = drift_to_noise([p[1] for p in points])
-            except ValueError:  # a non-finite value
-                continue
-            curves.append((key, points, fit))
+    panels = training_curves.select(records)
+    curves = [(x.key, x.points, f) for x in panels.series if (f := _fit(x)) is not None]
     return {
         "run_dir": run_dir,
         "name": (cfg.get("run") or {}).get("name", ""),
@@ -175,8 +157,14 @@ def _collect(run_dir: Path) -> dict[str, Any]:
         "alarms": monitor.fired,
         "splits": splits,
         "curves": curves,
-        "curves_png": run_dir / "curves.png",
+        "panels": panels,
+        "curves_png": run_dir / CURVES_PNG,
     }
+
+
+def _fit(series: training_curves.Series) -> DriftNoise | None:
+    """A drawn curve's least-squares drift and residual noise (>= 3 points)."""
+    return drift_to_noise(series.values) if len(series.points) >= 3 else None
 
 
 def verdicts(data: dict[str, Any]) -> list[tuple[str, Paired]]:
@@ -268,6 +256,23 @@ def _gallery(s: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
     return out
 
 
+def _gallery_images(record: dict[str, Any]) -> list[str]:
+    """A gallery record's images on disk (the prompt's, then the response's), relative
+    to its evaluation directory."""
+    names = [*record.get("prompt_images", []), *record.get("images", [])]
+    return [p for p in names if (Path(record["_dir"]) / p).is_file()]
+
+
+def printable(text: str) -> str:
+    """`text` as a report shows it: control characters (but newline and tab) as `\\xNN`
+    / `\\uNNNN` escapes. Undecodable bytes of a byte-level tokenizer already read as
+    U+FFFD (the tokenizer decodes with replacement) and stay so; a sampled control byte
+    would otherwise print as nothing or garble the line."""
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) != "Cc" else ascii(c)[1:-1] for c in text
+    )
+
+
 def _alarm_summary(alarms: list[Alarm]) -> list[str]:
     """One line per alarm (name and metric): its first firing, then the updates it fired
     again at (after clearing)."""
@@ -337,9 +342,11 @@ def render_md(data: dict[str, Any]) -> str:
         lines += _md_table(CURVE_HEAD, [_curve_row(k, f) for k, _, f in data["curves"]])
         lines += ["", "A learning claim needs |drift/noise| >= 3 and a held-out verdict."]
     else:
-        lines.append("fewer than 3 logged updates")
+        lines.append("no curve of 3 or more logged updates")
     if data["curves_png"].is_file():
-        lines += ["", "![curves](curves.png)"]
+        lines += ["", f"![curves]({CURVES_PNG})"]
+    if data["panels"].caption():
+        lines += ["", html.escape(data["panels"].caption())]
     for split, s in list(data["splits"].items())[-1:]:
         lines += ["", f"## Gallery ({split})", ""]
         for update, recs in _gallery(s):
@@ -347,14 +354,17 @@ def render_md(data: dict[str, Any]) -> str:
             rows = []
             for r in recs:
                 rel = Path(r["_dir"]).relative_to(data["run_dir"])
-                imgs = " ".join(f"![]({rel / p})" for p in r.get("images", []))
+                imgs = " ".join(
+                    f'<img width="64" alt="{html.escape(p)}" src="{html.escape(str(rel / p))}">'
+                    for p in _gallery_images(r)
+                )
                 rows.append(
                     [
-                        r["task"],
-                        r["prompt"],
-                        r["response"] or "(unparsed)",
+                        html.escape(str(r["task"])),
+                        html.escape(printable(r["prompt"])),
+                        html.escape(printable(r["response"]) or "(unparsed)"),
                         imgs,
-                        r.get("finish_reason", ""),
+                        html.escape(str(r.get("finish_reason", ""))),
                         f"{r['total']:.3f}",
                     ]
                 )
@@ -369,48 +379,6 @@ def render_md(data: dict[str, Any]) -> str:
 def _data_uri(path: Path) -> str:
     kind = "png" if path.suffix.lower() == ".png" else "jpeg"
     return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
-
-
-def svg_curve(key: str, points: list[tuple[int, float]], fit: DriftNoise) -> str:
-    """An inline SVG of a curve, its least-squares line and ± residual-noise band."""
-    w, h, pad = 420, 170, 34
-    xs = [p[0] for p in points]
-    ys = [p[1] for p in points]
-    k = len(ys)
-    mean = sum(ys) / k
-    line = [mean + fit.slope * (i - (k - 1) / 2) for i in range(k)]
-    lo = min(min(ys), min(line) - fit.noise)
-    hi = max(max(ys), max(line) + fit.noise)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
-    x0, x1 = min(xs), max(xs)
-    span = max(x1 - x0, 1)
-
-    def px(x: float) -> float:
-        return pad + (x - x0) / span * (w - 2 * pad)
-
-    def py(y: float) -> float:
-        return h - pad + (lo - y) / (hi - lo) * (h - 2 * pad)
-
-    poly = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
-    upper = [f"{px(x):.1f},{py(v + fit.noise):.1f}" for x, v in zip(xs, line)]
-    lower = [f"{px(x):.1f},{py(v - fit.noise):.1f}" for x, v in zip(xs, line)][::-1]
-    fitted = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v in zip(xs, line))
-    t = html.escape(key)
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" role="img" aria-label="{t}">'
-        f'<rect x="0" y="0" width="{w}" height="{h}" fill="#fff" stroke="#ccc"/>'
-        f'<polygon points="{" ".join(upper + lower)}" fill="#d62728" fill-opacity="0.15"/>'
-        f'<polyline points="{fitted}" fill="none" stroke="#d62728" stroke-width="1.5"/>'
-        f'<polyline points="{poly}" fill="none" stroke="#1f77b4" stroke-width="1"/>'
-        f'<text x="{pad}" y="14" font-size="11">{t}: drift {fit.drift:+.3g}, noise '
-        f"{fit.noise:.3g}, drift/noise {fit.ratio:.2f}</text>"
-        f'<text x="2" y="{py(hi) + 4:.1f}" font-size="9">{hi:.3g}</text>'
-        f'<text x="2" y="{py(lo):.1f}" font-size="9">{lo:.3g}</text>'
-        f'<text x="{pad}" y="{h - 8}" font-size="9">update {x0}</text>'
-        f'<text x="{w - pad - 50}" y="{h - 8}" font-size="9">update {x1}</text></svg>'
-    )
 
 
 _CSS = (
@@ -471,11 +439,12 @@ def render_html(data: dict[str, Any]) -> str:
     parts.append("<h2>Training curves (least-squares line ± residual noise)</h2>")
     if data["curves"]:
         parts.append(_html_table(CURVE_HEAD, [_curve_row(k, f) for k, _, f in data["curves"]]))
-        parts.append("<div>" + "".join(svg_curve(k, p, f) for k, p, f in data["curves"]) + "</div>")
     else:
-        parts.append("<p>fewer than 3 logged updates</p>")
+        parts.append("<p>no curve of 3 or more logged updates</p>")
     if data["curves_png"].is_file():
-        parts.append(f'<p><img alt="curves.png" src="{_data_uri(data["curves_png"])}"></p>')
+        parts.append(f'<p><img alt="{CURVES_PNG}" src="{_data_uri(data["curves_png"])}"></p>')
+    if data["panels"].caption():
+        parts.append(f"<p>{e(data['panels'].caption())}</p>")
     for split, s in list(data["splits"].items())[-1:]:
         parts.append(f"<h2>Gallery ({e(split)})</h2>")
         for update, recs in _gallery(s):
@@ -483,14 +452,13 @@ def render_html(data: dict[str, Any]) -> str:
             for r in recs:
                 imgs = "".join(
                     f'<img width="64" alt="{e(p)}" src="{_data_uri(Path(r["_dir"]) / p)}">'
-                    for p in [*r.get("prompt_images", []), *r.get("images", [])]
-                    if (Path(r["_dir"]) / p).is_file()
+                    for p in _gallery_images(r)
                 )
                 rows.append(
                     [
                         e(str(r["task"])),
-                        f"<pre>{e(r['prompt'])}</pre>",
-                        f"<pre>{e(r['response'] or '(unparsed)')}</pre>",
+                        f"<pre>{e(printable(r['prompt']))}</pre>",
+                        f"<pre>{e(printable(r['response']) or '(unparsed)')}</pre>",
                         imgs,
                         e(str(r.get("finish_reason", ""))),
                         f"{r['total']:.3f}",
@@ -516,6 +484,10 @@ def summary_json(data: dict[str, Any]) -> dict[str, Any]:
         "alarms": [{**a.as_dict(), "again_at": again} for a, again in once_each(data["alarms"])],
         "verdicts": [{"split": s, **p.as_dict()} for s, p in verdicts(data)],
         "curves": {k: f.as_dict() for k, _, f in data["curves"]},
+        "curves_left_out": {
+            "constant": dict(data["panels"].constant),
+            "duplicate": dict(data["panels"].duplicate),
+        },
     }
 
 
@@ -524,6 +496,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     return the report.json content."""
     run_dir = Path(run_dir)
     data = _collect(run_dir)
+    training_curves.draw(data["panels"], run_dir / CURVES_PNG, data["name"] or None)
     summary = summary_json(data)
     write_text_atomic(run_dir / REPORT_MD, render_md(data))
     write_text_atomic(run_dir / REPORT_HTML, render_html(data))

@@ -74,7 +74,7 @@ from uniweave.train.engine.build import (
     set_determinism,
 )
 from uniweave.train.engine.faults import inject_fault
-from uniweave.train.engine.metrics import METRICS, plot_metrics, read_metrics
+from uniweave.train.engine.metrics import METRICS, read_metrics
 from uniweave.train.engine.protocols import BatchSource, Objective
 from uniweave.train.engine.resume import check_resume
 from uniweave.train.engine.trainer import Trainer
@@ -430,7 +430,6 @@ def finish_run(
             ckpt.write_dir_atomic(
                 run_dir, ADAPTER_DIR, lambda p: save_adapter(model, cfg, p, targets)
             )
-        plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png")
     if _rows_of(cfg, "test", cfg.data.test_size):
         results = evaluate_split(cfg, model, run_dir, "test", cfg.trainer.total_updates, info)
         if info.is_main:

@@ -1,5 +1,5 @@
 """Run metrics: JSONL lines (flushed), TensorBoard scalars, Weights & Biases, rollout
-samples, a progress bar, and a PNG plot of the curves at the end of a run.
+samples and a progress bar (the curves are drawn by the run report: `uniweave.eval.curves`).
 
 On resume the JSONL file and the TensorBoard events files are rewritten to keep only
 updates at or before the checkpoint, so a resumed run has no duplicate and no missing update (W&B keeps its step monotonic:
@@ -29,7 +29,6 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 WANDB_ID = "wandb_run_id"
 WANDB_PROJECT = "uniweave"
-MAX_PLOTS = 12
 SAMPLE_KEYS = ("prompt", "response", "reward", "image")
 
 
@@ -331,51 +330,3 @@ class Progress:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-
-
-def plot_metrics(metrics_path: Path, out_png: Path, keys: list[str] | None = None) -> Path | None:
-    """Plot `keys` (default: loss, reward/* and val/* first, at most MAX_PLOTS metrics)
-    against the update number into `out_png`."""
-    records = read_metrics(metrics_path)
-    if not records:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    numeric = sorted(
-        k for k in records[-1] if k != "update" and isinstance(records[-1][k], (int, float))
-    )
-    if keys is None:
-        # the headline curves first; a GRPO run logs ~70 metrics, too many to draw quickly
-        first = [k for k in numeric if k == "loss" or k.startswith(("reward/", "val/"))]
-        keys = (first + [k for k in numeric if k not in first])[:MAX_PLOTS]
-    keys = [k for k in keys if k in numeric]
-    if not keys:
-        return None
-    cols = min(3, len(keys))
-    rows = math.ceil(len(keys) / cols)
-    width, height = 4.5 * cols, 3.0 * rows
-    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
-    # fixed margins in inches (tight_layout would draw every tick label once more)
-    fig.subplots_adjust(
-        left=0.75 / width,
-        right=1 - 0.2 / width,
-        bottom=0.5 / height,
-        top=1 - 0.35 / height,
-        wspace=0.9 * cols / (width - 0.95),
-        hspace=0.85 * rows / (height - 0.85),
-    )
-    for ax, key in zip(axes.flat, keys):
-        points = [(r["update"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("update", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.axis("off")
-    with atomic_write(out_png, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
-    return out_png
