@@ -169,3 +169,34 @@ def test_printable_shows_control_characters_as_escapes():
     # a sampled control byte (the BPE decodes it as one) and the replacement character
     # the tokenizer puts for undecodable bytes
     assert printable("ci\x19rcle\ufffd\x1e\n\tok\x7f") == "ci\\x19rcle\ufffd\\x1e\n\tok\\x7f"
+
+
+def test_a_runs_summaries_are_said_once_and_reach_its_log(tmp_path, caplog):
+    """An own-data SFT run whose file also holds rows of another task: preflight, training,
+    the baseline and the final evaluation each read the rows, yet the left-out rows of each
+    split and the image conversion counts are said once, and train.log holds them (said
+    during preflight, before the log opened)."""
+    data = make_dataset(tmp_path / "data", 8)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    for row in rows[:4]:
+        row["task"] = "other"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        "algorithm.name=sft",
+        "trainer.total_updates=2",
+        "trainer.global_batch_size=2",
+        "trainer.micro_batch_size=2",
+        "trainer.scheduler.warmup_steps=0",
+        "data.val_size=0",
+        "data.test_size=2",
+        "logging.tensorboard=false",
+    ]
+    with caplog.at_level("INFO", logger="uniweave"):
+        run = run_train(load_config(write_config(tmp_path, data), overrides))
+    said = [r.getMessage() for r in caplog.records]
+    log = (run / "train.log").read_text()
+    for split in ("train", "test"):
+        line = f"data.path ({split}): left out rows of tasks not in data.tasks (other: 2)"
+        assert said.count(line) == 1 and log.count(line) == 1, (split, said)
+    counts = [m for m in said if "images for a greyscale" in m]
+    assert len(counts) == 1 and log.count(counts[0]) == 1

@@ -11,6 +11,7 @@ lines are printed as before and warnings still reach stderr as plain messages (w
 application has configured no logging of its own, a stderr handler at WARNING stands in
 for Python's last-resort one). In a terminal the progress bar replaces the per-update
 lines on screen; the log gets them at every `logging.every` update either way.
+`log_once` logs a summary (conversion counts, left-out rows of a split) once per run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,23 @@ def log_only(line: str) -> None:
     STATUS.info("%s", line)
 
 
+_SAID: dict[tuple[str, int, str], logging.LogRecord] = {}
+"""What `log_once` logged in this run: (logger, level, message) -> its record."""
+
+
+def log_once(logger: logging.Logger, level: int, message: str) -> None:
+    """Log `message` unless the same logger said it at the same level in this run (since
+    the process began or the last run log closed): a run reads its rows for preflight,
+    training, the baseline and every evaluation, and a summary of them said again at each
+    read is noise. What was said before the run log opened (preflight) goes into it when
+    it opens."""
+    key = (logger.name, level, message)
+    if key not in _SAID:
+        _SAID[key] = logger.makeRecord(logger.name, level, "", 0, "%s", (message,), None)
+        if logger.isEnabledFor(level):
+            logger.handle(_SAID[key])
+
+
 def open_run_log(path: Path) -> Callable[[], None]:
     """Append status lines and `uniweave.*` log messages (INFO and above) to `path` until
     the returned function is called (module docstring)."""
@@ -45,6 +63,9 @@ def open_run_log(path: Path) -> Callable[[], None]:
     to_file = logging.FileHandler(path, mode="a", encoding="utf-8")
     to_file.setLevel(logging.INFO)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    for record in _SAID.values():  # said once before the log opened (preflight's reads)
+        if record.name.startswith("uniweave.") and record.levelno >= logging.INFO:
+            to_file.handle(record)
     console = None
     if not logging.getLogger().handlers and not package.handlers:
         # the last-resort handler stops applying once `package` has a handler: keep
@@ -58,6 +79,7 @@ def open_run_log(path: Path) -> Callable[[], None]:
     package.setLevel(logging.INFO)
 
     def close() -> None:
+        _SAID.clear()  # the run is over: the next one says its summaries again
         package.setLevel(level)
         package.removeHandler(to_file)
         to_file.close()

@@ -31,6 +31,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
+from uniweave.core.status import log_once
+
 logger = logging.getLogger(__name__)
 
 Resize = Literal["resize", "error"]
@@ -156,24 +158,15 @@ def processor_for(
     return GreyscaleProcessor(size, resize) if model_kind == "tiny" else RGBProcessor(size, resize)
 
 
-_LOGGED: set[tuple[str, str]] = set()
-"""(dataset, summary) pairs this process has logged (`log_summary`)."""
-
-
 def log_summary(
     processor: ImageProcessor, dataset: str, before: dict[str, int] | None = None
 ) -> None:
     """Log the counts (colour images converted, images resized) of one read of `dataset`
     (the processor's counts less `before`, its `counts()` when the read began), once per
-    process: a run reads the same rows for preflight, training, the baseline and each
+    run (`uniweave.core.status.log_once`): a run reads the same rows for preflight, training, the baseline and each
     evaluation, with one processor whose counts add up, and the same counts said again
     are noise."""
     n = {k: v - (before or {}).get(k, 0) for k, v in processor.counts().items()}
-    if not n["n_images"]:
-        return
-    key = (dataset, processor.summary(n))
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    level = logging.WARNING if n.get("n_colour", 0) else logging.INFO
-    logger.log(level, "%s: %s", dataset, key[1])
+    if n["n_images"]:
+        level = logging.WARNING if n.get("n_colour", 0) else logging.INFO
+        log_once(logger, level, f"{dataset}: {processor.summary(n)}")

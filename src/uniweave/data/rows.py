@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from uniweave.config import UniweaveConfig, validate_config
 from uniweave.config.schema import DataConfig
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.core.status import log_once
 from uniweave.data.images import ImageProcessor
 from uniweave.data.loader import DatasetError, Rows, load_rows
 
@@ -151,7 +152,9 @@ def _split_rows(
     left_out = Counter(s.task for s, k in zip(rows.samples, kept) if not k)
     if left_out:
         shown = ", ".join(f"{t}: {n}" for t, n in sorted(left_out.items()))
-        logger.warning("%s (%s): left out rows of tasks not in data.tasks (%s)", key, split, shown)
+        # once per run: preflight, training and every evaluation read the split again
+        message = f"{key} ({split}): left out rows of tasks not in data.tasks ({shown})"
+        log_once(logger, logging.WARNING, message)
     rows = rows.select(kept)
     return rows
 
