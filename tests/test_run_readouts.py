@@ -10,6 +10,8 @@
   draws its KL; `curves.png` is drawn with the report.
 - The report's gallery: report.md shows the same images as report.html (files that
   exist, relative to the run), and a prompt holding `<b>&` is escaped in both.
+- A run's summaries of the rows it reads (a split's left-out rows, conversion counts) are
+  said once, and reach train.log.
 """
 
 from __future__ import annotations
