@@ -162,8 +162,9 @@ def test_report_md_shows_the_html_gallery_and_both_escape_text(tmp_path):
         "test-update-000000",
         "test-update-000002",
     }
-    shown = "Which colour is &lt;b&gt;&amp;&lt;/b&gt; the square?"
-    assert gallery_md.count(shown) == len(linked) == gallery_html.count(shown)
+    md_shown = "Which colour is &lt;b>&amp;&lt;/b> the square?"  # `<` and `&` as entities
+    html_shown = "Which colour is &lt;b&gt;&amp;&lt;/b&gt; the square?"
+    assert gallery_md.count(md_shown) == len(linked) == gallery_html.count(html_shown)
     assert "<b>" not in gallery_md and "<b>" not in gallery_html
 
 

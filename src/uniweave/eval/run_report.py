@@ -15,8 +15,8 @@ metric) — the latest evaluation against the baseline (update 0), with the pair
 difference ± SE from the start); the training curves (`curves.png`, what it left out, and
 each curve's least-squares drift and residual noise, `uniweave.eval.drift`); a gallery of
 the first rows of every task at the baseline and at the latest evaluation, the same in
-both files: prompt and response text HTML-escaped, control characters as escapes
-(`printable`), the prompt's and the response's images (`<img>` tags: relative paths in
+both files: text escaped (HTML in the html, `md_text` in the markdown), control
+characters as escapes (`printable`), the prompt's and the response's images (`<img>` tags: relative paths in
 the markdown, base64 data URIs in the html, which is self-contained).
 
 Files are written atomically (temporary + rename), so a reader never sees half a report.
@@ -214,8 +214,21 @@ def _heldout_rows(split: str, s: dict[str, Any]) -> tuple[list[str], list[list[s
     return head, rows
 
 
+class Markup(str):
+    """A markdown cell that is markup of ours (the gallery's `<img>` tags), not text."""
+
+
+def md_text(text: object) -> str:
+    """`text` for markdown: `&` and `<` as entities (a markdown renderer would read `<b>`
+    as a tag and `&amp;` as `&`; `>` alone opens nothing and stays readable) and on one
+    line (a table cell)."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace("\n", " ")
+
+
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    esc = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    def esc(c: object) -> str:
+        return (c if isinstance(c, Markup) else md_text(c)).replace("|", "\\|")
+
     return [
         "| " + " | ".join(map(esc, head)) + " |",
         "|" + "---|" * len(head),
@@ -317,14 +330,14 @@ def _head_lines(data: dict[str, Any]) -> list[str]:
 def render_md(data: dict[str, Any]) -> str:
     z = data["z"]
     lines = [f"# uniweave run report: {data['name']}", ""]
-    lines += [f"- {x}" for x in _head_lines(data)]
+    lines += [f"- {md_text(x)}" for x in _head_lines(data)]
     alarms = _alarm_summary(data["alarms"])
     lines += ["", f"## Alarms ({len(alarms)})", ""]
-    lines += [f"- {x}" for x in alarms] or ["none fired"]
+    lines += [f"- {md_text(x)}" for x in alarms] or ["none fired"]
     lines += ["", "## Verdicts (latest evaluation vs the start)", ""]
     vs = verdicts(data)
     if vs:
-        lines += [f"- {split} {p.line(z)}" for split, p in vs]
+        lines += [f"- {md_text(f'{split} {p.line(z)}')}" for split, p in vs]
     else:
         lines.append("no verdicts: no evaluation after a baseline (update 0; health.baseline_eval)")
     lines += [
@@ -346,7 +359,7 @@ def render_md(data: dict[str, Any]) -> str:
     if data["curves_png"].is_file():
         lines += ["", f"![curves]({CURVES_PNG})"]
     if data["panels"].caption():
-        lines += ["", html.escape(data["panels"].caption())]
+        lines += ["", md_text(data["panels"].caption())]
     for split, s in list(data["splits"].items())[-1:]:
         lines += ["", f"## Gallery ({split})", ""]
         for update, recs in _gallery(s):
@@ -360,11 +373,11 @@ def render_md(data: dict[str, Any]) -> str:
                 )
                 rows.append(
                     [
-                        html.escape(str(r["task"])),
-                        html.escape(printable(r["prompt"])),
-                        html.escape(printable(r["response"]) or "(unparsed)"),
-                        imgs,
-                        html.escape(str(r.get("finish_reason", ""))),
+                        str(r["task"]),
+                        printable(r["prompt"]),
+                        printable(r["response"]) or "(unparsed)",
+                        Markup(imgs),
+                        str(r.get("finish_reason", "")),
                         f"{r['total']:.3f}",
                     ]
                 )
@@ -549,7 +562,9 @@ def compare_runs(a: Path, b: Path, out: Path) -> Path:
     md += _md_table(chead, cross) if cross else ["no split evaluated by both runs"]
     md += ["", "## Alarms", ""]
     for name, d in (("A", da), ("B", db)):
-        md += [f"- {name}: {x}" for x in _alarm_summary(d["alarms"])] or [f"- {name}: none"]
+        md += [f"- {name}: {md_text(x)}" for x in _alarm_summary(d["alarms"])] or [
+            f"- {name}: none"
+        ]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / COMPARE_MD, "\n".join(md) + "\n")
