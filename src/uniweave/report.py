@@ -17,7 +17,7 @@ from uniweave.core.sample import GenerationRequest, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.digits import T2I_PROMPT
 from uniweave.eval import curves
-from uniweave.eval.drift import DriftNoise
+from uniweave.eval.drift import DriftNoise, drift_to_noise
 from uniweave.models.base import UnifiedModel
 from uniweave.rewards.plugins import build_responses
 from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
@@ -27,12 +27,12 @@ from uniweave.train.engine.metrics import read_metrics
 def reward_curve_png(metrics_path: Path, key: str, out_png: Path) -> DriftNoise:
     """Plot `key` per update with its fitted line ± residual std (a one-panel
     `uniweave.eval.curves` figure); return the fit."""
-    records = read_metrics(metrics_path)
-    drawn = curves.select(records, signals=((key, (key,)),))
-    fit = drawn.panels[0].fit if drawn.panels else None
-    if fit is None:
-        raise ValueError(f"{metrics_path}: fewer than 3 updates log {key!r}, or all are equal")
-    curves.draw(drawn, out_png)
+    values = [r[key] for r in read_metrics(metrics_path) if isinstance(r.get(key), (int, float))]
+    if len(values) < 3:
+        raise ValueError(f"{metrics_path}: fewer than 3 updates log {key!r}")
+    fit = drift_to_noise(values)
+    # a constant reward is not drawn: the figure says so
+    curves.draw(curves.select(read_metrics(metrics_path), signals=((key, (key,)),)), out_png)
     return fit
 
 

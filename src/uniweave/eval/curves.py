@@ -147,8 +147,10 @@ def select(records: list[dict[str, Any]], signals=SIGNALS) -> Curves:
 
 def draw(curves: Curves, out_png: Path, title: str | None = None) -> Path | None:
     """Write `curves`' panels into `out_png` (atomically), three to a row, the caption
-    (what was left out) under them; None (nothing written) without a panel."""
-    if not curves.panels:
+    (what was left out) under them; a figure of the caption alone when every metric was
+    left out; None (nothing written) when there was no metric at all."""
+    caption = curves.caption()
+    if not curves.panels and not caption:
         return None
     import matplotlib
 
@@ -156,10 +158,16 @@ def draw(curves: Curves, out_png: Path, title: str | None = None) -> Path | None
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    if not curves.panels:
+        fig = plt.figure(figsize=(6.0, 1.0))
+        fig.text(0.02, 0.5, caption, fontsize=8, wrap=True, va="center")
+        with atomic_write(out_png, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        plt.close(fig)
+        return out_png
     n = len(curves.panels)
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    caption = curves.caption()
     foot = 0.55 + (0.3 * math.ceil(len(caption) / (48 * cols)) if caption else 0.0)
     head = 0.45 + (0.3 if title else 0.0)
     width, height = 4.6 * cols, 3.0 * rows + foot + head - 0.35
