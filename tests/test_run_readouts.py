@@ -30,7 +30,7 @@ from trainer_helpers import grpo_config, opd_config, tiny_config
 from uniweave.config import load_config, validate_config
 from uniweave.config.methods import method
 from uniweave.eval.curves import COUNTS, select
-from uniweave.eval.run_report import printable
+from uniweave.eval.records import printable
 from uniweave.train.engine.metrics import read_metrics
 from uniweave.train.run import run_train
 

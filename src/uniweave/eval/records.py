@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,16 @@ IMAGES = "images"
 def file_stem(text: str) -> str:
     """`text` with every character outside [A-Za-z0-9_.-] replaced by "_"."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def printable(text: str) -> str:
+    """`text` as the run report and the evaluation pages show it: control characters (but
+    newline and tab) as `\\xNN` / `\\uNNNN` escapes. Bytes a byte-level tokenizer cannot
+    decode already read as U+FFFD (it decodes with replacement) and stay so; a sampled
+    control byte would otherwise print as nothing or garble the line."""
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) != "Cc" else ascii(c)[1:-1] for c in text
+    )
 
 
 def write_png(path: Path, pixels: np.ndarray) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from uniweave.core.atomic import write_json_atomic, write_text_atomic
 from uniweave.eval.masked import masked_metrics
+from uniweave.eval.records import printable
 
 SUMMARY = "summary.json"
 PAGE = "index.html"
@@ -128,10 +129,10 @@ def write_page(path: Path, records: list[dict[str, Any]], summary: dict[str, Any
             f"<td>{html.escape(r['id'])}</td>",
             f"<td>{html.escape(str(r['task']))}</td>",
             f"<td>{r['member']}</td>",
-            f"<td><pre>{html.escape(r['prompt'])}</pre></td>",
+            f"<td><pre>{html.escape(printable(r['prompt']))}</pre></td>",
             f"<td>{_imgs(r['prompt_images'])}</td>",
             f"<td>{_imgs(r['images'])}</td>",
-            f"<td><pre>{html.escape(r['response'])}</pre></td>",
+            f"<td><pre>{html.escape(printable(r['response']))}</pre></td>",
             f"<td>{html.escape(r['finish_reason'])}</td>",
             f'<td data-v="{r["total"]}">{r["total"]:.4g}</td>',
             *(

@@ -28,7 +28,6 @@ import base64
 import html
 import json
 import re
-import unicodedata
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from uniweave.eval import curves as training_curves
 from uniweave.eval.drift import DriftNoise, drift_to_noise
 from uniweave.eval.health import Alarm, HealthMonitor, once_each
 from uniweave.eval.paired import ALL, Paired, compare, per_prompt, read_records
+from uniweave.eval.records import printable
 
 EVALS = "evals"
 METRICS = "metrics.jsonl"
@@ -274,16 +274,6 @@ def _gallery_images(record: dict[str, Any]) -> list[str]:
     to its evaluation directory."""
     names = [*record.get("prompt_images", []), *record.get("images", [])]
     return [p for p in names if (Path(record["_dir"]) / p).is_file()]
-
-
-def printable(text: str) -> str:
-    """`text` as a report shows it: control characters (but newline and tab) as `\\xNN`
-    / `\\uNNNN` escapes. Undecodable bytes of a byte-level tokenizer already read as
-    U+FFFD (the tokenizer decodes with replacement) and stay so; a sampled control byte
-    would otherwise print as nothing or garble the line."""
-    return "".join(
-        c if c in "\n\t" or unicodedata.category(c) != "Cc" else ascii(c)[1:-1] for c in text
-    )
 
 
 def _alarm_summary(alarms: list[Alarm]) -> list[str]:
