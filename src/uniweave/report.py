@@ -2,8 +2,8 @@
 
 The curve (`uniweave.eval.curves`) plots the per-update metric, its least-squares line
 (docs/numerics.md §12) and a band of ± one residual std around the line: the noise a
-learning claim is measured against. The image grid shows, for each digit 0-9, images drawn by a model before and
-after training from the same stateless seeds.
+learning claim is measured against. The image grid shows, for each digit 0-9, images
+drawn by a model before and after training from the same stateless seeds.
 """
 
 from __future__ import annotations

@@ -163,9 +163,9 @@ def log_summary(
 ) -> None:
     """Log the counts (colour images converted, images resized) of one read of `dataset`
     (the processor's counts less `before`, its `counts()` when the read began), once per
-    run (`uniweave.core.status.log_once`): a run reads the same rows for preflight, training, the baseline and each
-    evaluation, with one processor whose counts add up, and the same counts said again
-    are noise."""
+    run (`uniweave.core.status.log_once`): a run reads the same rows for preflight,
+    training, the baseline and each evaluation, with one processor whose counts add up,
+    and the same counts said again are noise."""
     n = {k: v - (before or {}).get(k, 0) for k, v in processor.counts().items()}
     if n["n_images"]:
         level = logging.WARNING if n.get("n_colour", 0) else logging.INFO

@@ -16,8 +16,8 @@ difference ± SE from the start); the training curves (`curves.png`, what it lef
 each curve's least-squares drift and residual noise, `uniweave.eval.drift`); a gallery of
 the first rows of every task at the baseline and at the latest evaluation, the same in
 both files: text escaped (HTML in the html, `md_text` in the markdown), control
-characters as escapes (`printable`), the prompt's and the response's images (`<img>` tags: relative paths in
-the markdown, base64 data URIs in the html, which is self-contained).
+characters as escapes (`printable`), the prompt's and the response's images (`<img>`
+tags: relative paths in the markdown, base64 data URIs in the self-contained html).
 
 Files are written atomically (temporary + rename), so a reader never sees half a report.
 """
