@@ -91,12 +91,12 @@ def resolve_tasks(cfg: UniweaveConfig) -> UniweaveConfig:
         if plugin.tasks is None
     ]
     scored = f"; {', '.join(scorers)} score it (tasks null: every task)" if scorers else ""
-    logger.warning(
-        "data.tasks not set: [%s], the one task of the %d train rows of %s%s",
-        task,
-        len(train),
-        path,
-        scored,
+    # once per run, and into train.log when it opens (`log_once`)
+    log_once(
+        logger,
+        logging.WARNING,
+        f"data.tasks not set: [{task}], the one task of the {len(train)} train rows of "
+        f"{path}{scored}",
     )
     raw = cfg.model_dump(mode="json")
     raw["data"]["tasks"] = [task]
