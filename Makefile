@@ -25,9 +25,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 
 # The README's test command: every test, the slow guarantees included (torchrun DDP/FSDP2
-# equivalence and kill-and-resume, the bad-input matrix, Ray failure handling).
+# equivalence and kill-and-resume, the bad-input matrix, Ray failure handling). Two pytest
+# workers (one per core of the CI machine), a test file per worker at a time so that a
+# file's module fixtures are built once.
+TEST_WORKERS ?= 2
 test: lint
-	CI=true $(BIN)/python -m pytest --durations=15
+	CI=true $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # A quick development loop without the tests marked slow.
 test-fast: lint
