@@ -77,7 +77,9 @@ def image_grid_png(images: list[np.ndarray], path: Path, scale: int = SCALE, col
     return path
 
 
-def read_prompt_image(cfg: UniweaveConfig, path: str, image_size: tuple[int, int]) -> ImagePart:
+def read_prompt_image(
+    cfg: UniweaveConfig, path: str, image_size: tuple[int, int], channels: int = 1
+) -> ImagePart:
     """The image at `path` (`--image`) as the model reads a dataset row's image; a
     ConfigError naming `--image` when it is missing, unreadable or of the wrong size."""
     file = Path(path)
@@ -85,7 +87,8 @@ def read_prompt_image(cfg: UniweaveConfig, path: str, image_size: tuple[int, int
         raise ConfigError(f"{path}: image file not found", key="--image", source=COMMAND_LINE)
     try:
         rgb = read_rgb(file)
-        pixels = processor_for(cfg.model.kind, image_size, cfg.data.image_resize)(rgb, path)
+        processor = processor_for(cfg.model.kind, image_size, cfg.data.image_resize, channels)
+        pixels = processor(rgb, path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path}: {err}", key="--image", source=COMMAND_LINE) from None
     return ImagePart(pixels=pixels)
@@ -125,7 +128,8 @@ def generate(
 def _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards) -> dict:
     parts = []
     if image is not None:
-        parts.append(read_prompt_image(cfg, image, tuple(model.codec.image_size)))
+        channels = int(getattr(model.codec, "channels", 1))
+        parts.append(read_prompt_image(cfg, image, tuple(model.codec.image_size), channels))
     parts.append(TextPart(prompt))
     sample = Sample(id="prompt", parts=parts, answer=answer, task=task)
     grid = tuple(model.codec.grid) if draw else None

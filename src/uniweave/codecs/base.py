@@ -1,8 +1,12 @@
 """The image codec contract shared by the VQ and BSQ tokenizers.
 
-A codec maps pixels float [N, 8, 8] in [0, 1] to discrete codes on a (gh, gw) grid of
-visual positions and back. A fitted codec is stored as a directory holding
-`codec.safetensors` (its tensors) and `codec.json` (its config, including "kind").
+A codec maps pixels float in [0, 1] to discrete codes on a (gh, gw) grid of visual
+positions and back. Its images are `image_size` = (H, W) pixels with `channels` colour
+channels, both from its config: one channel is a greyscale image [N, H, W] (the digits'
+8x8 default), three an RGB image [N, H, W, 3]. A fitted codec is stored as a directory
+holding `codec.safetensors` (its tensors) and `codec.json` (its config, including "kind";
+`image_size` and `channels` are written only when they differ from the 8x8 greyscale
+default, so the files of a digits codec are what they were before codecs had a geometry).
 """
 
 from __future__ import annotations
@@ -71,12 +75,35 @@ def train_minibatches(
                 sched.step()
 
 
-def as_pixels(
-    pixels: ArrayLike, size: tuple[int, int] = (8, 8), name: str = "pixels"
-) -> torch.Tensor:
-    """Validate images and return them as a float32 CPU tensor [N, H, W].
+DEFAULT_IMAGE_SIZE = (8, 8)
+DEFAULT_CHANNELS = 1
+CHANNELS = (1, 3)
+"""Colour channels a digits codec takes: greyscale or RGB."""
 
-    Raises ValueError (one line) unless `pixels` is a numeric [N, H, W] array with
+
+def check_geometry(image_size: Any, channels: Any) -> tuple[tuple[int, int], int]:
+    """(image_size as (H, W), channels) validated; ValueError (one line) otherwise."""
+    try:
+        h, w = (int(v) for v in image_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"image_size must be (height, width), got {image_size!r}") from None
+    if h < 1 or w < 1 or [h, w] != list(image_size):
+        raise ValueError(f"image_size must be two integers >= 1, got {image_size!r}")
+    if isinstance(channels, bool) or channels not in CHANNELS:
+        raise ValueError(f"channels must be one of {CHANNELS}, got {channels!r}")
+    return (h, w), int(channels)
+
+
+def as_pixels(
+    pixels: ArrayLike,
+    size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
+    name: str = "pixels",
+    channels: int = DEFAULT_CHANNELS,
+) -> torch.Tensor:
+    """Validate images and return them as a float32 CPU tensor [N, H, W] (one channel) or
+    [N, H, W, C] (`channels` C > 1).
+
+    Raises ValueError (one line) unless `pixels` is a numeric array of that shape with
     N >= 1, (H, W) == `size` and every value finite and in [0, 1].
     """
     if isinstance(pixels, np.ndarray):
@@ -91,11 +118,15 @@ def as_pixels(
         raise ValueError(
             f"{name} must be a numpy array or torch tensor, got {type(pixels).__name__}"
         )
-    expected = (size[0], size[1])
-    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected or tensor.shape[0] == 0:
+    expected = (size[0], size[1]) if channels == 1 else (size[0], size[1], channels)
+    if (
+        tensor.dim() != 1 + len(expected)
+        or tuple(tensor.shape[1:]) != expected
+        or tensor.shape[0] == 0
+    ):
+        dims = ", ".join(str(d) for d in expected)
         raise ValueError(
-            f"{name} must have shape [N, {expected[0]}, {expected[1]}] with N >= 1, "
-            f"got {list(tensor.shape)}"
+            f"{name} must have shape [N, {dims}] with N >= 1, got {list(tensor.shape)}"
         )
     if not torch.isfinite(tensor).all():
         raise ValueError(f"{name} contains non-finite values")
@@ -115,17 +146,21 @@ def as_tensor(codes: ArrayLike, name: str = "codes") -> torch.Tensor:
 
 
 def to_patches(images: torch.Tensor, patch: int) -> torch.Tensor:
-    """[N, H, W] -> [N, H/p, W/p, p*p]; a patch's pixels are in row-major (dy, dx) order."""
-    n, h, w = images.shape
-    x = images.reshape(n, h // patch, patch, w // patch, patch).permute(0, 1, 3, 2, 4)
-    return x.reshape(n, h // patch, w // patch, patch * patch)
+    """[N, H, W] -> [N, H/p, W/p, p*p] (a patch's pixels in row-major (dy, dx) order), or
+    [N, H, W, C] -> [N, H/p, W/p, p*p*C] in (dy, dx, channel) order."""
+    x = images if images.dim() == 4 else images.unsqueeze(-1)
+    n, h, w, c = x.shape
+    x = x.reshape(n, h // patch, patch, w // patch, patch, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, h // patch, w // patch, patch * patch * c)
 
 
-def from_patches(patches: torch.Tensor, patch: int) -> torch.Tensor:
-    """Inverse of `to_patches`: [N, gh, gw, p*p] -> [N, gh*p, gw*p]."""
+def from_patches(patches: torch.Tensor, patch: int, channels: int = 1) -> torch.Tensor:
+    """Inverse of `to_patches`: [N, gh, gw, p*p*C] -> [N, gh*p, gw*p] (C = 1) or
+    [N, gh*p, gw*p, C]."""
     n, gh, gw, _ = patches.shape
-    x = patches.reshape(n, gh, gw, patch, patch).permute(0, 1, 3, 2, 4)
-    return x.reshape(n, gh * patch, gw * patch)
+    x = patches.reshape(n, gh, gw, patch, patch, channels).permute(0, 1, 3, 2, 4, 5)
+    x = x.reshape(n, gh * patch, gw * patch, channels)
+    return x.squeeze(-1) if channels == 1 else x
 
 
 def read_codec_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -147,14 +182,29 @@ def read_codec_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, tor
 
 
 class ImageCodec(ABC):
-    """Pixels [N, 8, 8] in [0, 1] <-> discrete codes on a `grid` of visual positions.
+    """Pixels [N, H, W] (or [N, H, W, C]) in [0, 1] <-> discrete codes on a `grid` of
+    visual positions (module docstring).
 
     Subclasses define `kind`, `grid`, the fitting procedure, `encode`/`decode`, and their
-    serialisable state through `config()` / `tensors()` / `_from_state()`.
+    serialisable state through `config()` / `tensors()` / `_from_state()`; their
+    constructors take `image_size` and `channels` and call `_set_geometry`.
     """
 
     kind: ClassVar[str]
-    image_size: tuple[int, int] = (8, 8)
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE
+    channels: int = DEFAULT_CHANNELS
+
+    def _set_geometry(self, image_size: Any, channels: Any) -> None:
+        self.image_size, self.channels = check_geometry(image_size, channels)
+
+    def geometry_config(self) -> dict[str, Any]:
+        """`image_size` and `channels` for `config()`, each only when not the default."""
+        out: dict[str, Any] = {}
+        if self.image_size != DEFAULT_IMAGE_SIZE:
+            out["image_size"] = list(self.image_size)
+        if self.channels != DEFAULT_CHANNELS:
+            out["channels"] = self.channels
+        return out
 
     @property
     @abstractmethod
@@ -168,15 +218,15 @@ class ImageCodec(ABC):
 
     @abstractmethod
     def fit(self, images: ArrayLike, seed: int = 0) -> ImageCodec:
-        """Fit the codec on images [N, 8, 8] in [0, 1]; deterministic for a seed."""
+        """Fit the codec on images of its geometry in [0, 1]; deterministic for a seed."""
 
     @abstractmethod
     def encode(self, pixels: ArrayLike) -> torch.Tensor:
-        """Pixels [N, 8, 8] in [0, 1] -> codes on the grid."""
+        """Pixels [N, H, W(, C)] in [0, 1] -> codes on the grid."""
 
     @abstractmethod
     def decode(self, codes: ArrayLike) -> torch.Tensor:
-        """Codes on the grid -> pixels float32 [N, 8, 8] in [0, 1]."""
+        """Codes on the grid -> pixels float32 [N, H, W(, C)] in [0, 1]."""
 
     @abstractmethod
     def config(self) -> dict[str, Any]:
@@ -200,7 +250,7 @@ class ImageCodec(ABC):
             raise RuntimeError(f"{type(self).__name__} is not fitted; call fit(images) first")
 
     def _pixels(self, pixels: ArrayLike) -> torch.Tensor:
-        return as_pixels(pixels, self.image_size)
+        return as_pixels(pixels, self.image_size, channels=self.channels)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write `codec.safetensors` and `codec.json` (with "kind") into `directory`."""

@@ -1,6 +1,8 @@
-"""Binary spherical quantisation (BSQ, Zhao et al. 2024, arXiv:2406.07548) for 8x8 digits.
+"""Binary spherical quantisation (BSQ, Zhao et al. 2024, arXiv:2406.07548) for the digits.
 
-A small conv autoencoder with a binary bottleneck on a (8/p) x (8/p) grid of positions:
+A small conv autoencoder with a binary bottleneck on a (H/p) x (W/p) grid of positions,
+for images of the codec's `image_size` (H, W) and `channels` (default: 8x8 greyscale; the
+convolutions take and give `channels` planes):
 
     v = enc(x)                      per-position features (patchify conv, 3x3 conv)
     u = normalize(W v) in R^L       linear projection, then L2 normalisation
@@ -97,10 +99,11 @@ def bsq_entropy_terms(
 class BSQAutoencoder(nn.Module):
     """Encoder to unit-norm per-position latents u [N, L, gh, gw] and decoder from codes."""
 
-    def __init__(self, latent_dim: int, hidden: int, patch: int) -> None:
+    def __init__(self, latent_dim: int, hidden: int, patch: int, channels: int = 1) -> None:
         super().__init__()
+        self.channels = channels
         self.encoder = nn.Sequential(
-            nn.Conv2d(1, hidden, patch, stride=patch),
+            nn.Conv2d(channels, hidden, patch, stride=patch),
             nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, padding=1),
             nn.GELU(),
@@ -111,16 +114,19 @@ class BSQAutoencoder(nn.Module):
             nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, padding=1),
             nn.GELU(),
-            nn.ConvTranspose2d(hidden, 1, patch, stride=patch),
+            nn.ConvTranspose2d(hidden, channels, patch, stride=patch),
         )
 
     def latents(self, x: torch.Tensor) -> torch.Tensor:
-        """u = normalize(W enc(x)) over the channel dim: [N, L, gh, gw]."""
-        return nn.functional.normalize(self.proj(self.encoder(x.unsqueeze(1))), dim=1)
+        """u = normalize(W enc(x)) over the channel dim: [N, L, gh, gw], from pixels
+        [N, H, W] (one channel) or [N, H, W, C]."""
+        planes = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)
+        return nn.functional.normalize(self.proj(self.encoder(planes)), dim=1)
 
     def decode(self, c: torch.Tensor) -> torch.Tensor:
-        """Code vectors [N, L, gh, gw] -> pixels [N, 8, 8] in (0, 1)."""
-        return torch.sigmoid(self.decoder(c)).squeeze(1)
+        """Code vectors [N, L, gh, gw] -> pixels [N, H, W] (or [N, H, W, C]) in (0, 1)."""
+        out = torch.sigmoid(self.decoder(c))
+        return out.squeeze(1) if self.channels == 1 else out.permute(0, 2, 3, 1).contiguous()
 
 
 def quantize(u: torch.Tensor) -> torch.Tensor:
@@ -158,7 +164,10 @@ class BSQCodec(ImageCodec):
         gamma: float = 1.0,
         zeta: float = 1.0,
         inv_temperature: float = 16.0,
+        image_size: tuple[int, int] | list[int] = (8, 8),
+        channels: int = 1,
     ) -> None:
+        self._set_geometry(image_size, channels)
         h, w = self.image_size
         if patch < 1 or h % patch or w % patch:
             raise ValueError(f"patch must divide the image size {self.image_size}, got {patch}")
@@ -198,10 +207,10 @@ class BSQCodec(ImageCodec):
         return self.net is not None
 
     def _build(self) -> BSQAutoencoder:
-        return BSQAutoencoder(self.latent_dim, self.hidden, self.patch)
+        return BSQAutoencoder(self.latent_dim, self.hidden, self.patch, self.channels)
 
     def loss(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Training loss on pixels x [B, 8, 8] (module docstring) and its parts."""
+        """Training loss on pixels x [B, H, W(, C)] (module docstring) and its parts."""
         self._check_fitted()
         u = self.net.latents(x)
         c_hat = quantize(u)
@@ -273,7 +282,7 @@ class BSQCodec(ImageCodec):
         return bits_to_code_vectors(bits, self.bits_per_position, self.latent_dim)
 
     def decode(self, codes: ArrayLike) -> torch.Tensor:
-        """Bits [N, gh, gw, bits_per_position] -> pixels float32 [N, 8, 8] in [0, 1]."""
+        """Bits [N, gh, gw, bits_per_position] -> pixels float32 [N, H, W(, C)] in [0, 1]."""
         self._check_fitted()
         bits = self._check_bits(codes)
         if self.group > 1:
@@ -312,6 +321,7 @@ class BSQCodec(ImageCodec):
             "gamma": self.gamma,
             "zeta": self.zeta,
             "inv_temperature": self.inv_temperature,
+            **self.geometry_config(),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Vector-quantised codec: a k-means codebook over p x p pixel patches.
 
-An 8x8 image is cut into (8/p)^2 patches of p*p pixels (default p = 2: a 4x4 grid of
-4-pixel patches). Each patch is replaced by the index of its nearest codeword
+An H x W image with C channels (the codec's `image_size` and `channels`; default the 8x8
+greyscale digits) is cut into (H/p) x (W/p) patches of p*p*C values (default p = 2: an 8x8
+digit is a 4x4 grid of 4-pixel patches; a 16x16 RGB canvas an 8x8 grid of 12-value
+patches). Each patch is replaced by the index of its nearest codeword
 (squared Euclidean distance, ties to the lowest index); decoding pastes the codewords back.
 The codebook is fitted by Lloyd's k-means with k-means++ initialisation (D^2 sampling),
 `n_init` restarts keeping the lowest inertia, all drawn from one seeded torch.Generator.
@@ -88,8 +90,8 @@ def kmeans(
 class VQCodec(ImageCodec):
     """Codebook of `codebook_size` codewords over `patch` x `patch` pixel patches.
 
-    encode: pixels [N, 8, 8] -> long [N, 8/p, 8/p] in [0, codebook_size);
-    decode: long codes -> float32 [N, 8, 8] in [0, 1].
+    encode: pixels [N, H, W(, C)] -> long [N, H/p, W/p] in [0, codebook_size);
+    decode: long codes -> float32 [N, H, W(, C)] in [0, 1].
     """
 
     kind = "vq"
@@ -100,7 +102,10 @@ class VQCodec(ImageCodec):
         patch: int = 2,
         n_init: int = 4,
         max_iter: int = 100,
+        image_size: tuple[int, int] | list[int] = (8, 8),
+        channels: int = 1,
     ) -> None:
+        self._set_geometry(image_size, channels)
         if codebook_size < 2:
             raise ValueError(f"codebook_size must be >= 2, got {codebook_size}")
         if patch < 1 or self.image_size[0] % patch or self.image_size[1] % patch:
@@ -118,13 +123,18 @@ class VQCodec(ImageCodec):
         return (self.image_size[0] // self.patch, self.image_size[1] // self.patch)
 
     @property
+    def patch_dim(self) -> int:
+        """Values per patch: p*p*channels."""
+        return self.patch * self.patch * self.channels
+
+    @property
     def is_fitted(self) -> bool:
         return self.codebook is not None
 
     def fit(self, images: ArrayLike, seed: int = 0) -> VQCodec:
         """Fit the codebook on every patch of `images` (float64 k-means, stored float32)."""
         pixels = self._pixels(images)
-        x = to_patches(pixels, self.patch).reshape(-1, self.patch**2).double()
+        x = to_patches(pixels, self.patch).reshape(-1, self.patch_dim).double()
         if x.shape[0] < self.codebook_size:
             raise ValueError(
                 f"need at least codebook_size={self.codebook_size} patches to fit, "
@@ -148,7 +158,7 @@ class VQCodec(ImageCodec):
         return _sq_dists(x.reshape(-1, d), self.codebook).argmin(dim=1).reshape(n, gh, gw)
 
     def decode(self, codes: ArrayLike) -> torch.Tensor:
-        """Codewords pasted back into images: float32 [N, 8, 8]."""
+        """Codewords pasted back into images: float32 [N, H, W(, C)]."""
         self._check_fitted()
         codes = as_tensor(codes)
         gh, gw = self.grid
@@ -164,7 +174,7 @@ class VQCodec(ImageCodec):
                 f"VQ codes must lie in [0, {self.codebook_size}), got min {lo} and max {hi}"
             )
         patches = self.codebook[codes.long()]
-        return from_patches(patches, self.patch)
+        return from_patches(patches, self.patch, self.channels)
 
     def config(self) -> dict[str, Any]:
         return {
@@ -172,6 +182,7 @@ class VQCodec(ImageCodec):
             "patch": self.patch,
             "n_init": self.n_init,
             "max_iter": self.max_iter,
+            **self.geometry_config(),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -182,7 +193,7 @@ class VQCodec(ImageCodec):
     def _from_state(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> VQCodec:
         codec = cls(**config)
         codebook = tensors.get("codebook")
-        expected = (codec.codebook_size, codec.patch**2)
+        expected = (codec.codebook_size, codec.patch_dim)
         if codebook is None or tuple(codebook.shape) != expected:
             got = None if codebook is None else list(codebook.shape)
             raise ValueError(

@@ -137,7 +137,9 @@ class CodecConfig(StrictModel):
     """The embedded image codec of the tiny model (real checkpoints ship their own)."""
 
     path: str | None = Field(
-        None, description="Directory of a fitted codec; null = fit one on the digits train split."
+        None,
+        description="Directory of a fitted codec; null = fit one on the digits train split "
+        "(8px greyscale) or on digits-world canvases of image_size and channels.",
     )
     patch_size: int = Field(2, gt=0, description="Pixels per side of one visual position.")
     codebook_size: int = Field(32, ge=2, description="VQ codebook entries.")
@@ -145,14 +147,25 @@ class CodecConfig(StrictModel):
     group: int = Field(
         1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
     )
+    image_size: int = Field(
+        DIGITS_IMAGE_SIZE,
+        gt=0,
+        multiple_of=DIGITS_IMAGE_SIZE,
+        description="Pixels per side of the codec's square images: 8 = one digit; a "
+        "multiple of 8 = a canvas of (image_size/8)^2 digit cells (the digits world), "
+        "which a codec built here is fitted on.",
+    )
+    channels: Literal[1, 3] = Field(
+        1, description="Colour channels of the codec's images: 1 greyscale, 3 RGB."
+    )
 
     @model_validator(mode="after")
     def _grid(self) -> CodecConfig:
-        if DIGITS_IMAGE_SIZE % self.patch_size:
+        if self.image_size % self.patch_size:
             raise incompatible(
-                "patch_size", f"{self.patch_size} does not divide the {DIGITS_IMAGE_SIZE}px image"
+                "patch_size", f"{self.patch_size} does not divide the {self.image_size}px image"
             )
-        grid = DIGITS_IMAGE_SIZE // self.patch_size
+        grid = self.image_size // self.patch_size
         if grid % self.group:
             raise incompatible("group", f"{self.group} does not divide the {grid}x{grid} grid")
         return self
@@ -162,7 +175,7 @@ KIND_READS: dict[str, dict[str, tuple[str, ...]]] = {
     "tiny": {"tiny": tuple(TinyModelConfig.model_fields), "codec": tuple(CodecConfig.model_fields)},
     "uniar": {
         "tiny": tuple(n for n in TinyModelConfig.model_fields if n != "tie_embeddings"),
-        "codec": tuple(CodecConfig.model_fields),
+        "codec": tuple(n for n in CodecConfig.model_fields if n not in ("image_size", "channels")),
     },
     "janus_pro": {"tiny": (), "codec": ()},
 }
@@ -173,6 +186,8 @@ registry, which refuses an unknown kind."""
 KIND_IGNORES: dict[tuple[str, str], str] = {
     ("uniar", "tiny"): "acts only with model.kind tiny (kind 'uniar' builds its Qwen3-VL "
     "decoder with untied embeddings)",
+    ("uniar", "codec"): "acts only with model.kind tiny (kind 'uniar' reads 8x8 greyscale "
+    "digits through its fixed Qwen image processor)",
     ("janus_pro", "tiny"): "acts only for a model built from the config (kind tiny or uniar); "
     "kind 'janus_pro' takes its sizes from the model.path checkpoint",
     ("janus_pro", "codec"): "acts only for a model built from the config (kind tiny or uniar); "

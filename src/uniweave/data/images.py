@@ -151,11 +151,14 @@ ImageProcessor = GreyscaleProcessor | RGBProcessor
 
 
 def processor_for(
-    model_kind: str, size: tuple[int, int], resize: Resize = "error"
+    model_kind: str, size: tuple[int, int], resize: Resize = "error", channels: int = 1
 ) -> ImageProcessor:
-    """The processor of a model kind: greyscale for `tiny`, RGB for every other model."""
+    """The processor of a model kind: greyscale for `tiny` with a one-channel codec (the
+    digits), RGB for a tiny model whose codec has `channels` 3 and every other model."""
     size = (int(size[0]), int(size[1]))
-    return GreyscaleProcessor(size, resize) if model_kind == "tiny" else RGBProcessor(size, resize)
+    if model_kind == "tiny" and channels == 1:
+        return GreyscaleProcessor(size, resize)
+    return RGBProcessor(size, resize)
 
 
 def log_summary(

@@ -53,9 +53,15 @@ def config_tokenizer(cfg: UniweaveConfig, tokenizer_dir: Path | None = None):
 
 def dataset_rows(cfg: UniweaveConfig, model: UnifiedModel, split: str) -> Rows:
     """The `data.path` rows of `split` as `model` sees them: images through the model's
-    processor (`processor_for(model.kind, codec.image_size, data.image_resize)`: greyscale
-    for tiny, RGB for colour models), generate_image items on the codec's grid."""
-    processor = processor_for(cfg.model.kind, tuple(model.codec.image_size), cfg.data.image_resize)
+    processor (`processor_for(model.kind, codec.image_size, data.image_resize, channels)`:
+    greyscale for a one-channel tiny codec, RGB for colour models), generate_image items on
+    the codec's grid."""
+    processor = processor_for(
+        cfg.model.kind,
+        tuple(model.codec.image_size),
+        cfg.data.image_resize,
+        int(getattr(model.codec, "channels", 1)),
+    )
     return split_rows(cfg.data, split, processor, tuple(model.codec.grid))
 
 

@@ -89,6 +89,8 @@ class ModelFacts:
     vocab: dict[str, int] | None = None
     codec_tensors: dict[str, Any] | None = None
     image_size: tuple[int, int] | None = None
+    channels: int | None = None
+    """Colour channels of the codec's images (1 greyscale, 3 RGB; None: not told)."""
 
     @classmethod
     def of(cls, model: UnifiedModel) -> ModelFacts:
@@ -103,6 +105,7 @@ class ModelFacts:
             vocab=get_vocab() if callable(get_vocab) else None,
             codec_tensors=tensors() if callable(tensors) else None,
             image_size=tuple(model.codec.image_size),
+            channels=getattr(model.codec, "channels", None),
         )
 
 

@@ -55,7 +55,7 @@ from uniweave.codecs.base import CONFIG_NAME as CODEC_CONFIG
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.errors import InputError
 from uniweave.config.methods import get_key, method, names
-from uniweave.config.schema import DIGITS_IMAGE_SIZE, ModelConfig
+from uniweave.config.schema import ModelConfig
 from uniweave.core.atomic import is_temporary
 from uniweave.data.images import processor_for
 from uniweave.data.loader import DatasetError, Rows, load_rows
@@ -280,17 +280,20 @@ def _config_grid(model: ModelConfig) -> tuple[int, int]:
     return (int(grid[0]), int(grid[1]))
 
 
-Geometry = tuple[tuple[int, int], tuple[int, int] | None]
-"""(codec grid, image size) of the model: what dataset rows are read with."""
+Geometry = tuple[tuple[int, int], tuple[int, int] | None, int | None]
+"""(codec grid, image size, channels) of the model: what dataset rows are read with."""
 
 
 def check_model(cfg: UniweaveConfig) -> Geometry | None:
     """The model as its files and config say, no weights read (module docstring); returns
-    its codec grid and image size (None for a kind that cannot tell them up front)."""
+    its codec grid, image size and channels (None for a kind that cannot tell them up
+    front)."""
     m, spec = cfg.model, method(cfg.algorithm.name)
+    channels: int | None
     if m.path is None:
         grid = _config_grid(m)  # prefix sharing: the schema decides from model.tiny
-        size: tuple[int, int] | None = (DIGITS_IMAGE_SIZE, DIGITS_IMAGE_SIZE)  # its codec's
+        size: tuple[int, int] | None = (m.codec.image_size, m.codec.image_size)  # its codec's
+        channels = m.codec.channels
     else:
         facts = _inspect(m.path, "model.path")
         if facts is None:
@@ -303,10 +306,10 @@ def check_model(cfg: UniweaveConfig) -> Geometry | None:
             )
         if spec.preflight_model is not None:  # GRPO: prompt-prefix sharing
             spec.preflight_model(cfg, facts, f"the {m.kind} model at {m.path}")
-        grid, size = facts.grid, facts.image_size
+        grid, size, channels = facts.grid, facts.image_size, facts.channels
     if spec.rollouts:
         check_exact_length(cfg.rollout, grid)
-    return grid, size
+    return grid, size, channels
 
 
 def check_ray(cfg: UniweaveConfig) -> None:
@@ -341,8 +344,8 @@ def _processor(cfg: UniweaveConfig, geometry: Geometry | None):
     placeholder grid."""
     if geometry is None or geometry[1] is None:
         return None, geometry[0] if geometry else (1, 1)
-    grid, size = geometry
-    return processor_for(cfg.model.kind, size, cfg.data.image_resize), grid
+    grid, size, channels = geometry
+    return processor_for(cfg.model.kind, size, cfg.data.image_resize, channels or 1), grid
 
 
 def _as_input_error(err: DatasetError, key: str) -> InputError:

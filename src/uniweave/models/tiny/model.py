@@ -238,7 +238,9 @@ class TinyUnifiedModel(UnifiedModel):
         grid = (int(codec.grid[0]), int(codec.grid[1]))
         size = (int(codec.image_size[0]), int(codec.image_size[1]))
         prefix = config.mixer_kernel == 0
-        return ModelFacts(config.visual_head, int(n_out), grid, prefix, vocab, tensors, size)
+        return ModelFacts(
+            config.visual_head, int(n_out), grid, prefix, vocab, tensors, size, codec.channels
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TinyUnifiedModel:
