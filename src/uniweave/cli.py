@@ -152,9 +152,10 @@ def add_detector_arguments(parser, evaluating: bool = False) -> None:
     unset = evaluating
     parser.add_argument(
         "--detector",
-        choices=("mask2former", "owlv2"),
+        choices=("mask2former", "owlv2", "digits"),
         default=None if unset else "mask2former",
-        help="object detector kind (default mask2former)",
+        help="object detector kind (default mask2former; digits: the digits world's, "
+        "--detector-path a digits classifier directory)",
     )
     parser.add_argument(
         "--detector-path",

@@ -253,7 +253,7 @@ def geometry_cells(image_size: int) -> int:
     return image_size // CELL
 
 
-def fit_images(image_size: int, channels: int, n: int = 2000, seed: int = 0) -> np.ndarray:
+def fit_images(image_size: int, channels: int, n: int = 500, seed: int = 0) -> np.ndarray:
     """Images a codec of this geometry is fitted on: the digits train split itself for one
     8x8 greyscale cell, else `n` canvases of the world's train prompts (all tags), each laid
     out and painted with train-split scans from a generator seeded with `seed`."""

@@ -205,10 +205,14 @@ CLASSIFIER_DIR = "classifier"
 
 def needs_digit_classifier(reward: RewardConfig) -> bool:
     """Whether a reward plugin of `reward` needs the built-in digits classifier (the
-    `digit_classifier` plugin, or a plugin asked to `require_image_class`) and was given
-    no path of its own."""
+    `digit_classifier` plugin, a plugin asked to `require_image_class`, or the `geneval`
+    plugin with the digits detector) and was given no path of its own."""
     return any(
         p.path is None
-        and (p.name == "digit_classifier" or bool(p.kwargs.get("require_image_class")))
+        and (
+            p.name == "digit_classifier"
+            or bool(p.kwargs.get("require_image_class"))
+            or (p.name == "geneval" and p.kwargs.get("detector") == "digits")
+        )
         for p in reward.plugins
     )

@@ -4,11 +4,14 @@ Order of work, so that a mistake costs no model load:
 
 1. the options: thresholds (`GenEvalThresholds`), the output folder (new or empty), the
    model paths (a hub id is resolved to its cached snapshot, `uniweave.config.hub`; each
-   must be a directory with a config.json);
+   must be a directory with a config.json, or for `--detector digits` a digits
+   classifier's directory with its classifier.json — that detector gives each object's
+   stroke colour, so `--clip-path` with it is refused as acting on nothing);
 2. the folder (`read_folder`): every prompt's metadata checked against the detector's
    vocabulary, read from its config.json (a bad row exits 2 naming `FILE:LINE` and the
    field), missing / unreadable / unexpected images found and named; a row that asks for
-   a colour without `--clip-path` exits 2 naming the row;
+   a colour without `--clip-path` (and a detector that gives no colours) exits 2 naming
+   the row;
 3. then the detector (and CLIP) load, and `score_folder` judges and writes
    `results.jsonl`, `summary.txt` and `summary.json` to `--out`.
 
@@ -46,10 +49,10 @@ def _option_error(message: str, option: str) -> ConfigError:
     return ConfigError(message, key=option, source=COMMAND_LINE)
 
 
-def _model_dir(value: str, option: str) -> Path:
+def _model_dir(value: str, option: str, marker: str = "config.json") -> Path:
     path = Path(resolve(value, option))
-    if not (path / "config.json").is_file():
-        raise _option_error(f"{value}: not a model directory (no config.json)", option)
+    if not (path / marker).is_file():
+        raise _option_error(f"{value}: not a model directory (no {marker})", option)
     return path
 
 
@@ -62,9 +65,14 @@ def _scoring_options(args: argparse.Namespace):
         )
     except ValueError as err:
         raise _option_error(str(err), "--threshold") from None
-    detector_dir = _model_dir(args.detector_path, "--detector-path")
-    clip_dir = _model_dir(args.clip_path, "--clip-path") if args.clip_path else None
     kind = DETECTORS[args.detector]
+    detector_dir = _model_dir(args.detector_path, "--detector-path", kind.model_file)
+    if args.clip_path and kind.colours_objects:
+        raise _option_error(
+            f"acts on nothing: the {args.detector} detector gives each object's colour",
+            "--clip-path",
+        )
+    clip_dir = _model_dir(args.clip_path, "--clip-path") if args.clip_path else None
     try:
         classes = kind.vocabulary(detector_dir)
     except (OSError, ValueError) as err:
@@ -72,8 +80,8 @@ def _scoring_options(args: argparse.Namespace):
     return thresholds, kind, detector_dir, clip_dir, classes
 
 
-def _check_colour(rows: Iterable[MetadataRow], clip_dir: Path | None) -> None:
-    if clip_dir is not None:
+def _check_colour(rows: Iterable[MetadataRow], clip_dir: Path | None, kind=None) -> None:
+    if clip_dir is not None or (kind is not None and kind.colours_objects):
         return
     for row in rows:
         if needs_colour(row):
@@ -100,7 +108,7 @@ def score_command(args: argparse.Namespace) -> int:
         raise _option_error(f"{out} is not empty; choose a new directory", "--out")
     thresholds, kind, detector_dir, clip_dir, classes = _scoring_options(args)
     folder = read_folder(args.folder, classes, args.images_per_prompt)
-    _check_colour((s.row for s in folder.samples), clip_dir)
+    _check_colour((s.row for s in folder.samples), clip_dir, kind)
     scorer = _scorer(args, kind, detector_dir, clip_dir, thresholds, args.device)
     out.mkdir(parents=True, exist_ok=True)
     result = score_folder(folder, scorer, out, args.missing, args.on_error)
@@ -135,7 +143,7 @@ def check_eval(args: argparse.Namespace, cfg: UniweaveConfig) -> GenEvalPlan:
     out = Path(args.out or default)
     thresholds, kind, detector_dir, clip_dir, classes = _scoring_options(args)
     rows = read_metadata(args.geneval, classes)
-    _check_colour(rows, clip_dir)
+    _check_colour(rows, clip_dir, kind)
     check_out(out)
     return GenEvalPlan(out, rows, thresholds, kind, detector_dir, clip_dir, classes)
 

@@ -28,6 +28,33 @@ resolved by the callers, `uniweave.config.hub`; never remote code):
   no area is dropped. No masks: colour is judged on the box crop. Checkpoint e.g.
   `google/owlv2-base-patch16-ensemble`.
 
+And the embedded `DigitsDetector` (`digits`) for the digits world, from a digits
+classifier directory (`classifier.json`):
+
+  A canvas (`uniweave.data.digits_world`) is a grid of 8x8 cells (`CELL`); the detector
+  needs an image whose height and width are multiples of 8 (a plain 8x8 digit is one cell).
+  Per image, as 8-bit RGB scaled to [0, 1] (what `Detector.detect` hands over):
+
+  1. each cell's ink is the largest of its three channels per pixel (a stroke painted in
+     any world colour keeps the scan's intensity in its brightest channel); a cell whose
+     ink never reaches `INK` (0.25) is empty: no detection;
+  2. every other cell's ink, an 8x8 greyscale image, goes through the digits classifier
+     (`uniweave.rewards.digit_classifier.DigitClassifier`, all cells of a batch in one
+     pass); the detection's class is the argmax digit's name ("0".."9") and its score that
+     digit's softmax probability;
+  3. its box is the tight pixel-edge box (x_min, y_min, x_max + 1, y_max + 1) of the cell's
+     pixels with ink >= `INK`, in canvas pixels, and its mask those pixels;
+  4. its colour is the stroke's: over those pixels, each pixel's RGB divided by its ink
+     (the hue at full brightness), averaged with the ink as weight; the colour is the
+     nearest (Euclidean) of the world's stroke colours (`WORLD_COLOURS`: red, green,
+     blue, yellow, white — GenEval's names). So a colour clause is judged by the stroke
+     colour, not by CLIP (`colours_objects`: the scorer needs no colour classifier).
+
+  At most one detection per cell. `vocabulary` is the ten digit names. Loaded from a
+  directory the classifier's `save_pretrained` wrote (`classifier.json`; a run keeps its
+  fitted one in `<run dir>/classifier`), or given a fitted classifier (`classifier=`, how
+  the `geneval` reward uses the run's own).
+
 Class names: a detector's labels are GenEval's names (`COCO_CLASSES`); the COCO labels
 that transformers checkpoints spell differently are renamed (`LABEL_ALIASES`: mouse ->
 computer mouse, remote -> tv remote, keyboard -> computer keyboard).
@@ -50,7 +77,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from uniweave.data.digits_world import CELL, DIGITS, WORLD_COLOURS
 from uniweave.rewards.base import local_model_dir
+from uniweave.rewards.digit_classifier import CONFIG_NAME as CLASSIFIER_CONFIG
+from uniweave.rewards.digit_classifier import DigitClassifier
 from uniweave.rewards.geneval.metadata import COCO_CLASSES
 from uniweave.rewards.geneval.rules import Detection
 
@@ -109,6 +139,10 @@ class Detector(ABC):
     where it runs, `batch_size` images per forward pass."""
 
     name: ClassVar[str]
+    model_file: ClassVar[str] = "config.json"
+    """The file that marks a model directory of this detector."""
+    colours_objects: ClassVar[bool] = False
+    """Whether its detections carry their colour (no colour classifier needed)."""
     classes: tuple[str, ...]
     device: torch.device
     batch_size: int = 8
@@ -260,9 +294,104 @@ class Owlv2Detector(Detector):
         return out
 
 
+INK = 0.25
+"""A pixel is ink when its brightest channel reaches this; a cell with none is empty."""
+
+_NAMES = tuple(WORLD_COLOURS)
+_RGB = np.asarray([WORLD_COLOURS[n] for n in _NAMES], dtype=np.float64)
+
+
+def stroke_colour(cell: np.ndarray, ink: np.ndarray, where: np.ndarray) -> str:
+    """The world colour nearest to the ink-weighted mean hue of `cell` [8, 8, 3] over the
+    pixels `where` (module docstring, step 4)."""
+    w = ink[where].astype(np.float64)
+    hue = cell[where].astype(np.float64) / w[:, None]
+    mean = (hue * w[:, None]).sum(0) / w.sum()
+    return _NAMES[int(np.argmin(((_RGB - mean) ** 2).sum(1)))]
+
+
+class DigitsDetector(Detector):
+    """Digits per 8x8 cell with their stroke colours (module docstring)."""
+
+    name = "digits"
+    model_file = CLASSIFIER_CONFIG
+    colours_objects = True
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        device: str = "cpu",
+        batch_size: int = 64,
+        classifier: DigitClassifier | None = None,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"digits batch_size must be an integer >= 1, got {batch_size!r}")
+        if device != "cpu":
+            raise ValueError(f"the digits detector runs on the CPU, got device {device!r}")
+        if (path is None) == (classifier is None):
+            raise ValueError("the digits detector needs a classifier directory or a classifier")
+        self.batch_size = batch_size
+        self.device = torch.device("cpu")
+        self.classes = DIGITS
+        self.classifier = (
+            classifier if classifier is not None else DigitClassifier.from_pretrained(path)
+        )
+
+    @classmethod
+    def vocabulary(cls, path: str | Path) -> tuple[str, ...]:
+        """The ten digit names; FileNotFoundError when `path` holds no classifier."""
+        if not (Path(path) / CLASSIFIER_CONFIG).is_file():
+            raise FileNotFoundError(
+                f"{path}: not a digits classifier directory (no {CLASSIFIER_CONFIG})"
+            )
+        return DIGITS
+
+    def cells(self, image: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """(top, left, cell [8, 8, 3], ink [8, 8]) of each non-empty cell, in raster order;
+        ValueError for an image that is not a whole number of cells."""
+        h, w = image.shape[:2]
+        if h % CELL or w % CELL:
+            raise ValueError(f"a digits canvas is a multiple of {CELL} pixels a side, got {h}x{w}")
+        out = []
+        for top in range(0, h, CELL):
+            for left in range(0, w, CELL):
+                cell = image[top : top + CELL, left : left + CELL]
+                ink = cell.max(axis=-1)
+                if float(ink.max()) >= INK:
+                    out.append((top, left, cell, ink))
+        return out
+
+    def detect_batch(self, images: list[Image.Image], min_score: float) -> list[list[Detection]]:
+        found = [self.cells(np.asarray(im, dtype=np.float32) / 255.0) for im in images]
+        inks = [ink for cells in found for (_, _, _, ink) in cells]
+        proba = np.zeros((0, len(DIGITS)), dtype=np.float32)
+        if inks:
+            proba = self.classifier.predict_proba(np.stack(inks)).numpy()
+        k = 0
+        out = []
+        for image, cells in zip(images, found):
+            dets = []
+            for top, left, cell, ink in cells:
+                p = proba[k]
+                k += 1
+                digit = int(np.argmax(p))
+                score = float(p[digit])
+                if score < min_score:
+                    continue
+                where = ink >= INK
+                mask = np.zeros((image.height, image.width), dtype=bool)
+                mask[top : top + CELL, left : left + CELL] = where
+                box = mask_box(mask)
+                colour = stroke_colour(cell, ink, where)
+                dets.append(Detection(DIGITS[digit], score, box, mask, colour))
+            out.append(dets)
+        return out
+
+
 DETECTORS: dict[str, type[Detector]] = {
     "mask2former": Mask2FormerDetector,
     "owlv2": Owlv2Detector,
+    "digits": DigitsDetector,
 }
 """Detector name (`uniweave score --detector`, the `geneval` reward's `detector`) -> class."""
 

@@ -21,8 +21,10 @@ division. A row whose metadata is missing or bad, a colour clause without a colo
 classifier, or a detector failure raises, and the reward service's error policy
 (`reward.on_error`) decides: stop naming the sample, or score it 0 and count it.
 
-Config (`reward.plugins[]`): `path` — the detector's model directory or hub id (required);
-kwargs `detector` (mask2former | owlv2, default mask2former), `clip_path` (the CLIP model
+Config (`reward.plugins[]`): `path` — the detector's model directory or hub id (required,
+except for `detector: digits`, where it is a digits classifier directory and, unset, the
+run's own fitted digits classifier is used); kwargs `detector` (mask2former | owlv2 |
+digits, default mask2former; digits colours objects itself, so it takes no `clip_path`), `clip_path` (the CLIP model
 for colour clauses; without it a colour row is an error), `device` (cpu | cuda),
 `batch_size` (images per detector pass, default 8), `threshold`, `partial`.
 """
@@ -44,7 +46,12 @@ from uniweave.core.sample import Sample
 from uniweave.rewards.base import Response, RewardPlugin
 from uniweave.rewards.clip_score import one_image
 from uniweave.rewards.geneval.colour import ClipColourClassifier
-from uniweave.rewards.geneval.detectors import DETECTORS, Detector, load_detector
+from uniweave.rewards.geneval.detectors import (
+    DETECTORS,
+    Detector,
+    DigitsDetector,
+    load_detector,
+)
 from uniweave.rewards.geneval.metadata import MetadataRow, parse_row
 from uniweave.rewards.geneval.rules import GenEvalThresholds, Verdict
 from uniweave.rewards.geneval.scorer import GenEvalScorer
@@ -128,8 +135,23 @@ class GenEvalReward(RewardPlugin):
                 "a detector was passed in; path and kwargs.detector would be ignored",
                 key=f"{key}.path",
             )
+        if kind == "digits" and "clip_path" in kw:
+            raise ConfigError(
+                "acts on nothing: the digits detector gives each object's stroke colour",
+                key=f"{key}.kwargs.clip_path",
+            )
         try:
-            if detector is None:
+            classifier = resources.get("digit_classifier")
+            if (
+                detector is None
+                and kind == "digits"
+                and cfg.path is None
+                and classifier is not None
+            ):
+                detector = DigitsDetector(
+                    device=device, batch_size=batch_size, classifier=classifier
+                )
+            elif detector is None:
                 if cfg.path is None:
                     raise ConfigError(
                         "plugin 'geneval' needs its detector's model directory",

@@ -9,7 +9,9 @@
    the colour classifier (each object once, whichever clauses judge it);
 3. `judge` on the detections, coloured where needed.
 
-A row with a colour clause and no colour classifier is a ValueError naming the row (the
+A detector whose detections carry their colour (`colours_objects`: the digits detector's
+stroke colours) needs no colour classifier: its colours are used as they are. Otherwise a
+row with a colour clause and no colour classifier is a ValueError naming the row (the
 command line refuses it before loading any model; the reward plugin counts it under its
 error policy). `classes` (the detector's vocabulary) is what metadata is checked against.
 """
@@ -59,7 +61,7 @@ class GenEvalScorer:
         self, row: MetadataRow, image: Image.Image, detections: Sequence[Detection]
     ) -> list[Detection]:
         """`detections` with a colour on each object a colour clause of `row` judges."""
-        if not needs_colour(row):
+        if not needs_colour(row) or self.detector.colours_objects:
             return list(detections)
         if self.colours is None:
             raise ValueError(
@@ -92,7 +94,7 @@ class GenEvalScorer:
         """GenEval's verdict on each image against its row (module docstring)."""
         if len(rows) != len(images):
             raise ValueError(f"{len(rows)} metadata rows for {len(images)} images")
-        if self.colours is None:
+        if self.colours is None and not self.detector.colours_objects:
             for row in rows:
                 if needs_colour(row):
                     raise ValueError(
