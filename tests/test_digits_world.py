@@ -132,7 +132,7 @@ def test_layouts_place_what_each_row_asks():
 def test_shipped_world_is_what_the_generator_writes(tmp_path):
     counts = write_world(tmp_path)
     assert counts == {"train_prompts": 240, "test_prompts": 80, "images": 480}
-    for name in ("world.jsonl", "metadata.jsonl"):
+    for name in ("world.jsonl", "prompts.jsonl", "metadata.jsonl"):
         assert filecmp.cmp(tmp_path / name, SHIPPED / name, shallow=False), name
     made = sorted(p.name for p in (tmp_path / "images").iterdir())
     assert made == sorted(p.name for p in (SHIPPED / "images").iterdir())
@@ -153,6 +153,11 @@ def test_world_rows_and_metadata_read_as_the_project_reads_them():
     assert not train_prompts & {m.prompt for m in meta}
     image = next(p for p in rows.samples[0].parts if getattr(p, "pixels", None) is not None)
     assert image.pixels.shape == (16, 16, 3)
+    # GRPO's rows: every train prompt once, prompt-only, and the same test rows
+    grpo = load_rows(SHIPPED / "prompts.jsonl", RGBProcessor((16, 16)), (8, 8))
+    train = [s.meta["geneval"] for s in grpo.samples if grpo.splits[s.id] == "train"]
+    assert [r["prompt"] for r in train] == [r["prompt"] for r in prompt_sets()[0]]
+    assert [s.meta for s in grpo.samples if grpo.splits[s.id] == "test"] == [s.meta for s in test]
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +197,15 @@ def test_detector_recovers_placed_digits_colours_and_cells(detector):
     # the classifier on held-out scans: 0.991 measured over 793 objects (SE 0.003);
     # bound: 0.95 is 13 SE below the measurement, far above chance (0.1)
     assert right_digit / n >= 0.95
+
+
+def test_detector_finds_no_digit_in_noise(detector):
+    """The classifier names a digit in anything; cells far from every real scan (RMS
+    distance above 0.3) are not objects: uniform noise and random strokes give nothing."""
+    rng = np.random.default_rng(5)
+    noise = [rng.random((16, 16, 3)).astype(np.float32) for _ in range(4)]
+    blocks = [np.kron(rng.random((4, 4, 3)) > 0.6, np.ones((4, 4, 1))).astype(np.float32)]
+    assert detector.detect(noise + blocks) == [[]] * 5
 
 
 def test_genevals_verdicts_on_ground_truth_canvases(detector, digits_classifier):

@@ -31,11 +31,13 @@ The prompt sets (`prompt_sets`): every prompt of each tag, in a fixed order, is 
 a generator seeded with (seed, tag); the first `test_fraction` (at least one) are the test
 prompts, the rest the train prompts, so the two sets share no prompt. Tags with more than
 `max_per_tag` prompts keep the first `max_per_tag` of that shuffle (before the split).
-`write_world` writes the dataset the project reads (T2I rows, docs/data.md): train rows
-with a target canvas (PNG under `images/`) per (prompt, copy), test rows as prompts only
-(`generate_image`), every row with its GenEval row in `meta["geneval"]` (what the
-`geneval` reward reads), and GenEval's `metadata.jsonl` of the test prompts (what
-`uniweave eval --geneval` reads). The same arguments write the same files.
+`write_world` writes the dataset the project reads (T2I rows, docs/data.md): `world.jsonl`
+(SFT) holds train rows with a target canvas (PNG under `images/`) per (prompt, copy) and
+the test rows as prompts only (`generate_image`); `prompts.jsonl` (GRPO, which reads no
+target) holds every train prompt once as a prompt-only row and the same test rows; every
+row carries its GenEval row in `meta["geneval"]` (what the `geneval` reward reads); and
+`metadata.jsonl` is GenEval's metadata file of the test prompts (what `uniweave eval
+--geneval` reads). The same arguments write the same files.
 """
 
 from __future__ import annotations
@@ -308,17 +310,21 @@ def _rows(
             }
             yield row, canvas
     for i, meta in enumerate(test):
-        row = {
-            "id": f"test-{i:04d}",
-            "task": TASK,
-            "split": "test",
-            "messages": [
-                {"role": "user", "content": meta["prompt"]},
-                {"role": "assistant", "content": [{"type": "generate_image"}]},
-            ],
-            "meta": {"geneval": meta},
-        }
-        yield row, None
+        yield prompt_row(f"test-{i:04d}", "test", meta), None
+
+
+def prompt_row(rid: str, split: str, meta: dict) -> dict:
+    """A prompt-only T2I row (`generate_image` on the model's grid) of a metadata row."""
+    return {
+        "id": rid,
+        "task": TASK,
+        "split": split,
+        "messages": [
+            {"role": "user", "content": meta["prompt"]},
+            {"role": "assistant", "content": [{"type": "generate_image"}]},
+        ],
+        "meta": {"geneval": meta},
+    }
 
 
 def write_world(
@@ -343,6 +349,11 @@ def write_world(
                 _save_png(canvas, root / "images" / f"{row['id']}.png")
                 n_images += 1
             f.write(json.dumps(row) + "\n")
+    with open(root / "prompts.jsonl", "w") as f:
+        for i, meta in enumerate(train):
+            f.write(json.dumps(prompt_row(f"prompt-{i:04d}", "train", meta)) + "\n")
+        for i, meta in enumerate(test):
+            f.write(json.dumps(prompt_row(f"test-{i:04d}", "test", meta)) + "\n")
     with open(root / "metadata.jsonl", "w") as f:
         for meta in test:
             f.write(json.dumps(meta) + "\n")

@@ -37,7 +37,13 @@ classifier directory (`classifier.json`):
 
   1. each cell's ink is the largest of its three channels per pixel (a stroke painted in
      any world colour keeps the scan's intensity in its brightest channel); a cell whose
-     ink never reaches `INK` (0.25) is empty: no detection;
+     ink never reaches `INK` (0.25) is empty: no detection. Nor is a cell whose ink is
+     not digit-like: farther than `DIGIT_DISTANCE` (0.3, root-mean-square over the 64
+     pixels) from every scan of the digits train split. The classifier names a digit in
+     anything, so without this a canvas of noise would hold four "digits" (measured:
+     held-out scans lie within 0.235 of the train scans, codec reconstructions of world
+     canvases within 0.245, cells of random codes decoded by the world codec at 0.37 or
+     more);
   2. every other cell's ink, an 8x8 greyscale image, goes through the digits classifier
      (`uniweave.rewards.digit_classifier.DigitClassifier`, all cells of a batch in one
      pass); the detection's class is the argmax digit's name ("0".."9") and its score that
@@ -77,6 +83,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from uniweave.data.digits_images import load_split
 from uniweave.data.digits_world import CELL, DIGITS, WORLD_COLOURS
 from uniweave.rewards.base import local_model_dir
 from uniweave.rewards.digit_classifier import CONFIG_NAME as CLASSIFIER_CONFIG
@@ -296,6 +303,8 @@ class Owlv2Detector(Detector):
 
 INK = 0.25
 """A pixel is ink when its brightest channel reaches this; a cell with none is empty."""
+DIGIT_DISTANCE = 0.3
+"""A cell is digit-like within this RMS pixel distance of some digits train scan."""
 
 _NAMES = tuple(WORLD_COLOURS)
 _RGB = np.asarray([WORLD_COLOURS[n] for n in _NAMES], dtype=np.float64)
@@ -336,6 +345,15 @@ class DigitsDetector(Detector):
         self.classifier = (
             classifier if classifier is not None else DigitClassifier.from_pretrained(path)
         )
+        scans = load_split("train").images
+        self._scans = torch.from_numpy(scans.reshape(len(scans), -1)).double()
+
+    def digit_like(self, inks: np.ndarray) -> np.ndarray:
+        """bool [N]: whether each ink image [N, 8, 8] lies within `DIGIT_DISTANCE` (RMS)
+        of some train-split scan."""
+        x = torch.from_numpy(inks.reshape(len(inks), -1)).double()
+        d2 = torch.cdist(x, self._scans).pow(2).min(dim=1).values / x.shape[1]
+        return (d2.sqrt() <= DIGIT_DISTANCE).numpy()
 
     @classmethod
     def vocabulary(cls, path: str | Path) -> tuple[str, ...]:
@@ -347,7 +365,7 @@ class DigitsDetector(Detector):
         return DIGITS
 
     def cells(self, image: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """(top, left, cell [8, 8, 3], ink [8, 8]) of each non-empty cell, in raster order;
+        """(top, left, cell [8, 8, 3], ink [8, 8]) of each non-empty, digit-like cell, in raster order;
         ValueError for an image that is not a whole number of cells."""
         h, w = image.shape[:2]
         if h % CELL or w % CELL:
@@ -359,6 +377,9 @@ class DigitsDetector(Detector):
                 ink = cell.max(axis=-1)
                 if float(ink.max()) >= INK:
                     out.append((top, left, cell, ink))
+        if out:
+            keep = self.digit_like(np.stack([c[3] for c in out]))
+            out = [c for c, k in zip(out, keep) if k]
         return out
 
     def detect_batch(self, images: list[Image.Image], min_score: float) -> list[list[Detection]]:
