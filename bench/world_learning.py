@@ -107,17 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--sft", nargs="*", default=[], help="extra SFT overrides")
+    parser.add_argument(
+        "--sft-dir", default=None, help="start GRPO from this finished SFT run (no SFT here)"
+    )
     parser.add_argument("--grpo", nargs="*", default=[], help="extra GRPO overrides")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     ev = [f"evaluation.rollouts_per_sample={args.images}", "evaluation.greedy=false"]
-    sft_dir, sft_wall, sft_cpu = timed_run(
-        "digits/world/sft",
-        [f"run.output_dir={out}/sft", f"trainer.total_updates={args.sft_updates}"]
-        + ["checkpoint.every_updates=0", *ev, *args.sft],
-    )
+    if args.sft_dir is None:
+        sft_dir, sft_wall, sft_cpu = timed_run(
+            "digits/world/sft",
+            [f"run.output_dir={out}/sft", f"trainer.total_updates={args.sft_updates}"]
+            + ["checkpoint.every_updates=0", *args.sft],
+        )
+    else:
+        sft_dir, sft_wall, sft_cpu = Path(args.sft_dir), float("nan"), float("nan")
     grpo_dir, grpo_wall, grpo_cpu = timed_run(
         "digits/world/grpo",
         [f"run.output_dir={out}/grpo", f"model.path={sft_dir}/model"]

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from uniweave.cli import main
+from uniweave.codecs import build_codec
 from uniweave.config import ConfigError, RewardPluginConfig
 from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.data.digits_images import DigitImages, load_split
@@ -24,6 +25,7 @@ from uniweave.data.digits_world import (
     DIGITS,
     PLAIN,
     TAG_ORDER,
+    fit_images,
     layout,
     prompt_sets,
     prompts,
@@ -295,3 +297,33 @@ def test_geneval_reward_with_the_runs_digits_classifier(digits_classifier):
     with pytest.raises(ConfigError, match="clip_path"):
         bad = RewardPluginConfig(name="geneval", kwargs={"detector": "digits", "clip_path": "x"})
         build_plugin(bad, "reward.plugins.0", {"digit_classifier": digits_classifier})
+
+
+def test_eval_geneval_draws_world_canvases_and_score_agrees(tmp_path, classifier_dir, capsys):
+    """`uniweave eval --geneval` with a tiny model on a 16x16 RGB codec draws canvases of
+    the codec's size in colour, and `uniweave score` on the folder writes the same results."""
+    from trainer_helpers import tiny_config, write_config
+
+    codec = build_codec(
+        "vq", codebook_size=16, n_init=1, max_iter=10, image_size=(16, 16), channels=3
+    )
+    codec.fit(fit_images(16, 3, n=60, seed=3)).save_pretrained(tmp_path / "codec")
+    cfg = tiny_config(tmp_path / "run", tmp_path / "codec", rollout={"batch_size": 4})
+    cfg["model"]["codec"].update(image_size=16, channels=3)
+    config = write_config(tmp_path / "c.yaml", cfg)
+    metadata = tmp_path / "meta.jsonl"
+    rows = (SHIPPED / "metadata.jsonl").read_text().splitlines()
+    metadata.write_text("\n".join(rows[::16]) + "\n")  # one row of each tag's block
+    out = tmp_path / "geneval"
+    digits = ["--detector", "digits", "--detector-path", str(classifier_dir)]
+    args = ["eval", str(config), "--random-init", "--geneval", str(metadata), *digits]
+    assert main([*args, "--images-per-prompt", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    with Image.open(out / "00000" / "samples" / "0001.png") as img:
+        assert img.mode == "RGB" and img.size == (16, 16)
+    record = json.loads((out / "generation.json").read_text())
+    assert record["grid"] == [8, 8] and record["image_size"] == [16, 16]
+    scored = tmp_path / "scored"
+    assert main(["score", str(out), *digits, "--images-per-prompt", "2", "--out", str(scored)]) == 0
+    assert (scored / "results.jsonl").read_bytes() == (out / "results.jsonl").read_bytes()
+    assert (scored / "summary.txt").read_text() == (out / "summary.txt").read_text()
