@@ -369,12 +369,20 @@ def _context(kit):
 
 
 @probe(
-    "model.codec.patch_size", "model.codec.codebook_size", "model.codec.bits", "model.codec.group"
+    "model.codec.patch_size",
+    "model.codec.codebook_size",
+    "model.codec.bits",
+    "model.codec.group",
+    "model.codec.image_size",
+    "model.codec.channels",
 )
 def _codec(kit):
     """The codec a run fits when model.codec.path is null."""
     observe = lambda c: new_codec(c.model).config()  # noqa: E731
     differs(kit, observe, "model.codec.patch_size", 2, 4)
+    geometry = lambda c: (new_codec(c.model).grid, new_codec(c.model).channels)  # noqa: E731
+    differs(kit, geometry, "model.codec.image_size", 8, 16)
+    differs(kit, geometry, "model.codec.channels", 1, 3)
     differs(kit, observe, "model.codec.codebook_size", 16, 8)
     bsq = {
         "model__visual_head": "bsq",
@@ -1641,6 +1649,9 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("tiny_tie_under_janus", {"model": {**JANUS["model"], "tiny": {"tie_embeddings": True}}},
      "model.tiny.tie_embeddings", "built from the config (kind tiny or uniar)",
      {"model": {"kind": "tiny", "path": None}}),
+    ("codec_geometry_under_uniar", {**UNIAR, "model": {**UNIAR["model"], "codec": {
+        "image_size": 16}}}, "model.codec.image_size", "reads 8x8 greyscale digits",
+     {"model": {"kind": "tiny"}}),
     ("codec_under_janus", {"model": {**JANUS["model"], "codec": {"codebook_size": 64}}},
      "model.codec.codebook_size", "kind 'janus_pro' ships its image codec",
      {"model": {"kind": "tiny", "path": None}}),
