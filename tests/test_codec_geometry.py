@@ -16,11 +16,13 @@ from uniweave.codecs import build_codec, codec_geometry, load_codec
 from uniweave.codecs.base import as_pixels, from_patches, to_patches
 from uniweave.config import load_config
 from uniweave.config.errors import ConfigError
+from uniweave.config.schema import ModelConfig
 from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits_world import fit_images
 from uniweave.data.template import serialize
 from uniweave.forward import forward_interleaved
+from uniweave.models.registry import saved_sizes
 from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
 
 SIZE = (16, 16)
@@ -96,7 +98,7 @@ def test_a_digits_codec_saves_no_geometry_fields(tmp_path):
     assert (codec.image_size, codec.channels) == ((8, 8), 1)
 
 
-def test_tiny_model_takes_the_colour_codecs_grid_and_patch_width(canvases):
+def test_tiny_model_takes_the_colour_codecs_grid_and_patch_width(canvases, tmp_path):
     codec = build_codec("vq", codebook_size=16, n_init=1, max_iter=10, image_size=SIZE, channels=3)
     codec.fit(canvases)
     torch.manual_seed(0)
@@ -118,6 +120,10 @@ def test_tiny_model_takes_the_colour_codecs_grid_and_patch_width(canvases):
     loss = torch.nn.functional.cross_entropy(out.visual_logits, out.visual_targets)
     loss.backward()
     assert model.visual_patch.grad is not None and float(model.visual_patch.grad.abs().sum()) > 0
+    # a saved model's directory records the geometry its config then takes (model.path)
+    model.save_pretrained(tmp_path / "m")
+    sizes = saved_sizes(ModelConfig(kind="tiny", path=str(tmp_path / "m")))
+    assert sizes["model.codec.image_size"] == 16 and sizes["model.codec.channels"] == 3
 
 
 def test_codec_geometry_in_the_config(tmp_path):

@@ -482,6 +482,12 @@ def saved_sizes(model: ModelConfig) -> dict[str, Any]:
     for field, key in _CODEC_SIZES.get(str(codec.get("kind")), {}).items():
         if field in codec:
             found[f"codec.{key}"] = codec[field]
+    if str(codec.get("kind")) in _CODEC_SIZES:
+        # the codec's geometry: codec.json records it only when not 8x8 greyscale
+        size = codec.get("image_size", [8, 8])
+        if isinstance(size, list) and len(size) == 2 and size[0] == size[1]:
+            found["codec.image_size"] = size[0]
+        found["codec.channels"] = codec.get("channels", 1)
     return {f"model.{key}": value for key, value in found.items()}
 
 
