@@ -400,3 +400,45 @@ def test_a_closed_pipe_ends_the_command_quietly():
     )
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == "exit 141\n"
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory, small_vq_dir) -> Path:
+    """A tiny model (width 16, one layer, the session's 16-code VQ codec), saved: a
+    model.path."""
+    from uniweave.config import validate_config
+    from uniweave.models.build import build_model
+
+    sizes = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32}
+    codec = {"path": str(small_vq_dir), "codebook_size": 16}
+    path = tmp_path_factory.mktemp("saved_tiny") / "model"
+    build_model(validate_config({"model": {"tiny": sizes, "codec": codec}})).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "what"),
+    [
+        ("model.tiny.hidden_size=256", "model.tiny.hidden_size", "its own sizes"),
+        ("model.codec.path=/nonexistent", "model.codec.path", "its own image codec"),
+    ],
+)
+def test_train_refuses_a_model_setting_that_model_path_ignores(
+    tmp_path, capsys, saved_tiny, override, key, what
+):
+    """A model.path checkpoint is loaded as saved: `model.tiny` and `model.codec` settings
+    do not act, and `uniweave train` refuses them (exit 2, one line naming the key) before
+    it writes anything; the same model.path alone, or with a setting back at its default,
+    is accepted."""
+    config = tmp_path / "c.yaml"
+    out = tmp_path / "run"
+    config.write_text(f"run: {{output_dir: {out}}}\n")
+    capsys.readouterr()
+    assert cli.main(["train", str(config), f"model.path={saved_tiny}", override]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"uniweave: error: <command line>: {key}: acts only for a model built from the config "
+        f"(model.path null); model.path {saved_tiny} is loaded with {what}"
+    ]
+    assert not out.exists()
+    default = "model.tiny.hidden_size=128" if "tiny" in key else "model.codec.path=null"
+    assert cli.main(["inspect", str(config), f"model.path={saved_tiny}", default]) == 0

@@ -337,9 +337,12 @@ def _model_weights(kit):
         ("model.tiny.mixer_kernel", 4, 0),
         ("model.tiny.tie_embeddings", False, True),
         ("model.codec.path", str(kit.base["model"]["codec"]["path"]), str(kit.vq_b)),
-        ("model.path", None, str(kit.saved)),
     ]:
         differs(kit, steps, key, a, b, **one)
+    # model.path loads the checkpoint's sizes and codec: model.tiny / model.codec go
+    loaded = {"model.path": str(kit.saved), "model.tiny": {}, "model.codec": {}}
+    built = steps(config(kit, {"trainer.total_updates": 1}))
+    assert built != steps(config(kit, {"trainer.total_updates": 1, **loaded})), "model.path"
     t2i = {"data.tasks": ["t2i"], "trainer.total_updates": 1}
     bsq = config(kit, {**t2i, "model.visual_head": "bsq", "model.codec.path": str(kit.bsq)})
     assert steps(config(kit, t2i)) != steps(bsq), "model.visual_head: vq and bsq agree"
@@ -352,7 +355,8 @@ def _model_weights(kit):
 def _model_kind(kit):
     """model.kind must match the checkpoint, and a mismatch stops `train` before the run
     directory exists."""
-    tiny = config(kit, {"model.path": str(kit.saved), "model.kind": "tiny"})
+    tiny = config(kit, {"model.path": str(kit.saved), "model.kind": "tiny", "model.tiny": {},
+                        "model.codec": {}})  # fmt: skip
     check_model_config(tiny.model)
     out = Path(fresh_dir(kit))
     janus = config(kit, {"model.path": str(kit.saved), "model.kind": "janus_pro",
@@ -1652,6 +1656,16 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("codec_geometry_under_uniar", {**UNIAR, "model": {**UNIAR["model"], "codec": {
         "image_size": 16}}}, "model.codec.image_size", "reads 8x8 greyscale digits",
      {"model": {"kind": "tiny"}}),
+    ("tiny_sizes_with_a_path", {"model": {"path": "/ckpt/tiny", "tiny": {"hidden_size": 256}}},
+     "model.tiny.hidden_size", "model.path /ckpt/tiny is loaded with its own sizes",
+     {"model": {"path": None}}),
+    ("codec_path_with_a_path", {"model": {"path": "/ckpt/tiny", "codec": {"path": "/none"}}},
+     "model.codec.path", "model.path /ckpt/tiny is loaded with its own image codec",
+     {"model": {"path": None}}),
+    ("uniar_codec_with_a_path", {"model": {**UNIAR["model"], "path": "/ckpt/uniar", "tiny": {},
+                                           "codec": {"bits": 8}}},
+     "model.codec.bits", "acts only for a model built from the config (model.path null)",
+     {"model": {"path": None}}),
     ("codec_under_janus", {"model": {**JANUS["model"], "codec": {"codebook_size": 64}}},
      "model.codec.codebook_size", "kind 'janus_pro' ships its image codec",
      {"model": {"kind": "tiny", "path": None}}),

@@ -71,15 +71,16 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
+def load_args_config(args: argparse.Namespace, saved_model: bool = False) -> UniweaveConfig:
     """The validated config named by `add_config_arguments` arguments, hub ids among its
     model directories resolved to local snapshots (`uniweave.config.hub`), its `model`
-    section checked against the kind's registration (creates nothing)."""
+    section checked against the kind's registration (creates nothing). `saved_model`:
+    `load_config`'s (a command that reads the saved model at model.path)."""
     from uniweave.config.hub import resolve_hub_ids
     from uniweave.models import check_model_config
     from uniweave.models.registry import with_saved_sizes
 
-    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides, saved_model))
     if cfg.data.tasks is None:  # read from the rows (imports the data loader: not for --help)
         from uniweave.data.rows import resolve_tasks
 
@@ -100,8 +101,10 @@ def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
 
 def load_weights_config(args: argparse.Namespace) -> UniweaveConfig:
     """`load_args_config`, refusing a config without `model.path` unless `--random-init`:
-    random weights must be asked for, never a silent default (exit 2)."""
-    cfg = load_args_config(args)
+    random weights must be asked for, never a silent default (exit 2). A model.path on
+    the command line replaces the model the recipe builds (`load_config`'s
+    `saved_model`)."""
+    cfg = load_args_config(args, saved_model=True)
     if cfg.model.path is None and not args.random_init:
         raise ConfigError(
             f"not set, so '{PROG} {args.command}' would use randomly initialised weights; "

@@ -24,8 +24,8 @@ out again.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 BUILTIN_PACKAGE = "uniweave.train.methods"
@@ -96,6 +96,10 @@ class MethodSpec:
     """What a progress line shows beside the loss and the learning rate, when the update
     logged it: (label, metric key, format spec) each, in order (GRPO: its reward, KL to
     the reference and zero-variance share)."""
+    acts_when: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Dotted key under `algorithm` -> its `uniweave.config.acts.ActsWhen` declarations:
+    when the method's own settings act, checked by the generic rule
+    (`uniweave.config.acts.refuse_inactive`) and written into docs/config.md."""
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

@@ -24,6 +24,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from uniweave.config.acts import conditions
 from uniweave.config.errors import ConfigError, suggest
 from uniweave.config.introspect import (
     Node,
@@ -33,6 +34,7 @@ from uniweave.config.introspect import (
     strip_optional,
     union_branches,
 )
+from uniweave.config.methods import method
 from uniweave.config.schema import UniweaveConfig
 
 SECTION = "(section)"
@@ -47,6 +49,8 @@ class FieldDoc:
     type: str
     default: str
     description: str
+    acts: str = ""
+    """When it acts ("Acts only with ..."; `uniweave.config.acts`), "" = in every run."""
 
 
 def _default_text(value: Any) -> str:
@@ -74,25 +78,32 @@ def _list_item_model(node: Node) -> type[BaseModel] | None:
     return None
 
 
-def field_docs(model: type[BaseModel] = UniweaveConfig, prefix: str = "") -> Iterator[FieldDoc]:
-    """Every field under `model`, depth first in schema order (module docstring: keys)."""
+def field_docs(
+    model: type[BaseModel] = UniweaveConfig, prefix: str = "", own: str | None = None
+) -> Iterator[FieldDoc]:
+    """Every field under `model`, depth first in schema order (module docstring: keys);
+    `own`: the method whose `algorithm` variant this is (its spec's `acts_when`)."""
     for name, info in model.model_fields.items():
         key = f"{prefix}{name}"
         node = field_node(model, name)
         union = union_branches(node)
         if info.description is None:
             raise ValueError(f"config field {key} has no description")
-        yield FieldDoc(key, describe(node), _default(info), info.description)
+        rules = ()
+        if own is not None:
+            rules = method(own).acts_when.get(key.split("].", 1)[1], ())
+        acts = conditions(model, name, rules)
+        yield FieldDoc(key, describe(node), _default(info), info.description, acts)
         if union is not None:
             for tag, branch in union[1].items():
-                yield from field_docs(branch, f"{key}[{tag}].")
+                yield from field_docs(branch, f"{key}[{tag}].", tag)
             continue
         inner, _ = strip_optional(node[0])
         if is_model(inner):
-            yield from field_docs(inner, f"{key}.")
+            yield from field_docs(inner, f"{key}.", own)
         item = _list_item_model(node)
         if item is not None:
-            yield from field_docs(item, f"{key}.<i>.")
+            yield from field_docs(item, f"{key}.<i>.", own)
 
 
 def _plain(key: str) -> str:
@@ -143,7 +154,8 @@ def text(docs: list[FieldDoc]) -> str:
     """A plain listing: the key, then type, default and description indented."""
     out = []
     for d in docs:
-        out.append(f"{d.key}\n  type: {d.type}\n  default: {d.default}\n  {d.description}\n")
+        acts = f"  {d.acts}\n" if d.acts else ""
+        out.append(f"{d.key}\n  type: {d.type}\n  default: {d.default}\n  {d.description}\n{acts}")
     return "\n".join(out)
 
 
@@ -164,7 +176,9 @@ def markdown(docs: list[FieldDoc] | None = None) -> str:
         "(`uniweave config describe [KEY]` prints the same from the schema). Variants of "
         "`algorithm` are listed as `algorithm[<name>].field`; in a config or an override "
         "write `algorithm.field` with `algorithm.name: <name>`. Items of a list of settings "
-        "are `key.<i>.field` (`reward.plugins.0.name=mc_exact`).",
+        "are `key.<i>.field` (`reward.plugins.0.name=mc_exact`). *Acts only ...*: the "
+        "runs in which a setting acts (`uniweave.config.acts`); given anywhere else with "
+        "a value other than its default, it is refused (exit 2, naming the key).",
     ]
     section = None
     for d in docs:
@@ -178,7 +192,8 @@ def markdown(docs: list[FieldDoc] | None = None) -> str:
                 "| key | type | default | description |",
                 "|---|---|---|---|",
             ]
-        cells = [f"`{d.key}`", _cell(d.type), f"`{_cell(d.default)}`", _cell(d.description)]
+        about = f"{d.description} *{d.acts}*" if d.acts else d.description
+        cells = [f"`{d.key}`", _cell(d.type), f"`{_cell(d.default)}`", _cell(about)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

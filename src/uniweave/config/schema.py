@@ -8,14 +8,16 @@ raise `incompatible(...)` naming the dotted key at fault.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 
 from uniweave.config import methods as registry
+from uniweave.config.acts import ActsWhen, refuse_inactive
 from uniweave.config.algorithms import AlgorithmConfig, SFTConfig
-from uniweave.config.base import StrictModel, changed, first_changed, incompatible
+from uniweave.config.base import StrictModel, changed, incompatible
 from uniweave.config.errors import suggest
 from uniweave.config.ray import RayConfig, check_workers
 from uniweave.config.trainer import TrainerConfig
@@ -115,10 +117,64 @@ class DecoderSizes(StrictModel):
         return self
 
 
+LOADED_WITH: dict[str, str] = {"tiny": "its own sizes", "codec": "its own image codec"}
+
+
+def _kind_reads(section: str, name: str | None = None) -> Callable[[Any], bool]:
+    """Whether `cfg.model.kind`'s builder reads `model.<section>` (any field of it, or
+    field `name`). A kind that only loads checkpoints and has no model.path yet passes:
+    `uniweave.models.check_model_config` refuses it ("loads a local checkpoint"), the
+    clearer error."""
+
+    def reads(cfg: Any) -> bool:
+        fields = KIND_READS.get(cfg.model.kind)
+        if fields is None:
+            return True
+        if not KIND_READS[cfg.model.kind]["tiny"] and cfg.model.path is None:
+            return True
+        return bool(fields[section]) if name is None else name in fields[section]
+
+    return reads
+
+
+def _built_here(section: str) -> ActsWhen:
+    """`model.<section>` acts only for a model built from the config: a `model.path`
+    checkpoint is loaded with its own sizes and codec."""
+    return ActsWhen(
+        lambda cfg: cfg.model.path is None,
+        "for a model built from the config (model.path null)",
+        lambda cfg: (
+            f"acts only for a model built from the config (model.path null); "
+            f"model.path {cfg.model.path} is loaded with {LOADED_WITH[section]}"
+        ),
+    )
+
+
+def _kind_builds(section: str) -> ActsWhen:
+    return ActsWhen(
+        _kind_reads(section),
+        "with a kind that builds from the config (tiny, uniar)",
+        lambda cfg: KIND_IGNORES[cfg.model.kind, section],
+    )
+
+
+def _fitted_head(head: str) -> ActsWhen:
+    """A size of the codec fitted here that only `head`'s codec has."""
+    return ActsWhen(
+        lambda cfg: cfg.model.codec.path is not None or cfg.model.visual_head == head,
+        f"with model.visual_head {head} (for a codec fitted here; a model.codec.path codec "
+        "has its own)",
+        lambda cfg: (
+            f"acts only with model.visual_head {head} (the codec fitted here is "
+            f"{cfg.model.visual_head})"
+        ),
+    )
+
+
 class TinyModelConfig(DecoderSizes):
     """Sizes of a decoder built from the config: model.kind tiny (every field) or uniar
-    (all but tie_embeddings; mixer_kernel must be 0: `KIND_READS`); a kind that loads a checkpoint
-    reads none."""
+    (all but tie_embeddings; mixer_kernel must be 0: `KIND_READS`); a model.path
+    checkpoint, and a kind that only loads checkpoints, read none."""
 
     mixer_kernel: int = Field(
         4,
@@ -126,7 +182,14 @@ class TinyModelConfig(DecoderSizes):
         description="Depthwise causal conv over the last k positions after each layer norm "
         "(0 = off).",
     )
-    tie_embeddings: bool = Field(
+    tie_embeddings: Annotated[
+        bool,
+        ActsWhen(
+            _kind_reads("tiny", "tie_embeddings"),
+            "with model.kind tiny",
+            lambda cfg: KIND_IGNORES[cfg.model.kind, "tiny"],
+        ),
+    ] = Field(
         False,
         description="Share one matrix between the input token embedding and the text "
         "output head (logits = h @ E^T).",
@@ -142,9 +205,11 @@ class CodecConfig(StrictModel):
         "(8px greyscale) or on digits-world canvases of image_size and channels.",
     )
     patch_size: int = Field(2, gt=0, description="Pixels per side of one visual position.")
-    codebook_size: int = Field(32, ge=2, description="VQ codebook entries.")
-    bits: int = Field(16, gt=0, description="BSQ bits L per patch.")
-    group: int = Field(
+    codebook_size: Annotated[int, _fitted_head("vq")] = Field(
+        32, ge=2, description="VQ codebook entries."
+    )
+    bits: Annotated[int, _fitted_head("bsq")] = Field(16, gt=0, description="BSQ bits L per patch.")
+    group: Annotated[int, _fitted_head("bsq")] = Field(
         1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
     )
     image_size: int = Field(
@@ -200,7 +265,9 @@ class ModelConfig(StrictModel):
 
     `kind` names a kind a model package registers (`uniweave.models.registry`); the kind's
     registration is checked (known and implemented, its visual heads, whether it needs
-    `path`) by `uniweave.models.check_model_config` before a model is built.
+    `path`) by `uniweave.models.check_model_config` before a model is built. The
+    `model.tiny` and `model.codec` sections act only for a model built from the config
+    (their `ActsWhen` declarations).
     """
 
     kind: str = Field(
@@ -223,46 +290,12 @@ class ModelConfig(StrictModel):
         "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
         "rslora and target_modules, and the base it was trained on).",
     )
-    tiny: TinyModelConfig = Field(
-        default_factory=TinyModelConfig,
-        description="Tiny sizes; with model.path (kind tiny), the sizes the model directory "
-        "records replace them (stated in the log, recorded in config.yaml).",
+    tiny: Annotated[TinyModelConfig, _kind_builds("tiny"), _built_here("tiny")] = Field(
+        default_factory=TinyModelConfig, description="Tiny sizes."
     )
-    codec: CodecConfig = Field(
-        default_factory=CodecConfig,
-        description="Tiny model's codec; with model.path (kind tiny), its codec's sizes "
-        "replace these.",
+    codec: Annotated[CodecConfig, _kind_builds("codec"), _built_here("codec")] = Field(
+        default_factory=CodecConfig, description="Tiny model's codec."
     )
-
-    @model_validator(mode="after")
-    def _what_the_kind_reads(self) -> ModelConfig:
-        """Refuse `model.tiny` / `model.codec` fields the kind never reads (`KIND_READS`)
-        and, when the codec is fitted from this section (a model built from the config,
-        no codec.path), the sizes of the other visual head's codec."""
-        reads = KIND_READS.get(self.kind)
-        if reads is None:
-            return self
-        builds = bool(reads["tiny"])
-        # A kind that only loads checkpoints is refused without model.path by
-        # `uniweave.models.check_model_config` ("loads a local checkpoint"), the clearer error.
-        if builds or self.path is not None:
-            for section in ("tiny", "codec"):
-                model = getattr(self, section)
-                unread = [n for n in type(model).model_fields if n not in reads[section]]
-                name = first_changed(model, unread)
-                if name is not None:
-                    raise incompatible(f"{section}.{name}", KIND_IGNORES[self.kind, section])
-        if builds and self.path is None and self.codec.path is None:
-            other = ("bits", "group") if self.visual_head == "vq" else ("codebook_size",)
-            name = first_changed(self.codec, other)
-            if name is not None:
-                head = "bsq" if self.visual_head == "vq" else "vq"
-                raise incompatible(
-                    f"codec.{name}",
-                    f"acts only with model.visual_head {head} (the codec fitted here is "
-                    f"{self.visual_head})",
-                )
-        return self
 
 
 class DataConfig(StrictModel):
@@ -788,6 +821,7 @@ class UniweaveConfig(StrictModel):
         else:
             tasks = set(self.data.tasks)
         spec = registry.method(algo.name)
+        refuse_inactive(self)
         if spec.check is not None:
             spec.check(self, tasks)
         if self.model.initial_adapter is not None:

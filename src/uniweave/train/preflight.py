@@ -114,8 +114,7 @@ def preflight(cfg: UniweaveConfig, algorithms: Collection[str] | None = None) ->
     spec = method(cfg.algorithm.name)
     for dotted in spec.model_dirs:  # OPD: the teacher
         check_weights(get_key(cfg.algorithm, dotted), f"algorithm.{dotted}")
-    if cfg.model.path is None:  # a model built from the config (tiny, uniar) reads its codec
-        check_weights(cfg.model.codec.path, "model.codec.path")
+    check_weights(cfg.model.codec.path, "model.codec.path")  # set only with model.path null
     for k, plugin in enumerate(cfg.reward.plugins):
         check_weights(plugin.path, f"reward.plugins.{k}.path")
     geometry = check_model(cfg)
@@ -171,8 +170,7 @@ def preflight_inference(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
     check_weights(cfg.model.path, "model.path")
-    if cfg.model.path is None:
-        check_weights(cfg.model.codec.path, "model.codec.path")
+    check_weights(cfg.model.codec.path, "model.codec.path")
     for k, plugin in enumerate(cfg.reward.plugins):
         check_weights(plugin.path, f"reward.plugins.{k}.path")
     geometry = check_model(cfg)

@@ -29,7 +29,7 @@ def run_inputs(cfg: UniweaveConfig) -> dict[str, str]:
     found: dict[str, str | None] = {
         "model.path": cfg.model.path,
         "model.initial_adapter": cfg.model.initial_adapter,
-        "model.codec.path": cfg.model.codec.path if cfg.model.path is None else None,
+        "model.codec.path": cfg.model.codec.path,
         "data.path": cfg.data.path,
         "data.val_path": cfg.data.val_path,
         "data.test_path": cfg.data.test_path,
