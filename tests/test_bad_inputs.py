@@ -68,6 +68,8 @@ def tiny(out: Path, w: SimpleNamespace, **sections) -> dict:
         "checkpoint": {"every_updates": 1, "keep_last": 0},
         "logging": {"tensorboard": False, "progress_bar": False},
     }
+    if (sections.get("model") or {}).get("path") is not None:
+        cfg["model"] = {}  # a model.path checkpoint has its own sizes and codec
     for section, values in sections.items():
         cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
     return cfg
@@ -295,7 +297,7 @@ def _big_image_for_a_saved_model(d: Path, out: Path, w) -> list[str]:
     (d / "img").mkdir()
     Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(d / "img" / "x.png")
     cfg = own(out, w, rows_file(d, image_row("img/x.png")))
-    cfg["model"]["path"] = str(w.saved)
+    cfg["model"] = {"path": str(w.saved)}  # its own sizes and codec
     return [write(d, cfg)]
 
 
@@ -341,7 +343,7 @@ def _scored(out: Path, w: SimpleNamespace, rows: Path, **data) -> dict:
     """A config `uniweave eval` / `probe` take: the saved tiny model, own rows with answers
     scored by text_exact, the word tokenizer."""
     cfg = own(out, w, rows, **data)
-    cfg["model"]["path"] = str(w.saved)
+    cfg["model"] = {"path": str(w.saved)}  # its own sizes and codec
     cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
     return cfg
 
@@ -404,7 +406,7 @@ def _probe_model_truncated(d: Path, out: Path, w) -> list[str]:
     shutil.copytree(w.saved, d / "model")
     weights = d / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    cfg["model"]["path"] = str(d / "model")
+    cfg["model"] = {"path": str(d / "model")}  # its own sizes and codec
     return [write(d, cfg)]
 
 

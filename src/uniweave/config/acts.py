@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from uniweave.config.base import changed, incompatible
-from uniweave.config.methods import method
+from uniweave.config.methods import MethodSpec, method, names
 
 Text = str | Callable[[], str]
 """A text, or a function that makes it when needed (lists of registered methods)."""
@@ -55,9 +55,53 @@ class ActsWhen:
         return self.refusal(cfg) if callable(self.refusal) else self.refusal
 
 
+def method_of(cfg: Any) -> MethodSpec:
+    """The spec of `cfg.algorithm.name`."""
+    return method(cfg.algorithm.name)
+
+
+def rollout_methods() -> str:
+    """'grpo, opd': the registered methods that train on rollouts (for messages)."""
+    return ", ".join(names(rollouts=True))
+
+
+def row_methods() -> str:
+    """'sft': the registered methods that train on dataset rows (for messages)."""
+    return " or ".join(names(rollouts=False))
+
+
+def on_rollouts(then: str | Callable[[Any], str] = "") -> ActsWhen:
+    """Acts only with a method that trains on rollouts; `then`: the error's tail."""
+    return ActsWhen(
+        lambda cfg: method_of(cfg).rollouts,
+        lambda: f"with rollouts in training ({rollout_methods()})",
+        lambda cfg: (
+            f"acts only with rollouts in training ({rollout_methods()})"
+            + (then(cfg) if callable(then) else then)
+        ),
+    )
+
+
+def on_rows(why: str) -> ActsWhen:
+    """Acts only with a method that trains on dataset rows; `why`: what the configured
+    method (`{name}`) does instead."""
+    return ActsWhen(
+        lambda cfg: not method_of(cfg).rollouts,
+        lambda: f"with {row_methods()} (training on dataset rows)",
+        lambda cfg: f"acts only with {row_methods()}: " + why.format(name=cfg.algorithm.name),
+    )
+
+
 def declared(info: FieldInfo) -> tuple[ActsWhen, ...]:
-    """The `ActsWhen` declarations in a field's annotation, in order."""
-    return tuple(m for m in info.metadata if isinstance(m, ActsWhen))
+    """The `ActsWhen` declarations in a field's annotation, in order (a tuple of them
+    counts as its items: several rules named once)."""
+    out: list[ActsWhen] = []
+    for meta in info.metadata:
+        if isinstance(meta, ActsWhen):
+            out.append(meta)
+        elif isinstance(meta, tuple) and meta and all(isinstance(m, ActsWhen) for m in meta):
+            out.extend(meta)
+    return tuple(out)
 
 
 def given(model: BaseModel, name: str) -> str | None:
@@ -79,7 +123,7 @@ def given(model: BaseModel, name: str) -> str | None:
 def _rules(cfg: Any) -> Iterator[tuple[str, BaseModel, str, tuple[ActsWhen, ...]]]:
     """(dotted key, owning section, field name, declarations) of every declared field of
     `cfg`, outer before inner (a section's rule before its fields')."""
-    own: Mapping[str, tuple[ActsWhen, ...]] = method(cfg.algorithm.name).acts_when
+    own: Mapping[str, tuple[ActsWhen, ...]] = method_of(cfg).acts_when
 
     def walk(model: BaseModel, prefix: str) -> Iterator[tuple[str, BaseModel, str, tuple]]:
         for name, info in type(model).model_fields.items():
@@ -120,4 +164,15 @@ def conditions(model: type[BaseModel], name: str, method_rules: tuple[ActsWhen, 
     return f"Acts only {', and '.join(rule.text() for rule in rules)}." if rules else ""
 
 
-__all__ = ["ActsWhen", "conditions", "declared", "given", "refuse_inactive"]
+__all__ = [
+    "ActsWhen",
+    "conditions",
+    "declared",
+    "given",
+    "method_of",
+    "on_rollouts",
+    "on_rows",
+    "refuse_inactive",
+    "rollout_methods",
+    "row_methods",
+]

@@ -15,9 +15,9 @@ from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 
 from uniweave.config import methods as registry
-from uniweave.config.acts import ActsWhen, refuse_inactive
+from uniweave.config.acts import ActsWhen, method_of, on_rollouts, on_rows, refuse_inactive
 from uniweave.config.algorithms import AlgorithmConfig, SFTConfig
-from uniweave.config.base import StrictModel, changed, incompatible
+from uniweave.config.base import StrictModel, incompatible
 from uniweave.config.errors import suggest
 from uniweave.config.ray import RayConfig, check_workers
 from uniweave.config.trainer import TrainerConfig
@@ -260,6 +260,19 @@ KIND_IGNORES: dict[tuple[str, str], str] = {
 }
 
 
+ADAPTER_BASE = ActsWhen(
+    lambda cfg: cfg.model.path is not None,
+    "with model.path (the base the adapter was trained on)",
+    "needs model.path (the base the adapter was trained on)",
+)
+ADAPTER_LORA = ActsWhen(
+    lambda cfg: cfg.trainer.lora.enabled,
+    "with trainer.lora.enabled true",
+    "is trained on unmerged: it needs trainer.lora.enabled true (with the adapter's r, "
+    "alpha and target_modules)",
+)
+
+
 class ModelConfig(StrictModel):
     """Which unified model to post-train.
 
@@ -284,7 +297,7 @@ class ModelConfig(StrictModel):
     visual_head: Literal["vq", "bsq"] = Field(
         "vq", description="Visual action space: VQ codebook softmax or BSQ Bernoulli bits."
     )
-    initial_adapter: str | None = Field(
+    initial_adapter: Annotated[str | None, ADAPTER_BASE, ADAPTER_LORA] = Field(
         None,
         description="A LoRA run's adapter/ directory (peft format + uniweave_adapter.json) to "
         "start from, unmerged, on model.path (needs trainer.lora with the same r, alpha, "
@@ -296,6 +309,43 @@ class ModelConfig(StrictModel):
     codec: Annotated[CodecConfig, _kind_builds("codec"), _built_here("codec")] = Field(
         default_factory=CodecConfig, description="Tiny model's codec."
     )
+
+
+def _in_process(why: str) -> ActsWhen:
+    return ActsWhen(
+        lambda cfg: cfg.rollout.workers == 0,
+        "in-process (rollout.workers 0)",
+        f"acts only in-process (rollout.workers 0): {why}",
+    )
+
+
+WITH_DATA_PATH = ActsWhen(
+    lambda cfg: cfg.data.path is not None,
+    "with data.path",
+    "needs data.path (the digits tasks are built in)",
+)
+TINY_BUILT_HERE = ActsWhen(
+    lambda cfg: cfg.model.kind == "tiny" and cfg.model.path is None,
+    "for the tiny model built from the config (model.kind tiny, model.path null)",
+    "only the tiny model built here takes a tokenizer (a model.path checkpoint ships its "
+    "own); leave it auto",
+)
+WITH_BPE = ActsWhen(
+    lambda cfg: cfg.data.uses_bpe,
+    "with the bpe tokenizer (data.tokenizer bpe, or auto with data.path)",
+    "acts only with the bpe tokenizer",
+)
+ROWS_BOUNDED = on_rows(
+    "{name} rows are bounded by the rollout (rollout.max_new_tokens and the model's context length)"
+)
+ROWS_SHUFFLED = on_rows(
+    "{name} draws its prompts from a fresh permutation of each task's pool every epoch"
+)
+WITH_LIMIT = ActsWhen(
+    lambda cfg: cfg.data.max_sequence_tokens is not None,
+    "with data.max_sequence_tokens set",
+    "acts only with data.max_sequence_tokens set (no limit)",
+)
 
 
 class DataConfig(StrictModel):
@@ -317,27 +367,34 @@ class DataConfig(StrictModel):
         description="JSONL/parquet file or directory of shards (train rows: its `split: "
         "train` rows, or all rows without a split field); null = built-in digits tasks.",
     )
-    val_path: str | None = Field(
+    val_path: Annotated[str | None, WITH_DATA_PATH] = Field(
         None, description="Validation rows (file/directory); null = data.path rows of split val."
     )
-    test_path: str | None = Field(
+    test_path: Annotated[str | None, WITH_DATA_PATH] = Field(
         None, description="Test rows (file/directory); null = data.path rows of split test."
     )
-    default_task: Task | None = Field(
+    default_task: Annotated[Task | None, WITH_DATA_PATH] = Field(
         None, description="Task of rows without a `task` field; null = such a row is an error."
     )
-    image_resize: Literal["resize", "error"] = Field(
+    image_resize: Annotated[
+        Literal["resize", "error"],
+        ActsWhen(
+            lambda cfg: cfg.data.path is not None,
+            "on data.path images",
+            "acts only on data.path images (the built-in digits images are the tiny model's size)",
+        ),
+    ] = Field(
         "error",
         description="A dataset image (data.path rows; also `uniweave generate --image`, "
         "with or without data.path) whose size differs from the model's: resize it "
         "(bicubic) or stop with its file:line.",
     )
-    tokenizer: Literal["auto", "word", "bpe"] = Field(
+    tokenizer: Annotated[Literal["auto", "word", "bpe"], TINY_BUILT_HERE] = Field(
         "auto",
         description="Tiny model tokenizer: word (digits vocabulary) | bpe (byte-level, "
         "trained on the training text); auto = word without data.path, bpe with it.",
     )
-    bpe_vocab_size: int = Field(
+    bpe_vocab_size: Annotated[int, WITH_BPE] = Field(
         1024, ge=300, description="Vocabulary size of the byte-level BPE (data.tokenizer bpe)."
     )
     train_size: int = Field(
@@ -356,14 +413,16 @@ class DataConfig(StrictModel):
         "test rows of each task; 0 = none).",
     )
     seed: int = Field(0, ge=0, description="Seed of data shuffling and task sampling.")
-    shuffle: bool = Field(True, description="Shuffle the training rows every epoch.")
-    max_sequence_tokens: int | None = Field(
+    shuffle: Annotated[bool, ROWS_SHUFFLED] = Field(
+        True, description="Shuffle the training rows every epoch."
+    )
+    max_sequence_tokens: Annotated[int | None, ROWS_BOUNDED] = Field(
         None,
         gt=0,
         description="Hard context limit of a serialised SFT row (positions, prompt "
         "included); null = none.",
     )
-    over_length: Literal["refuse", "drop"] = Field(
+    over_length: Annotated[Literal["refuse", "drop"], WITH_LIMIT] = Field(
         "refuse",
         description="An SFT row longer than data.max_sequence_tokens: stop naming it "
         "(refuse) or leave it out with a logged count (drop).",
@@ -405,12 +464,63 @@ class DataConfig(StrictModel):
                     f"'{unknown[0]}' is not a built-in digits task ({', '.join(DIGITS_TASKS)}); "
                     "set data.path to a dataset whose rows carry it",
                 )
-            for key in ("val_path", "test_path", "default_task"):
-                if getattr(self, key) is not None:
-                    raise incompatible(key, "needs data.path (the digits tasks are built in)")
         if self.default_task is not None and self.default_task not in self.tasks:
             raise incompatible("default_task", f"'{self.default_task}' is not in data.tasks")
         return self
+
+
+GUIDED = ActsWhen(
+    lambda cfg: cfg.rollout.guidance != 1.0,
+    "with rollout.guidance != 1 (without guidance the guided and the conditional "
+    "distributions are the same)",
+)
+BSQ_HEAD = ActsWhen(
+    lambda cfg: cfg.model.visual_head == "bsq",
+    "with model.visual_head bsq (VQ codes are sampled at rollout.temperature)",
+)
+FLOAT32_WEIGHTS = ActsWhen(
+    lambda cfg: cfg.trainer.precision != "fp64",
+    "with float32 weights (trainer.precision not fp64)",
+    "acts only with float32 weights: autocast leaves trainer.precision fp64 tensors in float64",
+)
+CYCLE_STOP = ActsWhen(
+    lambda cfg: cfg.rollout.cycle_max_period > 0,
+    "with rollout.cycle_max_period > 0 (the cycle stop on)",
+    "acts only with rollout.cycle_max_period > 0 (the cycle stop is off)",
+)
+SLOTS = (
+    on_rollouts("; evaluation is static"),
+    _in_process("Ray rollout workers are static"),
+    ActsWhen(
+        lambda cfg: cfg.rollout.batch_size >= 2,
+        "with rollout.batch_size >= 2",
+        "needs rollout.batch_size >= 2 slots (a guided pair takes two)",
+    ),
+    ActsWhen(
+        lambda cfg: cfg.model.kind != "uniar",
+        "for plain RoPE positions (not model.kind uniar)",
+        "not built for model.kind uniar (M-RoPE decode positions per slot)",
+    ),
+    ActsWhen(
+        lambda cfg: (
+            not (
+                cfg.model.kind == "tiny" and cfg.model.path is None and cfg.model.tiny.mixer_kernel
+            )
+        ),
+        "for a plain KV cache (not the tiny model's conv prior, model.tiny.mixer_kernel > 0)",
+        "not built for the tiny model's conv prior (its cache carries per-row mixer state): "
+        "set model.tiny.mixer_kernel 0",
+    ),
+)
+DYNAMIC = (
+    on_rollouts(),
+    ActsWhen(
+        lambda cfg: cfg.rollout.workers == 0,
+        "in-process (rollout.workers 0)",
+        "dynamic assignment is built for in-process rollouts over torch.distributed ranks, "
+        "not for Ray rollout workers (rollout.workers > 0): use static",
+    ),
+)
 
 
 class RolloutConfig(StrictModel):
@@ -426,10 +536,12 @@ class RolloutConfig(StrictModel):
     guidance: float = Field(
         1.0, ge=0.0, description="CFG weight w: z = u + w (c - u) on visual logits (1 = off)."
     )
-    guidance_logprob: Literal["guided", "conditional"] = Field(
+    guidance_logprob: Annotated[Literal["guided", "conditional"], GUIDED] = Field(
         "guided", description="Score visual log-probs under the guided or the conditional logits."
     )
-    bit_temperature: float = Field(1.0, gt=0.0, description="BSQ bit-logit temperature.")
+    bit_temperature: Annotated[float, BSQ_HEAD] = Field(
+        1.0, gt=0.0, description="BSQ bit-logit temperature."
+    )
     max_new_tokens: int | None = Field(
         64,
         gt=0,
@@ -440,7 +552,12 @@ class RolloutConfig(StrictModel):
         "cap", description="cap: hitting max_new_tokens truncates; exact: image-only, by design."
     )
     batch_size: int = Field(64, gt=0, description="Rows decoded together.")
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Annotated[
+        Literal["fp32", "bf16"],
+        on_rollouts("; evaluation samples in fp32"),
+        FLOAT32_WEIGHTS,
+        _in_process("Ray rollout workers sample in fp32"),
+    ] = Field(
         "fp32",
         description="Compute of the training rollouts: fp32, or bf16 autocast (weights "
         "stay fp32; replay keeps trainer.precision: a measured sampler/trainer mismatch).",
@@ -448,13 +565,13 @@ class RolloutConfig(StrictModel):
     workers: int = Field(
         0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
     )
-    continuous_batching: bool = Field(
+    continuous_batching: Annotated[bool, SLOTS] = Field(
         False,
         description="Decode in rollout.batch_size slots; a finished row's slot takes the next "
         "waiting request (same tokens per seed in fp32). In-process grpo/opd rollouts; plain RoPE and "
         "KV cache only (not uniar, not tiny with mixer_kernel > 0).",
     )
-    assignment: Literal["static", "dynamic"] = Field(
+    assignment: Annotated[Literal["static", "dynamic"], DYNAMIC] = Field(
         "static",
         description="Which rank samples which training row: static (round-robin) | dynamic "
         "(ranks claim engine batches of the longest remaining rows through the job's "
@@ -463,7 +580,9 @@ class RolloutConfig(StrictModel):
     cycle_max_period: int = Field(
         4, ge=0, description="Stop a row repeating a block of <= this many tokens (0 = off)."
     )
-    cycle_repeats: int = Field(3, ge=2, description="Consecutive repeats that count as a cycle.")
+    cycle_repeats: Annotated[int, CYCLE_STOP] = Field(
+        3, ge=2, description="Consecutive repeats that count as a cycle."
+    )
     min_grid_side: int = Field(1, gt=0, description="Smallest H or W accepted in an image header.")
     max_grid_side: int = Field(
         32,
@@ -543,12 +662,26 @@ class RewardConfig(StrictModel):
         return self
 
 
+EPOCHS = on_rows(
+    "{name} draws each task's prompts from its own pool, so the run has no single epoch boundary"
+)
+SAVES_ROLLOUTS = ActsWhen(
+    lambda cfg: method_of(cfg).rollouts,
+    lambda: f"with {' or '.join(registry.names(rollouts=True))}",
+    lambda cfg: (
+        f"acts only with {' or '.join(registry.names(rollouts=True))} "
+        f"({cfg.algorithm.name} samples no rollouts)"
+    ),
+)
+KEEPS_BEST = ActsWhen(lambda cfg: cfg.checkpoint.keep_best is not None, "with checkpoint.keep_best")
+
+
 class CheckpointConfig(StrictModel):
     """Atomic checkpoints in <output_dir>/checkpoints."""
 
     every_updates: int = Field(50, ge=0, description="Checkpoint every N updates (0 = off).")
     every_minutes: float = Field(0.0, ge=0.0, description="Also every N minutes (0 = off).")
-    every_epochs: int = Field(
+    every_epochs: Annotated[int, EPOCHS] = Field(
         0,
         ge=0,
         description="SFT: also at every N-th exact epoch boundary, the update ceil(e*R/B) "
@@ -561,10 +694,10 @@ class CheckpointConfig(StrictModel):
         "update that improves it is checkpointed and kept (checkpoints/best.json) beside "
         "the keep_last newest; null = off.",
     )
-    keep_best_mode: Literal["min", "max"] = Field(
+    keep_best_mode: Annotated[Literal["min", "max"], KEEPS_BEST] = Field(
         "min", description="Whether keep_best keeps the lowest (min) or highest (max) value."
     )
-    save_rollouts: bool = Field(
+    save_rollouts: Annotated[bool, SAVES_ROLLOUTS] = Field(
         False,
         description="GRPO/OPD: save each update's trajectories, rewards, advantages, routing "
         "and replay selection to rollouts/update-N.pt + .json, linked from checkpoints.",
@@ -587,6 +720,24 @@ class CheckpointConfig(StrictModel):
     )
 
 
+A_SINK = ActsWhen(
+    lambda cfg: cfg.logging.jsonl or cfg.logging.tensorboard or cfg.logging.wandb,
+    "with a metrics sink (logging.jsonl, tensorboard or wandb)",
+)
+SPLIT_GRADIENT = ActsWhen(
+    lambda cfg: method_of(cfg).gradient_diagnostics is not None,
+    lambda: f"with {_split_methods()} (distillation vs GT-replay gradients)",
+    lambda cfg: (
+        f"acts only with {_split_methods()} (distillation vs GT-replay gradients), "
+        f"not {cfg.algorithm.name}"
+    ),
+)
+SAMPLE_SINK = ActsWhen(
+    lambda cfg: cfg.logging.tensorboard or cfg.logging.wandb,
+    "with logging.tensorboard or logging.wandb (samples go to no other sink)",
+)
+
+
 class LoggingConfig(StrictModel):
     """Metric sinks (`uniweave.train.engine.metrics.MetricsLogger`)."""
 
@@ -598,19 +749,21 @@ class LoggingConfig(StrictModel):
         "WANDB_PROJECT, default uniweave; WANDB_MODE=offline works without an account).",
     )
     progress_bar: bool = Field(True, description="Show a rich progress bar on a TTY.")
-    every: int = Field(
+    every: Annotated[int, A_SINK] = Field(
         1,
         gt=0,
         description="Log metrics every N updates (the last update and updates that ran an "
         "evaluation are always logged).",
     )
-    samples_every: int = Field(
+    samples_every: Annotated[
+        int, SAMPLE_SINK, on_rollouts(lambda cfg: f"; {cfg.algorithm.name} logs no samples")
+    ] = Field(
         50,
         ge=0,
         description="Log a few rollout samples (prompt, response, reward, image) to "
         "TensorBoard / W&B every N updates (0 = off).",
     )
-    gradient_diagnostics_every_updates: int = Field(
+    gradient_diagnostics_every_updates: Annotated[int, SPLIT_GRADIENT] = Field(
         0,
         ge=0,
         description="OPD with GT replay: every N updates log the pre-clip norms of the "
@@ -624,19 +777,7 @@ class LoggingConfig(StrictModel):
             raise incompatible(
                 "wandb", "the wandb package is not installed (pip install 'uniweave[wandb]')"
             )
-        if not (self.jsonl or self.tensorboard or self.wandb) and changed(self, "every"):
-            raise incompatible(
-                "every", "acts only with a metrics sink (logging.jsonl, tensorboard or wandb)"
-            )
-        if not (self.tensorboard or self.wandb) and changed(self, "samples_every"):
-            raise incompatible(
-                "samples_every",
-                "acts only with logging.tensorboard or logging.wandb (samples go to no other sink)",
-            )
         return self
-
-
-BPE_VOCAB_DEFAULT = DataConfig.model_fields["bpe_vocab_size"].default
 
 
 class EvaluationConfig(StrictModel):
@@ -824,20 +965,8 @@ class UniweaveConfig(StrictModel):
         refuse_inactive(self)
         if spec.check is not None:
             spec.check(self, tasks)
-        if self.model.initial_adapter is not None:
-            if self.model.path is None:
-                raise incompatible(
-                    "model.initial_adapter",
-                    "needs model.path (the base the adapter was trained on)",
-                )
-            if not self.trainer.lora.enabled:
-                raise incompatible(
-                    "model.initial_adapter",
-                    "is trained on unmerged: it needs trainer.lora.enabled true (with the "
-                    "adapter's r, alpha and target_modules)",
-                )
-        if self.trainer.packing:
-            self._packing(spec)
+        if self.trainer.packing and spec.packing is not None:  # declared: trainer.packing
+            spec.packing(self)
         if spec.check_late is not None:
             spec.check_late(self, tasks)
         if tasks is not None:
@@ -845,158 +974,34 @@ class UniweaveConfig(StrictModel):
                 self._digits_rollout(tasks)
             self._reward_routes(tasks)
         check_workers(self)
-        if self.data.tokenizer != "auto" and (self.model.kind != "tiny" or self.model.path):
-            raise incompatible(
-                "data.tokenizer",
-                "only the tiny model built here takes a tokenizer "
-                "(a model.path checkpoint ships its own); leave it auto",
-            )
-        if not self.data.uses_bpe and self.data.bpe_vocab_size != BPE_VOCAB_DEFAULT:
-            raise incompatible("data.bpe_vocab_size", "acts only with the bpe tokenizer")
         self._inert(spec)
         self._cadence(spec)
         self._gradient_diagnostics(spec)
         return self
 
-    def _continuous_batching(self, spec: registry.MethodSpec) -> None:
-        """rollout.continuous_batching: built for in-process training rollouts of models
-        with plain RoPE positions and a plain KV cache (`uniweave.rollout.continuous`)."""
-        key = "rollout.continuous_batching"
-        if not spec.rollouts:
-            raise incompatible(
-                key, f"acts only with rollouts in training ({_rollouts()}); evaluation is static"
-            )
-        if self.rollout.workers > 0:
-            raise incompatible(
-                key, "acts only in-process (rollout.workers 0): Ray rollout workers are static"
-            )
-        if self.rollout.batch_size < 2:
-            raise incompatible(key, "needs rollout.batch_size >= 2 slots (a guided pair takes two)")
-        if self.model.kind == "uniar":
-            raise incompatible(
-                key, "not built for model.kind uniar (M-RoPE decode positions per slot)"
-            )
-        if self.model.kind == "tiny" and self.model.path is None and self.model.tiny.mixer_kernel:
-            raise incompatible(
-                key,
-                "not built for the tiny model's conv prior (its cache carries per-row mixer "
-                "state): set model.tiny.mixer_kernel=0",
-            )
-
     def _inert(self, spec: registry.MethodSpec) -> None:
-        """Settings another section makes inactive, refused when set to a non-default
-        value (a value equal to the default is harmless). `RolloutConfig` on its own maps
-        1:1 onto the engine's `SamplingParams`, which take any combination; a run refuses
-        the rollout settings its rollouts would never read."""
-        rollout = self.rollout
-        if rollout.guidance == 1.0 and changed(rollout, "guidance_logprob"):
-            raise incompatible(
-                "rollout.guidance_logprob",
-                "acts only with rollout.guidance != 1 (without guidance the guided and the "
-                "conditional distributions are the same)",
-            )
-        if self.model.visual_head == "vq" and changed(rollout, "bit_temperature"):
-            raise incompatible(
-                "rollout.bit_temperature",
-                "acts only with model.visual_head bsq (VQ codes are sampled at "
-                "rollout.temperature)",
-            )
-        if rollout.assignment == "dynamic":
-            if not spec.rollouts:
-                raise incompatible(
-                    "rollout.assignment", f"acts only with rollouts in training ({_rollouts()})"
-                )
-            if rollout.workers > 0:
-                raise incompatible(
-                    "rollout.assignment",
-                    "dynamic assignment is built for in-process rollouts over torch.distributed "
-                    "ranks, not for Ray rollout workers (rollout.workers > 0): use static",
-                )
-        if changed(rollout, "precision"):
-            if not spec.rollouts:
-                raise incompatible(
-                    "rollout.precision",
-                    f"acts only with rollouts in training ({_rollouts()}); evaluation samples "
-                    "in fp32",
-                )
-            if self.trainer.precision == "fp64":
-                raise incompatible(
-                    "rollout.precision",
-                    "acts only with float32 weights: autocast leaves trainer.precision fp64 "
-                    "tensors in float64",
-                )
-            if rollout.workers > 0:
-                raise incompatible(
-                    "rollout.precision",
-                    "acts only in-process (rollout.workers 0): Ray rollout workers sample in fp32",
-                )
-        if rollout.continuous_batching:
-            self._continuous_batching(spec)
-        if rollout.cycle_max_period == 0 and changed(rollout, "cycle_repeats"):
-            raise incompatible(
-                "rollout.cycle_repeats",
-                "acts only with rollout.cycle_max_period > 0 (the cycle stop is off)",
-            )
+        """Settings whose value another section makes pointless (a conflict rather than
+        a setting that does not act: the value given or not, the run could not honour
+        it)."""
         if self.trainer.eval_every > 0 and self.data.val_size == 0:
             raise incompatible(
                 "trainer.eval_every",
                 f"{self.trainer.eval_every} evaluates nothing: data.val_size is 0 (set it > 0, "
                 "or eval_every 0)",
             )
-        if self.data.max_sequence_tokens is None and changed(self.data, "over_length"):
-            raise incompatible(
-                "data.over_length", "acts only with data.max_sequence_tokens set (no limit)"
-            )
-        if spec.rollouts:
-            if self.data.max_sequence_tokens is not None:
-                raise incompatible(
-                    "data.max_sequence_tokens",
-                    f"acts only with {_row_methods()}: {spec.name} rows are bounded by the "
-                    "rollout (rollout.max_new_tokens and the model's context length)",
-                )
-            if changed(self.data, "shuffle"):
-                raise incompatible(
-                    "data.shuffle",
-                    f"acts only with {_row_methods()}: {spec.name} draws its prompts from a "
-                    "fresh permutation of each task's pool every epoch",
-                )
-        elif changed(self.logging, "samples_every"):
-            raise incompatible(
-                "logging.samples_every",
-                f"acts only with rollouts in training ({_rollouts()}); {spec.name} logs no samples",
-            )
 
     def _cadence(self, spec: registry.MethodSpec) -> None:
-        """Epoch cadence, best-checkpoint and rollout-saving settings where they can act
-        (`uniweave.train.engine.trainer`, `uniweave.train.engine.retention`;
-        docs/campaigns-validation.md). A method's own validation metrics are its spec's
-        `val_metrics`."""
-        epochs = (("trainer.eval_every_epochs", self.trainer.eval_every_epochs),
-                  ("checkpoint.every_epochs", self.checkpoint.every_epochs))  # fmt: skip
-        for key, value in epochs:
-            if value > 0 and spec.rollouts:
-                raise incompatible(
-                    key,
-                    f"acts only with {_row_methods()}: {spec.name} draws each task's prompts "
-                    "from its own pool, so the run has no single epoch boundary",
-                )
+        """An epoch cadence and a best checkpoint that could measure nothing, and a
+        best-checkpoint metric the run does not have (`uniweave.train.engine.trainer`,
+        `uniweave.train.engine.retention`; docs/campaigns-validation.md). A method's own
+        validation metrics are its spec's `val_metrics`."""
         if self.trainer.eval_every_epochs > 0 and self.data.val_size == 0:
             raise incompatible(
                 "trainer.eval_every_epochs",
                 f"{self.trainer.eval_every_epochs} evaluates nothing: data.val_size is 0",
             )
         c = self.checkpoint
-        if c.save_rollouts and not spec.rollouts:
-            raise incompatible(
-                "checkpoint.save_rollouts",
-                f"acts only with {' or '.join(registry.names(rollouts=True))} ({spec.name} "
-                "samples no rollouts)",
-            )
         if c.keep_best is None:
-            if changed(c, "keep_best_mode"):
-                raise incompatible(
-                    "checkpoint.keep_best_mode", "acts only with checkpoint.keep_best"
-                )
             return
         if self.trainer.eval_every == 0 and self.trainer.eval_every_epochs == 0:
             raise incompatible(
@@ -1025,31 +1030,10 @@ class UniweaveConfig(StrictModel):
     def _gradient_diagnostics(self, spec: registry.MethodSpec) -> None:
         """The gradient diagnostics split the gradient into a method's parts
         (`uniweave.train.engine.diagnostics`; OPD: the distillation and the GT-replay
-        part): they act only for a method whose spec has `gradient_diagnostics`, which
-        adds its own checks."""
-        key = "logging.gradient_diagnostics_every_updates"
-        if self.logging.gradient_diagnostics_every_updates == 0:
-            return
-        if spec.gradient_diagnostics is None:
-            built = " or ".join(m.name for m in registry.methods() if m.gradient_diagnostics)
-            raise incompatible(
-                key,
-                f"acts only with {built} (distillation vs GT-replay gradients), not {spec.name}",
-            )
-        spec.gradient_diagnostics(self)
-
-    def _packing(self, spec: registry.MethodSpec) -> None:
-        """Sequence packing is built for the methods whose spec has `packing` (SFT rows),
-        on the tiny model; the spec refuses what its own rows cannot pack
-        (`uniweave.train.engine.batching`)."""
-        if spec.packing is None:
-            built = " or ".join(m.name for m in registry.methods() if m.packing)
-            raise incompatible("trainer.packing", f"packing is built for {built}, not {spec.name}")
-        if self.model.kind != "tiny":
-            raise incompatible(
-                "trainer.packing", f"packing needs model.kind=tiny (got {self.model.kind})"
-            )
-        spec.packing(self)
+        part): they act only for a method whose spec has `gradient_diagnostics` (declared
+        on the field), which adds its own checks here."""
+        if self.logging.gradient_diagnostics_every_updates and spec.gradient_diagnostics:
+            spec.gradient_diagnostics(self)
 
     def _digits_rollout(self, tasks: set[str]) -> None:
         """Rollout checks that the digits tasks' names decide (dataset rows decide it
@@ -1088,14 +1072,9 @@ class UniweaveConfig(StrictModel):
             )
 
 
-def _rollouts() -> str:
-    """'grpo, opd': the registered methods that train on rollouts (for messages)."""
-    return ", ".join(registry.names(rollouts=True))
-
-
-def _row_methods() -> str:
-    """'sft': the registered methods that train on dataset rows (for messages)."""
-    return " or ".join(registry.names(rollouts=False))
+def _split_methods() -> str:
+    """'opd': the registered methods whose gradient the diagnostics split (messages)."""
+    return " or ".join(m.name for m in registry.methods() if m.gradient_diagnostics)
 
 
 def _rebuild_algorithm_field() -> None:

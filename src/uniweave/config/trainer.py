@@ -10,7 +10,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from uniweave.config.base import StrictModel, changed, first_changed, incompatible
+from uniweave.config import methods as registry
+from uniweave.config.acts import ActsWhen, method_of, on_rows
+from uniweave.config.base import StrictModel, incompatible
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -53,17 +55,65 @@ class SchedulerConfig(StrictModel):
         return self
 
 
+LORA_ON = ActsWhen(
+    lambda cfg: cfg.trainer.lora.enabled,
+    "with trainer.lora.enabled true",
+    "acts only with trainer.lora.enabled true (LoRA is off)",
+)
+
+
+def _parallel(*modes: str, why: str = "") -> ActsWhen:
+    """Acts only with `trainer.parallel` one of `modes`; `why`: the error's tail."""
+    words = " or ".join(modes)
+    return ActsWhen(
+        lambda cfg: cfg.trainer.parallel in modes,
+        f"with trainer.parallel {words}",
+        lambda cfg: f"acts only with trainer.parallel {words} (got '{cfg.trainer.parallel}'{why})",
+    )
+
+
+def _packers() -> str:
+    return " or ".join(m.name for m in registry.methods() if m.packing)
+
+
+PACKS = (
+    ActsWhen(
+        lambda cfg: method_of(cfg).packing is not None,
+        lambda: f"with {_packers()}",
+        lambda cfg: f"packing is built for {_packers()}, not {cfg.algorithm.name}",
+    ),
+    ActsWhen(
+        lambda cfg: cfg.model.kind == "tiny",
+        "with model.kind tiny",
+        lambda cfg: f"packing needs model.kind=tiny (got {cfg.model.kind})",
+    ),
+)
+EPOCH_EVALS = on_rows(
+    "{name} draws each task's prompts from its own pool, so the run has no single epoch boundary"
+)
+PROCESS_GROUP = ActsWhen(
+    lambda cfg: cfg.trainer.parallel != "none",
+    "with trainer.parallel ddp or fsdp2",
+    "acts only with trainer.parallel ddp or fsdp2 (parallel 'none' runs one process and "
+    "opens no process group)",
+)
+
+
 class LoRAConfig(StrictModel):
     """Low-rank adapters via peft (base weights frozen when enabled)."""
 
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
-    r: int = Field(8, gt=0, description="Adapter rank.")
-    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    rslora: bool = Field(
+    r: Annotated[int, LORA_ON] = Field(8, gt=0, description="Adapter rank.")
+    alpha: Annotated[float, LORA_ON] = Field(
+        16.0, gt=0.0, description="LoRA scaling numerator (scale = alpha / r)."
+    )
+    dropout: Annotated[float, LORA_ON] = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input."
+    )
+    rslora: Annotated[bool, LORA_ON] = Field(
         False, description="Rank-stabilised LoRA: scale = alpha / sqrt(r) instead of alpha / r."
     )
-    target_modules: str = Field(
+    target_modules: Annotated[str, LORA_ON] = Field(
         r".*\.(q_proj|k_proj|v_proj|o_proj)$",
         min_length=1,
         description="Regex (full match) of module names that get adapters.",
@@ -77,14 +127,6 @@ class LoRAConfig(StrictModel):
         except re.error as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
-
-    @model_validator(mode="after")
-    def _only_when_enabled(self) -> LoRAConfig:
-        if not self.enabled:
-            name = first_changed(self)
-            if name is not None:
-                raise incompatible(name, "acts only with trainer.lora.enabled true (LoRA is off)")
-        return self
 
 
 class DDPConfig(StrictModel):
@@ -138,7 +180,7 @@ class TrainerConfig(StrictModel):
         description="If set, pack micro-batches up to this many padded tokens (rows x longest "
         "row); micro_batch_size still caps the rows of each.",
     )
-    packing: bool = Field(
+    packing: Annotated[bool, PACKS] = Field(
         False,
         description="SFT: pack each micro-batch's rows into rows as long as its longest "
         "(attention confined to each sequence, positions restarted); less padding, same loss.",
@@ -154,7 +196,7 @@ class TrainerConfig(StrictModel):
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the val split every N updates (0 = off)."
     )
-    eval_every_epochs: int = Field(
+    eval_every_epochs: Annotated[int, EPOCH_EVALS] = Field(
         0,
         ge=0,
         description="SFT: also evaluate on the val split at every N-th exact epoch boundary "
@@ -173,10 +215,13 @@ class TrainerConfig(StrictModel):
         "the same as `torchrun --standalone --nproc-per-node N`); needs parallel ddp or "
         "fsdp2, refused under torchrun. Several nodes: torchrun.",
     )
-    collective_timeout_s: float = Field(
+    collective_timeout_s: Annotated[float, PROCESS_GROUP] = Field(
         1800.0, gt=0.0, description="Timeout of every collective (process-group timeout)."
     )
-    gradient_sync: Literal["ddp", "post_backward_sum"] = Field(
+    gradient_sync: Annotated[
+        Literal["ddp", "post_backward_sum"],
+        _parallel("ddp", why="; fsdp2 always reduce-scatters with SUM"),
+    ] = Field(
         "ddp",
         description="trainer.parallel ddp: how gradients are summed over ranks. ddp: DDP's own "
         "buckets (each rank's gradient divided by the world size, all-reduced during "
@@ -184,8 +229,12 @@ class TrainerConfig(StrictModel):
         "(bitwise the sum when the world size is a power of two); post_backward_sum: a "
         "communication hook that all-reduces each bucket with SUM, no division (diagnostics).",
     )
-    ddp: DDPConfig = Field(default_factory=DDPConfig, description="DDP options.")
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 options.")
+    ddp: Annotated[DDPConfig, _parallel("ddp")] = Field(
+        default_factory=DDPConfig, description="DDP options."
+    )
+    fsdp: Annotated[FSDPConfig, _parallel("fsdp2")] = Field(
+        default_factory=FSDPConfig, description="FSDP2 options."
+    )
 
     @model_validator(mode="after")
     def _geometry(self) -> TrainerConfig:
@@ -201,30 +250,11 @@ class TrainerConfig(StrictModel):
                 "length buckets give ranks different numbers of micro-batches; fsdp2 "
                 "needs the same all-gathers on every rank (use micro_batch_size)",
             )
-        for section, mode in (("ddp", "ddp"), ("fsdp", "fsdp2")):
-            name = first_changed(getattr(self, section))
-            if name is not None and self.parallel != mode:
-                raise incompatible(
-                    f"{section}.{name}",
-                    f"acts only with trainer.parallel {mode} (got '{self.parallel}')",
-                )
         if self.world_size > 1 and self.parallel == "none":
             raise incompatible(
                 "world_size",
                 f"{self.world_size} workers need trainer.parallel ddp or fsdp2 (got 'none')",
                 also=("parallel",),
-            )
-        if self.parallel != "ddp" and changed(self, "gradient_sync"):
-            raise incompatible(
-                "gradient_sync",
-                f"acts only with trainer.parallel ddp (got '{self.parallel}'; fsdp2 always "
-                "reduce-scatters with SUM)",
-            )
-        if self.parallel == "none" and changed(self, "collective_timeout_s"):
-            raise incompatible(
-                "collective_timeout_s",
-                "acts only with trainer.parallel ddp or fsdp2 (parallel 'none' runs one "
-                "process and opens no process group)",
             )
         for name in ("param_dtype", "reduce_dtype"):
             fp64 = getattr(self.fsdp, name) == "fp64"
