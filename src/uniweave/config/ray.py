@@ -4,18 +4,23 @@ With `rollout.workers: N > 0` (GRPO and OPD) the rollout service runs as N Ray a
 with `reward.workers: M > 0` the reward service as M actors (`uniweave.train.rollouts.workers`); 0
 keeps either in the training process. The `ray:` fields say where the actors run and
 what each may use; they act only when some workers are on, and a config that sets one
-with both counts at 0 is refused.
+with both counts at 0 is refused. When the worker counts and the `ray:` fields act is
+declared here (`ActsWhen`, `uniweave.config.acts`) and on the fields.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from uniweave.config.acts import ActsWhen, method_of
 from uniweave.config.base import StrictModel, incompatible
-from uniweave.config.methods import method, names
+from uniweave.config.methods import names
+
+ROLLOUT_ACTORS = ActsWhen(lambda cfg: cfg.rollout.workers > 0, "with rollout.workers > 0")
+REWARD_ACTORS = ActsWhen(lambda cfg: cfg.reward.workers > 0, "with reward.workers > 0")
 
 
 class RayConfig(StrictModel):
@@ -29,13 +34,13 @@ class RayConfig(StrictModel):
     num_cpus: int | None = Field(
         None, gt=0, description="CPUs of the local Ray instance (null = all); not with address."
     )
-    rollout_cpus: float = Field(
+    rollout_cpus: Annotated[float, ROLLOUT_ACTORS] = Field(
         1.0, gt=0.0, description="CPU share of each rollout actor (torch threads: max(1, floor))."
     )
-    rollout_gpus: float = Field(
+    rollout_gpus: Annotated[float, ROLLOUT_ACTORS] = Field(
         0.0, ge=0.0, description="GPU share of each rollout actor (> 0: it rolls out on cuda)."
     )
-    reward_cpus: float = Field(
+    reward_cpus: Annotated[float, REWARD_ACTORS] = Field(
         1.0, gt=0.0, description="CPU share of each reward actor (torch threads: max(1, floor))."
     )
     max_worker_restarts: int = Field(
@@ -51,37 +56,42 @@ class RayConfig(StrictModel):
         return self
 
 
-RAY_DEFAULTS = RayConfig().model_dump()
+def _workers_built() -> tuple[ActsWhen, ...]:
+    """The rules of `rollout.workers` / `reward.workers` > 0: Ray workers are
+    built for the methods whose spec has `ray_workers`, in one training process, with
+    the ray package installed."""
+    return (
+        ActsWhen(
+            lambda cfg: method_of(cfg).ray_workers,
+            lambda: f"with {' or '.join(names(ray_workers=True))}",
+            lambda cfg: (
+                f"Ray workers are built for {' and '.join(names(ray_workers=True))}, "
+                f"not {cfg.algorithm.name}"
+            ),
+        ),
+        ActsWhen(
+            lambda cfg: cfg.trainer.parallel == "none",
+            "with trainer.parallel none",
+            lambda cfg: f"Ray workers with trainer.parallel={cfg.trainer.parallel} are not built",
+        ),
+        ActsWhen(
+            lambda cfg: importlib.util.find_spec("ray") is not None,
+            "with the ray package installed",
+            "the ray package is not installed (pip install 'uniweave[ray]')",
+        ),
+    )
 
 
-def check_workers(cfg: Any) -> None:
-    """Config-time refusals of the Ray workers (`cfg` is the whole `UniweaveConfig`): workers
-    only for GRPO and OPD, reward workers only with reward plugins, only with
-    `trainer.parallel: none`, only with Ray installed; `ray.*` fields only when some
-    workers are on."""
-    rollout, reward = cfg.rollout.workers, cfg.reward.workers
-    if rollout == 0 and reward == 0:
-        for key, default in RAY_DEFAULTS.items():
-            if getattr(cfg.ray, key) != default:
-                raise incompatible(
-                    f"ray.{key}", "acts only with rollout.workers or reward.workers > 0"
-                )
-        return
-    key = "rollout.workers" if rollout else "reward.workers"
-    if not method(cfg.algorithm.name).ray_workers:
-        built = " and ".join(names(ray_workers=True))
-        raise incompatible(key, f"Ray workers are built for {built}, not {cfg.algorithm.name}")
-    if reward and not cfg.reward.plugins:
-        raise incompatible("reward.workers", "acts only with reward.plugins (nothing to score)")
-    if cfg.trainer.parallel != "none":
-        raise incompatible(
-            key, f"Ray workers with trainer.parallel={cfg.trainer.parallel} are not built"
-        )
-    if importlib.util.find_spec("ray") is None:
-        raise incompatible(key, "the ray package is not installed (pip install 'uniweave[ray]')")
-    if cfg.ray.rollout_gpus > 0 and rollout == 0:
-        raise incompatible("ray.rollout_gpus", "acts only with rollout.workers > 0")
-    if cfg.ray.rollout_cpus != RAY_DEFAULTS["rollout_cpus"] and rollout == 0:
-        raise incompatible("ray.rollout_cpus", "acts only with rollout.workers > 0")
-    if cfg.ray.reward_cpus != RAY_DEFAULTS["reward_cpus"] and reward == 0:
-        raise incompatible("ray.reward_cpus", "acts only with reward.workers > 0")
+ROLLOUT_WORKERS = _workers_built()
+REWARD_WORKERS = (
+    *_workers_built(),
+    ActsWhen(
+        lambda cfg: bool(cfg.reward.plugins),
+        "with reward.plugins",
+        "acts only with reward.plugins (nothing to score)",
+    ),
+)
+SOME_WORKERS = ActsWhen(
+    lambda cfg: cfg.rollout.workers > 0 or cfg.reward.workers > 0,
+    "with rollout.workers or reward.workers > 0",
+)

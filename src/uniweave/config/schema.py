@@ -19,7 +19,7 @@ from uniweave.config.acts import ActsWhen, method_of, on_rollouts, on_rows, refu
 from uniweave.config.algorithms import AlgorithmConfig, SFTConfig
 from uniweave.config.base import StrictModel, incompatible
 from uniweave.config.errors import suggest
-from uniweave.config.ray import RayConfig, check_workers
+from uniweave.config.ray import REWARD_WORKERS, ROLLOUT_WORKERS, SOME_WORKERS, RayConfig
 from uniweave.config.trainer import TrainerConfig
 
 Task = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=64)]
@@ -562,7 +562,7 @@ class RolloutConfig(StrictModel):
         description="Compute of the training rollouts: fp32, or bf16 autocast (weights "
         "stay fp32; replay keeps trainer.precision: a measured sampler/trainer mismatch).",
     )
-    workers: int = Field(
+    workers: Annotated[int, ROLLOUT_WORKERS] = Field(
         0, ge=0, description="Ray rollout actors, each given whole engine batches (0 = in-process)."
     )
     continuous_batching: Annotated[bool, SLOTS] = Field(
@@ -649,7 +649,7 @@ class RewardConfig(StrictModel):
     on_error: Literal["raise", "zero"] = Field(
         "raise", description="A plugin exception or non-finite score: fail, or score 0 and count."
     )
-    workers: int = Field(
+    workers: Annotated[int, REWARD_WORKERS] = Field(
         0, ge=0, description="Ray reward actors, each scoring a round-robin share (0 = in-process)."
     )
 
@@ -945,7 +945,7 @@ class UniweaveConfig(StrictModel):
     evaluation: EvaluationConfig = Field(
         default_factory=EvaluationConfig, description="`uniweave eval`."
     )
-    ray: RayConfig = Field(
+    ray: Annotated[RayConfig, SOME_WORKERS] = Field(
         default_factory=RayConfig, description="Ray workers (rollout.workers, reward.workers)."
     )
     health: HealthConfig = Field(
@@ -973,7 +973,6 @@ class UniweaveConfig(StrictModel):
             if self.data.path is None:
                 self._digits_rollout(tasks)
             self._reward_routes(tasks)
-        check_workers(self)
         self._inert(spec)
         self._cadence(spec)
         self._gradient_diagnostics(spec)
