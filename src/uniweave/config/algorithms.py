@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from uniweave.config.base import StrictModel, changed, first_changed, incompatible
+from uniweave.config.base import StrictModel, incompatible
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -30,16 +30,6 @@ class BitflipConfig(StrictModel):
         "of the update's distinct row seeds in ascending order are noised, the rest stay "
         "clean (docs/numerics.md §2 BitFlip).",
     )
-
-    @model_validator(mode="after")
-    def _mode_needs_noise(self) -> BitflipConfig:
-        if self.probability == 0:
-            name = first_changed(self, ("probability_mode", "partition"))
-            if name is not None:
-                raise incompatible(
-                    name, "acts only with bitflip.probability > 0 (no bits are flipped)"
-                )
-        return self
 
 
 class InformationGainConfig(StrictModel):
@@ -89,10 +79,6 @@ class InformationGainConfig(StrictModel):
                 "weight",
                 f"weight={self.weight} has no effect with both direction weights 0",
             )
-        if self.weight == 0:
-            name = first_changed(self)
-            if name is not None:
-                raise incompatible(name, "acts only with information_gain.weight > 0 (IG is off)")
         return self
 
 
@@ -148,20 +134,6 @@ class NecessityDistillationConfig(StrictModel):
         16, gt=0, description="View rows (11 and 10 of each event) per no-grad EMA forward."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> NecessityDistillationConfig:
-        if self.weight == 0:
-            name = first_changed(self)
-            if name is not None:
-                raise incompatible(
-                    name, "acts only with necessity_distillation.weight > 0 (it is off)"
-                )
-        if self.selection == "min_necessity" and changed(self, "carrier_fraction"):
-            raise incompatible("carrier_fraction", "acts only with selection fraction")
-        if self.selection == "fraction" and changed(self, "min_necessity"):
-            raise incompatible("min_necessity", "acts only with selection min_necessity")
-        return self
-
 
 class SFTConfig(StrictModel):
     """Supervised fine-tuning: cross-entropy on policy-owned target positions."""
@@ -183,19 +155,6 @@ class SFTConfig(StrictModel):
         default_factory=NecessityDistillationConfig,
         description="EMA Necessity distillation auxiliary loss.",
     )
-
-    @model_validator(mode="after")
-    def _full_view_needs_half(self) -> SFTConfig:
-        ig, flip = self.information_gain, self.bitflip
-        if changed(ig, "student_full_view") and not (
-            flip.probability > 0 and flip.partition == "half"
-        ):
-            raise incompatible(
-                "information_gain.student_full_view",
-                "acts only with bitflip.probability > 0 and bitflip.partition half (IG "
-                "then scores the clean half; otherwise its full view is fixed)",
-            )
-        return self
 
 
 class KLConfig(StrictModel):
@@ -251,14 +210,6 @@ class RLInformationGainConfig(StrictModel):
     chunk_size: int = Field(
         16, gt=0, description="View rows (11 and 10 of each rollout) per no-grad forward."
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> RLInformationGainConfig:
-        if self.weight == 0:
-            name = first_changed(self)
-            if name is not None:
-                raise incompatible(name, "acts only with information_gain.weight > 0 (it is off)")
-        return self
 
 
 class GRPOConfig(StrictModel):
@@ -344,27 +295,8 @@ class GRPOConfig(StrictModel):
                 "later updates must anchor the ratio at a replay at training geometry; "
                 "use old_logp_source=replay",
             )
-        if self.surrogate == "aligned" and self.old_logp_source == "rollout":
-            raise incompatible(
-                "old_logp_source",
-                "'rollout' acts only with surrogate 'standard': the aligned surrogate reads "
-                "both, its value from the sampler's log-probs and its trust region (clip) "
-                "from the replay",
-            )
         if self.aggregation == "seq_mean_token_sum_norm" and self.horizon is None:
             raise incompatible("horizon", "aggregation 'seq_mean_token_sum_norm' requires horizon")
-        if self.aggregation != "seq_mean_token_sum_norm" and changed(self, "horizon"):
-            raise incompatible(
-                "horizon",
-                f"acts only with aggregation 'seq_mean_token_sum_norm' (got '{self.aggregation}', "
-                "which normalises by the token or sequence count)",
-            )
-        if not self.normalize_by_std:
-            name = first_changed(self, ("std_ddof", "eps"))
-            if name is not None:
-                raise incompatible(
-                    name, "acts only with normalize_by_std true (advantages are r - mean)"
-                )
         return self
 
 
@@ -490,12 +422,6 @@ class OPDConfig(StrictModel):
                 "teacher.privilege",
                 "routing 'privileged_correction' needs a privileged teacher (privilege: answer)",
             )
-        if self.text_clip is not None and self.modality_weights.text == 0:
-            raise incompatible(
-                "text_clip", "acts only with modality_weights.text > 0 (text contributes nothing)"
-            )
-        if self.carriers == "all" and changed(self, "carrier_min_necessity"):
-            raise incompatible("carrier_min_necessity", "acts only with carriers necessity")
         if self.top_k == 0 and "retained_mass_min" in self.model_fields_set:
             raise incompatible("retained_mass_min", "has no effect with top_k 0 (full vocab)")
         return self

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from uniweave.config.algorithms import GRPOConfig
+from uniweave.config.acts import ActsWhen
+from uniweave.config.algorithms import GRPOConfig, RLInformationGainConfig
 from uniweave.config.base import incompatible
 from uniweave.config.methods import MethodSpec
 
@@ -33,29 +34,75 @@ def _check(cfg: Any, tasks: set[str] | None) -> None:
         )
     if not cfg.reward.plugins:
         raise incompatible("reward.plugins", "grpo needs at least one reward plugin")
-    if algo.share_prompt_prefix and (
-        cfg.model.kind != "tiny" or (cfg.model.path is None and cfg.model.tiny.mixer_kernel)
-    ):
-        raise incompatible(
-            "algorithm.share_prompt_prefix",
+
+
+IG_ON = ActsWhen(
+    lambda cfg: cfg.algorithm.information_gain.weight > 0,
+    "with information_gain.weight > 0",
+    "acts only with information_gain.weight > 0 (it is off)",
+)
+STD = ActsWhen(
+    lambda cfg: cfg.algorithm.normalize_by_std,
+    "with normalize_by_std true",
+    "acts only with normalize_by_std true (advantages are r - mean)",
+)
+ACTS_WHEN: dict[str, tuple[ActsWhen, ...]] = {
+    "old_logp_source": (
+        ActsWhen(
+            lambda cfg: cfg.algorithm.surrogate != "aligned",
+            "with surrogate 'standard'",
+            "'rollout' acts only with surrogate 'standard': the aligned surrogate reads "
+            "both, its value from the sampler's log-probs and its trust region (clip) from "
+            "the replay",
+        ),
+    ),
+    "horizon": (
+        ActsWhen(
+            lambda cfg: cfg.algorithm.aggregation == "seq_mean_token_sum_norm",
+            "with aggregation 'seq_mean_token_sum_norm'",
+            lambda cfg: (
+                "acts only with aggregation 'seq_mean_token_sum_norm' (got "
+                f"'{cfg.algorithm.aggregation}', which normalises by the token or sequence count)"
+            ),
+        ),
+    ),
+    "std_ddof": (STD,),
+    "eps": (STD,),
+    "share_prompt_prefix": (
+        ActsWhen(
+            lambda cfg: (
+                cfg.model.kind == "tiny"
+                and not (cfg.model.path is None and cfg.model.tiny.mixer_kernel)
+            ),
+            "for the tiny model without the conv prior (model.kind tiny, "
+            "model.tiny.mixer_kernel 0)",
             "built for the tiny model without the conv prior (model.kind tiny, "
             "model.tiny.mixer_kernel 0)",
-        )
-    if algo.share_prompt_prefix and cfg.trainer.gradient_checkpointing:
-        raise incompatible(
-            "algorithm.share_prompt_prefix",
+        ),
+        ActsWhen(
+            lambda cfg: not cfg.trainer.gradient_checkpointing,
+            "without trainer.gradient_checkpointing",
             "continues from a KV cache, which gradient checkpointing drops: turn "
             "trainer.gradient_checkpointing off",
-        )
-
-
-def _check_late(cfg: Any, tasks: set[str] | None) -> None:
-    if cfg.algorithm.information_gain.weight > 0 and cfg.trainer.parallel != "none":
-        raise incompatible(
-            "algorithm.information_gain.weight",
-            "is built for one process (trainer.parallel none): the behaviour "
-            f"policy's views are not sharded under {cfg.trainer.parallel}",
-        )
+        ),
+    ),
+    "information_gain.weight": (
+        ActsWhen(
+            lambda cfg: cfg.trainer.parallel == "none",
+            "in one process (trainer.parallel none)",
+            lambda cfg: (
+                "is built for one process (trainer.parallel none): the behaviour "
+                f"policy's views are not sharded under {cfg.trainer.parallel}"
+            ),
+        ),
+    ),
+    **{
+        f"information_gain.{n}": (IG_ON,)
+        for n in RLInformationGainConfig.model_fields
+        if n != "weight"
+    },
+}
+"""When GRPO's own settings act (`uniweave.config.acts`)."""
 
 
 def _preflight_model(cfg: Any, facts: Any, where: str) -> None:
@@ -79,7 +126,7 @@ SPEC = MethodSpec(
     rollouts=True,
     ray_workers=True,
     check=_check,
-    check_late=_check_late,
+    acts_when=ACTS_WHEN,
     preflight_model=_preflight_model,
     plan_setup=_plan_setup,
     updates_per_round=_updates_per_round,

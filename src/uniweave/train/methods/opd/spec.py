@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from uniweave.config.acts import ActsWhen
 from uniweave.config.algorithms import OPDConfig
 from uniweave.config.base import incompatible
 from uniweave.config.errors import ConfigError, InputError
@@ -33,6 +34,21 @@ def _check(cfg: Any, tasks: set[str] | None) -> None:
             "reward.plugins",
             f"opd routing '{algo.routing}' verifies rows: it needs at least one reward plugin",
         )
+
+
+ACTS_WHEN: dict[str, tuple[ActsWhen, ...]] = {
+    "text_clip": (
+        ActsWhen(
+            lambda cfg: cfg.algorithm.modality_weights.text > 0,
+            "with modality_weights.text > 0",
+            "acts only with modality_weights.text > 0 (text contributes nothing)",
+        ),
+    ),
+    "carrier_min_necessity": (
+        ActsWhen(lambda cfg: cfg.algorithm.carriers == "necessity", "with carriers necessity"),
+    ),
+}
+"""When OPD's own settings act (`uniweave.config.acts`)."""
 
 
 def _gradient_diagnostics(cfg: Any) -> None:
@@ -86,6 +102,7 @@ SPEC = MethodSpec(
     rollouts=True,
     ray_workers=True,
     check=_check,
+    acts_when=ACTS_WHEN,
     gradient_diagnostics=_gradient_diagnostics,
     model_dirs=("teacher.path",),
     preflight_prompt=_preflight_prompt,

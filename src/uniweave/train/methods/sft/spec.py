@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from uniweave.config.algorithms import SFTConfig
+from uniweave.config.acts import ActsWhen
+from uniweave.config.algorithms import InformationGainConfig, NecessityDistillationConfig, SFTConfig
 from uniweave.config.base import incompatible
 from uniweave.config.errors import ConfigError, InputError
 from uniweave.config.methods import MethodSpec
@@ -26,37 +27,99 @@ def _build_job(cfg, model, run_dir, info):
     return build_sft_job(cfg, model, run_dir, info)
 
 
+FLIPS = ActsWhen(
+    lambda cfg: cfg.algorithm.bitflip.probability > 0,
+    "with bitflip.probability > 0",
+    "acts only with bitflip.probability > 0 (no bits are flipped)",
+)
+IG_ON = ActsWhen(
+    lambda cfg: cfg.algorithm.information_gain.weight > 0,
+    "with information_gain.weight > 0",
+    "acts only with information_gain.weight > 0 (IG is off)",
+)
+ND_ON = ActsWhen(
+    lambda cfg: cfg.algorithm.necessity_distillation.weight > 0,
+    "with necessity_distillation.weight > 0",
+    "acts only with necessity_distillation.weight > 0 (it is off)",
+)
+
+
+def _selection(mode: str) -> ActsWhen:
+    return ActsWhen(
+        lambda cfg: cfg.algorithm.necessity_distillation.selection == mode,
+        f"with selection {mode}",
+    )
+
+
+ACTS_WHEN: dict[str, tuple[ActsWhen, ...]] = {
+    "bitflip.probability": (
+        ActsWhen(
+            lambda cfg: cfg.model.visual_head == "bsq",
+            "with model.visual_head bsq",
+            "bit flips need model.visual_head=bsq",
+        ),
+    ),
+    "bitflip.probability_mode": (FLIPS,),
+    "bitflip.partition": (FLIPS,),
+    **{
+        f"information_gain.{n}": (IG_ON,)
+        for n in InformationGainConfig.model_fields
+        if n != "weight"
+    },
+    "information_gain.student_full_view": (
+        IG_ON,
+        ActsWhen(
+            lambda cfg: (
+                cfg.algorithm.bitflip.probability > 0 and cfg.algorithm.bitflip.partition == "half"
+            ),
+            "with bitflip.probability > 0 and bitflip.partition half",
+            "acts only with bitflip.probability > 0 and bitflip.partition half (IG then "
+            "scores the clean half; otherwise its full view is fixed)",
+        ),
+    ),
+    "soft_bsq.weight": (
+        ActsWhen(
+            lambda cfg: cfg.model.visual_head == "bsq",
+            "with model.visual_head bsq",
+            lambda cfg: (
+                f"acts only with model.visual_head bsq (a {cfg.model.visual_head} "
+                "head predicts no bits to take the expected code of)"
+            ),
+        ),
+    ),
+    **{
+        f"necessity_distillation.{n}": (ND_ON,)
+        for n in NecessityDistillationConfig.model_fields
+        if n != "weight"
+    },
+    "necessity_distillation.weight": (
+        ActsWhen(
+            lambda cfg: cfg.trainer.parallel == "none",
+            "in one process (trainer.parallel none)",
+            lambda cfg: (
+                "is built for one process (trainer.parallel none): its EMA shadow is "
+                f"not sharded or checkpointed under {cfg.trainer.parallel}"
+            ),
+        ),
+    ),
+    "necessity_distillation.carrier_fraction": (ND_ON, _selection("fraction")),
+    "necessity_distillation.min_necessity": (ND_ON, _selection("min_necessity")),
+}
+"""When SFT's own settings act (`uniweave.config.acts`): a switch's section acts only
+with the switch on, bit flips and Soft-BSQ only with BSQ heads, necessity distillation
+in one process."""
+
+
 def _check(cfg: Any, tasks: set[str] | None) -> None:
-    algo: SFTConfig = cfg.algorithm
-    if algo.bitflip.probability > 0 and cfg.model.visual_head != "bsq":
-        raise incompatible("algorithm.bitflip.probability", "bit flips need model.visual_head=bsq")
-    if algo.soft_bsq.weight > 0 and tasks is not None:
-        _soft_bsq(cfg, tasks)
-    if algo.necessity_distillation.weight > 0 and cfg.trainer.parallel != "none":
-        raise incompatible(
-            "algorithm.necessity_distillation.weight",
-            "is built for one process (trainer.parallel none): its EMA shadow is not "
-            f"sharded or checkpointed under {cfg.trainer.parallel}",
-        )
-
-
-def _soft_bsq(cfg: Any, tasks: set[str]) -> None:
-    """Soft-BSQ compares expected and target BSQ codes: it needs BSQ bit heads and,
-    for the digits tasks, a task whose answers hold an image (dataset rows: checked
-    by `_preflight_rows`)."""
-    key = "algorithm.soft_bsq.weight"
-    if cfg.model.visual_head != "bsq":
-        raise incompatible(
-            key,
-            f"acts only with model.visual_head bsq (a {cfg.model.visual_head} head "
-            "predicts no bits to take the expected code of)",
-        )
-    if cfg.data.path is None and not tasks & IMAGE_GENERATION_TASKS:
-        raise incompatible(
-            key,
-            f"acts only on image answers: tasks {sorted(tasks)} are text-only (add one "
-            f"of {', '.join(sorted(IMAGE_GENERATION_TASKS))})",
-        )
+    """Soft-BSQ needs, for the digits tasks, a task whose answers hold an image (dataset
+    rows: checked by `_preflight_rows`)."""
+    if cfg.algorithm.soft_bsq.weight > 0 and tasks is not None and cfg.data.path is None:
+        if not tasks & IMAGE_GENERATION_TASKS:
+            raise incompatible(
+                "algorithm.soft_bsq.weight",
+                f"acts only on image answers: tasks {sorted(tasks)} are text-only (add one "
+                f"of {', '.join(sorted(IMAGE_GENERATION_TASKS))})",
+            )
 
 
 def _packing(cfg: Any) -> None:
@@ -149,4 +212,5 @@ SPEC = MethodSpec(
     evaluator=_evaluator,
     preflight_rows=_preflight_rows,
     progress=(),  # the loss (the cross-entropy), which every progress line shows
+    acts_when=ACTS_WHEN,
 )
