@@ -192,7 +192,7 @@ def test_a_grpo_run_that_lowers_its_heldout_metric_says_so(tmp_path, capsys):
         {
             **base,
             "run": {**base["run"], "output_dir": str(tmp_path / "grpo")},
-            "model": {**base["model"], "path": str(sft_dir / "model")},
+            "model": {"path": str(sft_dir / "model")},  # its own sizes and codec
             "algorithm": {"name": "grpo", "group_size": 4},
             "trainer": {
                 "optimizer": {"lr": 0.5},

@@ -45,7 +45,7 @@ def test_eval_warns_on_tasks_and_rows_the_model_was_not_trained_on(tmp_path):
 
     model = f"model.path={run / 'model'}"
     # the same tasks and rows: nothing to say
-    assert mismatch_warnings(load_config(config, [model])) == []
+    assert mismatch_warnings(load_config(config, [model], saved_model=True)) == []
     # another dataset, with another task label: two warnings, through the command
     other = make_dataset(tmp_path / "other", 4)
     _relabel(other, "shade_qa")
@@ -67,14 +67,16 @@ def test_eval_warns_on_tasks_and_rows_the_model_was_not_trained_on(tmp_path):
     # the training file itself, changed since: the rows warning says so
     with data.open("a") as f:
         f.write(data.read_text().splitlines()[0].replace('"sq0"', '"sq99"') + "\n")
-    (warning,) = mismatch_warnings(load_config(config, [model]))
+    (warning,) = mismatch_warnings(load_config(config, [model], saved_model=True))
     assert f"data.path {data}: these rows changed since the rows" in warning
 
 
 def test_a_model_without_a_record_is_not_checked(tmp_path):
     data = make_dataset(tmp_path / "data", 2)
     (tmp_path / "m").mkdir()
-    cfg = load_config(write_config(tmp_path, data), [f"model.path={tmp_path / 'm'}"])
+    cfg = load_config(
+        write_config(tmp_path, data), [f"model.path={tmp_path / 'm'}"], saved_model=True
+    )
     assert mismatch_warnings(cfg) == []
     (tmp_path / "m" / TRAINED_ON).write_text("[1, 2]\n")
     (line,) = mismatch_warnings(cfg)
