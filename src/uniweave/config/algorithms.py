@@ -166,12 +166,6 @@ class KLConfig(StrictModel):
     )
     coef: float = Field(0.0, ge=0.0, description="Coefficient of the penalty in the loss.")
 
-    @model_validator(mode="after")
-    def _coef_needs_type(self) -> KLConfig:
-        if self.type == "none" and self.coef > 0:
-            raise incompatible("coef", f"coef={self.coef} has no effect with type='none'")
-        return self
-
 
 class MismatchConfig(StrictModel):
     """Guards against the rollout-training mismatch (docs/numerics.md §7a): the sampler's

@@ -26,6 +26,22 @@ class OptimizerConfig(StrictModel):
     eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon.")
 
 
+WARMS_UP = ActsWhen(
+    lambda cfg: cfg.trainer.scheduler.name != "constant",
+    "with a warmup schedule (warmup_cosine, warmup_constant)",
+    "the 'constant' schedule has no warmup; set trainer.scheduler.name=warmup_constant (or "
+    "trainer.scheduler.warmup_steps=0)",
+)
+DECAYS = ActsWhen(
+    lambda cfg: cfg.trainer.scheduler.name == "warmup_cosine",
+    "with scheduler.name warmup_cosine",
+    lambda cfg: (
+        f"the '{cfg.trainer.scheduler.name}' schedule keeps the peak lr; "
+        "min_lr_ratio is for 'warmup_cosine'"
+    ),
+)
+
+
 class SchedulerConfig(StrictModel):
     """Learning-rate multiplier as a function of the update index."""
 
@@ -33,26 +49,12 @@ class SchedulerConfig(StrictModel):
         "constant",
         description="constant | warmup_cosine (linear warmup, cosine to min_lr_ratio) | warmup_constant.",
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in updates.")
-    min_lr_ratio: float = Field(
+    warmup_steps: Annotated[int, WARMS_UP] = Field(
+        0, ge=0, description="Linear warmup length in updates."
+    )
+    min_lr_ratio: Annotated[float, DECAYS] = Field(
         0.0, ge=0.0, le=1.0, description="Final lr / peak lr for warmup_cosine."
     )
-
-    @model_validator(mode="after")
-    def _no_warmup_for_constant(self) -> SchedulerConfig:
-        if self.name == "constant" and self.warmup_steps > 0:
-            raise incompatible(
-                "warmup_steps",
-                "the 'constant' schedule has no warmup; set "
-                "trainer.scheduler.name=warmup_constant (or trainer.scheduler.warmup_steps=0)",
-            )
-        if self.name != "warmup_cosine" and self.min_lr_ratio:
-            raise incompatible(
-                "min_lr_ratio",
-                f"the '{self.name}' schedule keeps the peak lr; min_lr_ratio is for "
-                "'warmup_cosine'",
-            )
-        return self
 
 
 LORA_ON = ActsWhen(

@@ -47,6 +47,13 @@ STD = ActsWhen(
     "acts only with normalize_by_std true (advantages are r - mean)",
 )
 ACTS_WHEN: dict[str, tuple[ActsWhen, ...]] = {
+    "kl.coef": (
+        ActsWhen(
+            lambda cfg: cfg.algorithm.kl.type != "none",
+            "with kl.type other than none",
+            lambda cfg: f"coef={cfg.algorithm.kl.coef} has no effect with type='none'",
+        ),
+    ),
     "old_logp_source": (
         ActsWhen(
             lambda cfg: cfg.algorithm.surrogate != "aligned",
