@@ -786,8 +786,10 @@ def configure_probe(parser: argparse.ArgumentParser) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
-    cfg = load_args_config(args)
+    """Information Gain scores of `model.path` on val rows (CPU; writes nothing); a
+    model.path on the command line replaces the model the recipe builds
+    (`load_config`'s `saved_model`)."""
+    cfg = load_args_config(args, saved_model=True)
     from uniweave.train.methods.sft.probe import run_probe as probe
     from uniweave.train.preflight import preflight_inference
 
