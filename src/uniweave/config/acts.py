@@ -1,7 +1,7 @@
 """When a setting acts: the declarations, and the one rule that checks them.
 
 A setting that acts only in some runs says so where it is defined, as an `ActsWhen` in
-its annotation (`bits: Annotated[int, BSQ_HEAD] = Field(...)`). On a field that holds a
+its annotation (`bit_temperature: Annotated[float, BSQ_HEAD] = Field(...)`). On a field that holds a
 section (`model.tiny`) the declaration covers every field under it. A method declares the
 rules of its own `algorithm:` keys in its spec (`MethodSpec.acts_when`, keyed by the
 dotted key under `algorithm`). `ActsWhen.predicate` reads the whole `UniweaveConfig`.
@@ -27,9 +27,6 @@ from pydantic.fields import FieldInfo
 from uniweave.config.base import changed, incompatible
 from uniweave.config.methods import MethodSpec, method, names
 
-Text = str | Callable[[], str]
-"""A text, or a function that makes it when needed (lists of registered methods)."""
-
 
 @dataclass(frozen=True)
 class ActsWhen:
@@ -41,7 +38,8 @@ class ActsWhen:
     the config at hand, when a fixed sentence would not say why."""
 
     predicate: Callable[[Any], bool]
-    condition: Text
+    condition: str | Callable[[], str]
+    """The words, or a function that makes them when needed (lists of registered methods)."""
     refusal: str | Callable[[Any], str] | None = None
 
     def text(self) -> str:
