@@ -419,17 +419,17 @@ def saved_tiny(tmp_path_factory, small_vq_dir) -> Path:
 @pytest.mark.parametrize(
     ("override", "key", "what"),
     [
-        ("model.tiny.hidden_size=256", "model.tiny.hidden_size", "its own sizes"),
+        ("model.tiny.hidden_size=256", "model.tiny.hidden_size", "its own sizes (hidden_size 16)"),
         ("model.codec.path=/nonexistent", "model.codec.path", "its own image codec"),
     ],
 )
 def test_train_refuses_a_model_setting_that_model_path_ignores(
     tmp_path, capsys, saved_tiny, override, key, what
 ):
-    """A model.path checkpoint is loaded as saved: `model.tiny` and `model.codec` settings
-    do not act, and `uniweave train` refuses them (exit 2, one line naming the key) before
-    it writes anything; the same model.path alone, or with a setting back at its default,
-    is accepted."""
+    """A model.path checkpoint is loaded as saved: a `model.tiny` size it does not have and
+    `model.codec.path` do not act, and `uniweave train` refuses them (exit 2, one line
+    naming the key) before it writes anything; the same model.path alone, with a setting
+    back at its default, or with the size the model has, is accepted."""
     config = tmp_path / "c.yaml"
     out = tmp_path / "run"
     config.write_text(f"run: {{output_dir: {out}}}\n")
@@ -440,5 +440,9 @@ def test_train_refuses_a_model_setting_that_model_path_ignores(
         f"(model.path null); model.path {saved_tiny} is loaded with {what}"
     ]
     assert not out.exists()
-    default = "model.tiny.hidden_size=128" if "tiny" in key else "model.codec.path=null"
-    assert cli.main(["inspect", str(config), f"model.path={saved_tiny}", default]) == 0
+    for fine in (
+        "model.tiny.hidden_size=128",
+        "model.tiny.hidden_size=16",
+        "model.codec.path=null",
+    ):
+        assert cli.main(["inspect", str(config), f"model.path={saved_tiny}", fine]) == 0

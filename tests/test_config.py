@@ -13,7 +13,6 @@ from uniweave.config import (
     COMMAND_LINE,
     ConfigError,
     GRPOConfig,
-    TinyModelConfig,
     UniweaveConfig,
     canonical_json,
     config_hash,
@@ -495,18 +494,3 @@ def test_a_trial_run_refused_for_the_recipes_warmup_names_both_sources(tmp_path)
     assert "trainer.total_updates set in <command line>" in text
     assert "trainer.scheduler.warmup_steps=0" in text and "\n" not in text
     load_config(path, ["trainer.total_updates=3", "trainer.scheduler.warmup_steps=0"])
-
-
-def test_a_saved_model_command_leaves_out_the_recipes_build_settings():
-    """`uniweave eval/generate/probe RECIPE model.path=DIR` (`load_config(saved_model=True)`):
-    the recipe's model.tiny / model.codec (how it builds its model) give way to the saved
-    model's own; a training load of the same refuses them, and the command line's own
-    settings are refused either way."""
-    recipe, path = "examples/own_data_tiny", ["model.path=/ckpt/own"]
-    with pytest.raises(ConfigError, match=r"own_data_tiny.yaml: model.tiny.hidden_size: acts"):
-        load_config(recipe, path)
-    cfg = load_config(recipe, path, saved_model=True)
-    assert cfg.model.tiny == TinyModelConfig() and cfg.model.path == "/ckpt/own"
-    assert load_config(recipe, saved_model=True).model.tiny != TinyModelConfig()  # no path
-    with pytest.raises(ConfigError, match=r"<command line>: model.tiny.num_layers: acts"):
-        load_config(recipe, [*path, "model.tiny.num_layers=2"], saved_model=True)

@@ -45,7 +45,7 @@ def test_eval_warns_on_tasks_and_rows_the_model_was_not_trained_on(tmp_path):
 
     model = f"model.path={run / 'model'}"
     # the same tasks and rows: nothing to say
-    assert mismatch_warnings(load_config(config, [model], saved_model=True)) == []
+    assert mismatch_warnings(load_config(config, [model])) == []
     # another dataset, with another task label: two warnings, through the command
     other = make_dataset(tmp_path / "other", 4)
     _relabel(other, "shade_qa")
@@ -67,16 +67,14 @@ def test_eval_warns_on_tasks_and_rows_the_model_was_not_trained_on(tmp_path):
     # the training file itself, changed since: the rows warning says so
     with data.open("a") as f:
         f.write(data.read_text().splitlines()[0].replace('"sq0"', '"sq99"') + "\n")
-    (warning,) = mismatch_warnings(load_config(config, [model], saved_model=True))
+    (warning,) = mismatch_warnings(load_config(config, [model]))
     assert f"data.path {data}: these rows changed since the rows" in warning
 
 
 def test_a_model_without_a_record_is_not_checked(tmp_path):
     data = make_dataset(tmp_path / "data", 2)
     (tmp_path / "m").mkdir()
-    cfg = load_config(
-        write_config(tmp_path, data), [f"model.path={tmp_path / 'm'}"], saved_model=True
-    )
+    cfg = load_config(write_config(tmp_path, data), [f"model.path={tmp_path / 'm'}"])
     assert mismatch_warnings(cfg) == []
     (tmp_path / "m" / TRAINED_ON).write_text("[1, 2]\n")
     (line,) = mismatch_warnings(cfg)
@@ -86,7 +84,9 @@ def test_a_model_without_a_record_is_not_checked(tmp_path):
 def test_config_yaml_and_inspect_record_the_loaded_model_s_sizes(tmp_path, capsys, caplog):
     """With model.path, the run's config.yaml, `inspect` and `inspect --sources` show the
     sizes the model directory records, not the config's model.tiny that it does not have
-    (the config here says 2 layers of width 48; the model has 1 of width 32)."""
+    (a config without model.tiny: the defaults, 4 layers of width 128; the model has 1 of
+    width 32). A size given explicitly that the model does not have does not act: exit 2
+    naming the key and where it was given."""
     from uniweave import cli
 
     data = make_dataset(tmp_path / "data", 4)
@@ -94,13 +94,20 @@ def test_config_yaml_and_inspect_record_the_loaded_model_s_sizes(tmp_path, capsy
     first = run_train(load_config(config, TRAIN))
     saved = json.loads((first / "model" / "uniweave_model.json").read_text())["config"]
     assert (saved["hidden_size"], saved["num_layers"]) == (32, 1)
-    other = [
-        *TRAIN,
-        f"model.path={first / 'model'}",
-        "model.tiny.hidden_size=48",
-        "model.tiny.num_layers=2",
-        f"run.output_dir={tmp_path / 'second'}",
+    loaded = tmp_path / "loaded.yaml"  # the same config without its model.tiny sizes
+    text = config.read_text()
+    loaded.write_text("".join(x for x in text.splitlines(True) if not x.startswith("model:")))
+    capsys.readouterr()
+    given = [*TRAIN, f"model.path={first / 'model'}", "model.tiny.hidden_size=48"]
+    assert cli.main(["inspect", str(config), *given]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "uniweave: error: <command line>: model.tiny.hidden_size: acts only for a model "
+        f"built from the config (model.path null); model.path {first / 'model'} is loaded "
+        "with its own sizes (hidden_size 32)"
     ]
+    assert cli.main(["inspect", str(config), *given[:-1], "model.tiny.hidden_size=32"]) == 0
+    config = loaded
+    other = [*TRAIN, f"model.path={first / 'model'}", f"run.output_dir={tmp_path / 'second'}"]
     capsys.readouterr()
     with caplog.at_level("WARNING", logger="uniweave.models.registry"):
         assert cli.main(["inspect", str(config), *other, "--sources"]) == 0
@@ -110,7 +117,7 @@ def test_config_yaml_and_inspect_record_the_loaded_model_s_sizes(tmp_path, capsy
         line = next(x for x in out.splitlines() if x.startswith(f"model.tiny.{key}: "))
         assert line.split("#")[0].split(": ")[1].strip() == str(saved[key]), line
         assert line.rstrip().endswith(f"# {record}"), line
-    assert "model.tiny.hidden_size 48 -> 32, model.tiny.num_layers 2 -> 1" in caplog.text
+    assert "model.tiny.hidden_size 128 -> 32, model.tiny.num_layers 4 -> 1" in caplog.text
     hashed = out.splitlines()[-1]
     assert cli.main(["inspect", str(config), *other]) == 0
     plain = capsys.readouterr().out

@@ -27,10 +27,10 @@ OUT = Path(__file__).parent / "demo_before_after.png"
 
 
 def column(run: Path, trained: bool, tmp: Path) -> Image.Image:
-    overrides = ["data.tasks=[t2i]", "data.task_weights=null"]
-    # the trained model ships its codec; the untrained one loads the run's
-    overrides.append(f"model.path={run}/model" if trained else f"model.codec.path={run}/codec")
-    cfg = load_config(RECIPE, overrides, saved_model=trained)
+    overrides = ["data.tasks=[t2i]", "data.task_weights=null", f"model.codec.path={run}/codec"]
+    if trained:
+        overrides.append(f"model.path={run}/model")
+    cfg = load_config(RECIPE, overrides)
     rows = []
     for digit in range(10):
         summary = generate(cfg, f"draw the digit {digit}", N, tmp / f"{trained}-{digit}", True)

@@ -71,22 +71,35 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_args_config(args: argparse.Namespace, saved_model: bool = False) -> UniweaveConfig:
+def load_args_config(args: argparse.Namespace) -> UniweaveConfig:
     """The validated config named by `add_config_arguments` arguments, hub ids among its
     model directories resolved to local snapshots (`uniweave.config.hub`), its `model`
-    section checked against the kind's registration (creates nothing). `saved_model`:
-    `load_config`'s (a command that reads the saved model at model.path)."""
+    section checked against the kind's registration (creates nothing)."""
     from uniweave.config.hub import resolve_hub_ids
     from uniweave.models import check_model_config
-    from uniweave.models.registry import with_saved_sizes
 
-    cfg = resolve_hub_ids(load_config(args.config, args.overrides, saved_model))
+    cfg = resolve_hub_ids(load_config(args.config, args.overrides))
     if cfg.data.tasks is None:  # read from the rows (imports the data loader: not for --help)
         from uniweave.data.rows import resolve_tasks
 
         cfg = resolve_tasks(cfg)
     check_model_config(cfg.model)
-    return with_saved_sizes(cfg)  # model.path: the loaded model's sizes, not model.tiny's
+    return saved_sizes_of(args, cfg)  # model.path: the loaded model's sizes, not model.tiny's
+
+
+def saved_sizes_of(args: argparse.Namespace, cfg: UniweaveConfig) -> UniweaveConfig:
+    """`with_saved_sizes(cfg)`, its refusal of a given size naming the file (or the
+    command line) that gave it."""
+    from uniweave.config import key_source
+    from uniweave.models.registry import with_saved_sizes
+
+    try:
+        return with_saved_sizes(cfg)
+    except ConfigError as err:
+        if err.key is None or err.source is not None:
+            raise
+        where = key_source(args.config, args.overrides, err.key)
+        raise ConfigError(err.problem, key=err.key, source=where) from None
 
 
 def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
@@ -101,10 +114,8 @@ def add_random_init_argument(parser: argparse.ArgumentParser) -> None:
 
 def load_weights_config(args: argparse.Namespace) -> UniweaveConfig:
     """`load_args_config`, refusing a config without `model.path` unless `--random-init`:
-    random weights must be asked for, never a silent default (exit 2). A model.path on
-    the command line replaces the model the recipe builds (`load_config`'s
-    `saved_model`)."""
-    cfg = load_args_config(args, saved_model=True)
+    random weights must be asked for, never a silent default (exit 2)."""
+    cfg = load_args_config(args)
     if cfg.model.path is None and not args.random_init:
         raise ConfigError(
             f"not set, so '{PROG} {args.command}' would use randomly initialised weights; "
@@ -312,14 +323,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.sources:
         from uniweave.config.hub import resolve_hub_ids
         from uniweave.models import check_model_config
-        from uniweave.models.registry import MODEL_CONFIG, saved_sizes, with_saved_sizes
+        from uniweave.models.registry import MODEL_CONFIG, saved_sizes
 
         cfg, rows = config_sources(args.config, args.overrides)
         resolved = resolve_hub_ids(cfg)
         check_model_config(resolved.model)
         loaded = saved_sizes(resolved.model)  # model.path: the model's own sizes
         if loaded:
-            cfg = with_saved_sizes(resolved)
+            cfg = saved_sizes_of(args, resolved)
             files = {"tiny": MODEL_CONFIG, "codec": "codec/codec.json"}
             rows = [
                 (k, json.dumps(loaded[k]), f"{cfg.model.path}/{files[k.split('.')[1]]}")
@@ -786,10 +797,8 @@ def configure_probe(parser: argparse.ArgumentParser) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    """Information Gain scores of `model.path` on val rows (CPU; writes nothing); a
-    model.path on the command line replaces the model the recipe builds
-    (`load_config`'s `saved_model`)."""
-    cfg = load_args_config(args, saved_model=True)
+    """Information Gain scores of `model.path` on val rows (CPU; writes nothing)."""
+    cfg = load_args_config(args)
     from uniweave.train.methods.sft.probe import run_probe as probe
     from uniweave.train.preflight import preflight_inference
 

@@ -20,19 +20,11 @@ from uniweave.config.validation import source_of, validate_config
 from uniweave.config.yaml_io import read_config_tree
 
 
-def load_config(
-    path: str | os.PathLike[str], overrides: Sequence[str] = (), saved_model: bool = False
-) -> UniweaveConfig:
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> UniweaveConfig:
     """Load and validate the config at `path` with `key=value` `overrides` applied in order.
 
     `path` may also name a packaged recipe (`digits/sft_vq`; an existing file wins), and
     a `package:REL` value names shipped data (`uniweave.config.packaged`).
-
-    `saved_model`: for a command that reads a saved model (`uniweave eval`, `generate`,
-    `probe`) with the recipe that trained it: a `model.path` given on the command line
-    replaces the model the recipe builds, so the files' `model.tiny` and `model.codec`
-    settings (how the recipe builds it) are left out, not refused as settings that do not
-    act; the command line's own still are (`without_build_settings`).
 
     Raises `ConfigError` (one line naming the file or `<command line>`, the dotted key and
     what was expected) for a bad override, a missing file, YAML syntax, an unknown key, a
@@ -43,33 +35,8 @@ def load_config(
     path = resolve_recipe(path)
     data, provenance = read_config_tree(path)
     apply_overrides(data, overrides, provenance)
-    if saved_model:
-        without_build_settings(data, provenance)
     resolve_package_paths(data)
     return validate_config(data, provenance, source=os.path.normpath(str(path)))
-
-
-BUILD_SECTIONS = ("tiny", "codec")
-"""The `model` sections that say how a model is built from the config."""
-
-
-def without_build_settings(data: dict[str, Any], provenance: dict[str, str]) -> None:
-    """With a non-null `model.path` from the command line, drop (in place) the
-    `model.tiny` / `model.codec` values a config file set: the saved model at model.path
-    has its own (`load_config`'s `saved_model`)."""
-    model = data.get("model")
-    if not isinstance(model, dict) or model.get("path") is None:
-        return
-    if source_of("model.path", provenance, "") != COMMAND_LINE:
-        return
-    for section in BUILD_SECTIONS:
-        values = model.get(section)
-        if isinstance(values, dict):
-            model[section] = {
-                k: v
-                for k, v in values.items()
-                if source_of(f"model.{section}.{k}", provenance, "") == COMMAND_LINE
-            }
 
 
 def key_source(path: str | os.PathLike[str], overrides: Sequence[str], key: str) -> str:

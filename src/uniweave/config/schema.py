@@ -139,15 +139,28 @@ def _kind_reads(section: str, name: str | None = None) -> Callable[[Any], bool]:
 
 def _built_here(section: str) -> ActsWhen:
     """`model.<section>` acts only for a model built from the config: a `model.path`
-    checkpoint is loaded with its own sizes and codec."""
+    checkpoint is loaded with its own sizes and codec. A tiny model directory records
+    them, so there `uniweave.models.registry.with_saved_sizes` takes them from it and
+    refuses a given value that differs (it reads files; the schema does not)."""
     return ActsWhen(
-        lambda cfg: cfg.model.path is None,
-        "for a model built from the config (model.path null)",
+        lambda cfg: cfg.model.path is None or cfg.model.kind == "tiny",
+        "for a model built from the config (model.path null; with a tiny model.path, a "
+        "value given must be the one its directory records, which fills the others)",
         lambda cfg: (
             f"acts only for a model built from the config (model.path null); "
             f"model.path {cfg.model.path} is loaded with {LOADED_WITH[section]}"
         ),
     )
+
+
+OWN_CODEC = ActsWhen(
+    lambda cfg: cfg.model.path is None,
+    "for a model built from the config (model.path null)",
+    lambda cfg: (
+        "acts only for a model built from the config (model.path null); "
+        f"model.path {cfg.model.path} is loaded with its own image codec"
+    ),
+)
 
 
 def _kind_builds(section: str) -> ActsWhen:
@@ -196,10 +209,19 @@ class TinyModelConfig(DecoderSizes):
     )
 
 
+def _kind_reads_codec(name: str) -> ActsWhen:
+    """A `model.codec` geometry field only some builders read (uniar: not)."""
+    return ActsWhen(
+        _kind_reads("codec", name),
+        "with model.kind tiny",
+        lambda cfg: KIND_IGNORES[cfg.model.kind, "codec"],
+    )
+
+
 class CodecConfig(StrictModel):
     """The embedded image codec of the tiny model (real checkpoints ship their own)."""
 
-    path: str | None = Field(
+    path: Annotated[str | None, OWN_CODEC] = Field(
         None,
         description="Directory of a fitted codec; null = fit one on the digits train split "
         "(8px greyscale) or on digits-world canvases of image_size and channels.",
@@ -212,7 +234,7 @@ class CodecConfig(StrictModel):
     group: Annotated[int, _fitted_head("bsq")] = Field(
         1, gt=0, description="BSQ: k x k patches form one position of k*k*L bits (1 = none)."
     )
-    image_size: int = Field(
+    image_size: Annotated[int, _kind_reads_codec("image_size")] = Field(
         DIGITS_IMAGE_SIZE,
         gt=0,
         multiple_of=DIGITS_IMAGE_SIZE,
@@ -220,7 +242,7 @@ class CodecConfig(StrictModel):
         "multiple of 8 = a canvas of (image_size/8)^2 digit cells (the digits world), "
         "which a codec built here is fitted on.",
     )
-    channels: Literal[1, 3] = Field(
+    channels: Annotated[Literal[1, 3], _kind_reads_codec("channels")] = Field(
         1, description="Colour channels of the codec's images: 1 greyscale, 3 RGB."
     )
 
@@ -304,10 +326,14 @@ class ModelConfig(StrictModel):
         "rslora and target_modules, and the base it was trained on).",
     )
     tiny: Annotated[TinyModelConfig, _kind_builds("tiny"), _built_here("tiny")] = Field(
-        default_factory=TinyModelConfig, description="Tiny sizes."
+        default_factory=TinyModelConfig,
+        description="Tiny sizes; with model.path (kind tiny), the sizes the model directory "
+        "records fill them (stated in the log, recorded in config.yaml).",
     )
     codec: Annotated[CodecConfig, _kind_builds("codec"), _built_here("codec")] = Field(
-        default_factory=CodecConfig, description="Tiny model's codec."
+        default_factory=CodecConfig,
+        description="Tiny model's codec; with model.path (kind tiny), its codec's sizes "
+        "fill these.",
     )
 
 
@@ -376,14 +402,7 @@ class DataConfig(StrictModel):
     default_task: Annotated[Task | None, WITH_DATA_PATH] = Field(
         None, description="Task of rows without a `task` field; null = such a row is an error."
     )
-    image_resize: Annotated[
-        Literal["resize", "error"],
-        ActsWhen(
-            lambda cfg: cfg.data.path is not None,
-            "on data.path images",
-            "acts only on data.path images (the built-in digits images are the tiny model's size)",
-        ),
-    ] = Field(
+    image_resize: Literal["resize", "error"] = Field(
         "error",
         description="A dataset image (data.path rows; also `uniweave generate --image`, "
         "with or without data.path) whose size differs from the model's: resize it "
@@ -509,7 +528,7 @@ SLOTS = (
         ),
         "for a plain KV cache (not the tiny model's conv prior, model.tiny.mixer_kernel > 0)",
         "not built for the tiny model's conv prior (its cache carries per-row mixer state): "
-        "set model.tiny.mixer_kernel 0",
+        "set model.tiny.mixer_kernel=0",
     ),
 )
 DYNAMIC = (

@@ -495,7 +495,10 @@ def with_saved_sizes(cfg: UniweaveConfig) -> UniweaveConfig:
     """`cfg` itself, or, when `model.path` is a tiny model directory whose sizes differ from
     `model.tiny` / `model.codec` (`saved_sizes`), `cfg` with the loaded model's sizes in
     their place (validated again), stated in the log: what `config.yaml`, `uniweave inspect`
-    and the config hash then record is the model that runs, not sizes it does not have."""
+    and the config hash then record is the model that runs, not sizes it does not have.
+    A size the config gives explicitly (`uniweave.config.base.changed`) that differs does
+    not act: a ConfigError naming its key (the schema's "acts only" rule for a loaded
+    model, `uniweave.config.schema._built_here`, which cannot read the directory)."""
     current = cfg.model.model_dump()
     found = {
         key: value
@@ -505,6 +508,17 @@ def with_saved_sizes(cfg: UniweaveConfig) -> UniweaveConfig:
     if not found:
         return cfg
     from uniweave.config import validate_config
+    from uniweave.config.base import changed
+
+    for key, value in found.items():  # a value given that the loaded model does not have
+        _, section, name = key.split(".")
+        if changed(getattr(cfg.model, section), name):
+            what = "sizes" if section == "tiny" else "image codec"
+            raise ConfigError(
+                "acts only for a model built from the config (model.path null); model.path "
+                f"{cfg.model.path} is loaded with its own {what} ({name} {value})",
+                key=key,
+            )
 
     was = ", ".join(
         f"{k} {current[k.split('.')[1]][k.split('.')[2]]} -> {v}" for k, v in found.items()
