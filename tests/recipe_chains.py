@@ -177,10 +177,10 @@ def recheck_eval(step: Step, extra: list[str], run_dir: Path) -> str | None:
     if not results_path.is_file():
         return "the run wrote no eval.json"
     out = run_dir / "recheck-eval"
-    # the saved model ships its sizes and codec: model.tiny / model.codec overrides go
-    # (`uniweave eval` leaves out only the recipe files' own, and refuses these)
-    own = [o for o in (*step.overrides, *extra) if not o.startswith(("model.tiny", "model.codec"))]
-    argv = ["eval", step.recipe, *own, f"model.path={run_dir / 'model'}"]
+    # the saved model ships its codec: a model.codec.path (the step's, or a recipe's own)
+    # does not act next to model.path
+    own = [o for o in (*step.overrides, *extra) if not o.startswith("model.codec.path=")]
+    argv = ["eval", step.recipe, *own, f"model.path={run_dir / 'model'}", "model.codec.path=null"]
     argv += ["evaluation.split=test", f"evaluation.output_dir={out}"]
     code, text = run_cli(argv)
     if code:

@@ -68,10 +68,19 @@ def tiny(out: Path, w: SimpleNamespace, **sections) -> dict:
         "checkpoint": {"every_updates": 1, "keep_last": 0},
         "logging": {"tensorboard": False, "progress_bar": False},
     }
-    if (sections.get("model") or {}).get("path") is not None:
-        cfg["model"] = {}  # a model.path checkpoint has its own sizes and codec
     for section, values in sections.items():
         cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    if cfg["model"].get("path") is not None:
+        loaded(cfg, cfg["model"]["path"])
+    return cfg
+
+
+def loaded(cfg: dict, path: str) -> dict:
+    """`cfg` with model.path `path`: a saved model ships its codec, so the pre-fitted
+    codec's directory goes (model.codec.path does not act next to model.path; the sizes
+    stay, the saved models' own)."""
+    cfg["model"]["path"] = path
+    cfg["model"]["codec"] = {k: v for k, v in cfg["model"]["codec"].items() if k != "path"}
     return cfg
 
 
@@ -297,7 +306,7 @@ def _big_image_for_a_saved_model(d: Path, out: Path, w) -> list[str]:
     (d / "img").mkdir()
     Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(d / "img" / "x.png")
     cfg = own(out, w, rows_file(d, image_row("img/x.png")))
-    cfg["model"] = {"path": str(w.saved)}  # its own sizes and codec
+    loaded(cfg, str(w.saved))
     return [write(d, cfg)]
 
 
@@ -343,7 +352,7 @@ def _scored(out: Path, w: SimpleNamespace, rows: Path, **data) -> dict:
     """A config `uniweave eval` / `probe` take: the saved tiny model, own rows with answers
     scored by text_exact, the word tokenizer."""
     cfg = own(out, w, rows, **data)
-    cfg["model"] = {"path": str(w.saved)}  # its own sizes and codec
+    loaded(cfg, str(w.saved))
     cfg["reward"] = {"plugins": [{"name": "text_exact"}]}
     return cfg
 
@@ -406,7 +415,7 @@ def _probe_model_truncated(d: Path, out: Path, w) -> list[str]:
     shutil.copytree(w.saved, d / "model")
     weights = d / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    cfg["model"] = {"path": str(d / "model")}  # its own sizes and codec
+    loaded(cfg, str(d / "model"))
     return [write(d, cfg)]
 
 
@@ -760,7 +769,11 @@ CASES: list[Case] = [
     Case(
         "eval_model_path_missing",
         ("gone", "not found", "model.path in <command line>"),
-        lambda d, out, w: [write(d, tiny(out, w)), f"model.path={d / 'gone'}"],
+        lambda d, out, w: [
+            write(d, tiny(out, w)),
+            f"model.path={d / 'gone'}",
+            "model.codec.path=null",  # the saved model ships its codec
+        ],
         command=("eval",),
     ),
     Case(
