@@ -174,7 +174,11 @@ def _kind_builds(section: str) -> ActsWhen:
 def _fitted_head(head: str) -> ActsWhen:
     """A size of the codec fitted here that only `head`'s codec has."""
     return ActsWhen(
-        lambda cfg: cfg.model.codec.path is not None or cfg.model.visual_head == head,
+        lambda cfg: (
+            cfg.model.path is not None  # a loaded model's codec: its directory's sizes
+            or cfg.model.codec.path is not None
+            or cfg.model.visual_head == head
+        ),
         f"with model.visual_head {head} (for a codec fitted here; a model.codec.path codec "
         "has its own)",
         lambda cfg: (
