@@ -586,6 +586,8 @@ def test_text_clip_and_gradient_diagnostics_are_refused_where_they_cannot_act():
         ({"algorithm": {**opd, "text_clip": 1.0, "modality_weights": {"text": 0.0}}},
          "algorithm.text_clip", "acts only with modality_weights.text > 0"),
         ({"algorithm": {**opd, "text_clip": 0.0}}, "algorithm.text_clip", "greater than 0"),
+        ({"algorithm": {**opd, "retained_mass_min": 0.5}}, "algorithm.retained_mass_min",
+         "has no effect with top_k 0"),
     ]  # fmt: skip
     for case, where, fragment in cases:
         with pytest.raises(ConfigError, match=fragment) as info:
@@ -593,6 +595,8 @@ def test_text_clip_and_gradient_diagnostics_are_refused_where_they_cannot_act():
         assert info.value.key == where
     validate_config({**diag, "algorithm": {**opd, **gt}})
     validate_config({"algorithm": {**opd, "text_clip": 1.0}})
+    validate_config({"algorithm": {**opd, "retained_mass_min": 0.95}})  # the default: harmless
+    validate_config({"algorithm": {**opd, "retained_mass_min": 0.5, "top_k": 2}})
 
 
 def _independent_carriers(teacher, batch: TrajectoryBatch, threshold: float) -> torch.Tensor:

@@ -416,8 +416,6 @@ class OPDConfig(StrictModel):
                 "teacher.privilege",
                 "routing 'privileged_correction' needs a privileged teacher (privilege: answer)",
             )
-        if self.top_k == 0 and "retained_mass_min" in self.model_fields_set:
-            raise incompatible("retained_mass_min", "has no effect with top_k 0 (full vocab)")
         return self
 
 

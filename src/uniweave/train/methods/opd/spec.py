@@ -44,6 +44,13 @@ ACTS_WHEN: dict[str, tuple[ActsWhen, ...]] = {
             "acts only with modality_weights.text > 0 (text contributes nothing)",
         ),
     ),
+    "retained_mass_min": (
+        ActsWhen(
+            lambda cfg: cfg.algorithm.top_k > 0,
+            "with top_k > 0",
+            "has no effect with top_k 0 (full vocab)",
+        ),
+    ),
     "carrier_min_necessity": (
         ActsWhen(lambda cfg: cfg.algorithm.carriers == "necessity", "with carriers necessity"),
     ),
