@@ -18,7 +18,7 @@ from pathlib import Path
 
 from uniweave.config import load_config
 from uniweave.eval.runner import evaluate, split_config, task_metrics
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 
 
 def main(argv: list[str] | None = None) -> int:

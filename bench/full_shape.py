@@ -154,14 +154,14 @@ def run_phase(phase: str, precision: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     from uniweave.core.host_memory import apply_mmap_threshold
-    from uniweave.train.dist.comm import DistInfo
-    from uniweave.train.engine.build import adapter_state
+    from uniweave.train.distributed.comm import DistInfo
+    from uniweave.train.engine.lora import adapter_state
     from uniweave.train.engine.trainer import Trainer
     from uniweave.train.methods.grpo.job import build_grpo_job
     from uniweave.train.methods.opd.job import build_opd_job
     from uniweave.train.methods.sft.objective import SFTObjective
     from uniweave.train.methods.sft.source import DatasetSource
-    from uniweave.train.rollouts.prompts import PromptSampler
+    from uniweave.train.onpolicy.prompts import PromptSampler
     from uniweave.train.run import _prepare_model
 
     t0 = time.perf_counter()

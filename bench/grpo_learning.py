@@ -26,7 +26,7 @@ import torch
 
 from uniweave.config import load_config
 from uniweave.eval.drift import drift_to_noise
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 from uniweave.train.engine.metrics import read_metrics
 from uniweave.train.run import evaluate_split, run_train
 

@@ -57,7 +57,7 @@ from uniweave.data.template import serialize
 from uniweave.data.tokenizer import SpecialIds, build_tokenizer
 from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
 from uniweave.rollout import RolloutRequest, RolloutService, SamplingParams
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.objective import GRPOObjective
 

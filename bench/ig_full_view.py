@@ -29,7 +29,7 @@ from uniweave.data.digits_images import load_split
 from uniweave.data.template import serialize
 from uniweave.data.tokenizer import build_tokenizer
 from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.sft.objective import SFTObjective
 
 

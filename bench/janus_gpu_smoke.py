@@ -27,10 +27,11 @@ from transformers import JanusConfig
 
 from uniweave.config import load_config
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.models.build import build_model
 from uniweave.models.janus_pro import JanusProModel
 from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import adapter_state, apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.grpo.source import PromptSampler

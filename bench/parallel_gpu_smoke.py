@@ -24,9 +24,9 @@ import torch
 
 from uniweave.config import validate_config
 from uniweave.data.digits import vocabulary_texts
+from uniweave.models.build import build_model, resolve_device
 from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from uniweave.train.dist.comm import barrier, init_distributed, shutdown_distributed
-from uniweave.train.engine.build import build_model, resolve_device
+from uniweave.train.distributed.comm import barrier, init_distributed, shutdown_distributed
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.run import JOBS, _prepare_model
 

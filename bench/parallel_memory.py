@@ -24,8 +24,8 @@ import torch
 import torch.multiprocessing as mp
 
 from uniweave.config import validate_config
-from uniweave.train.dist.comm import init_distributed, shutdown_distributed
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
+from uniweave.train.distributed.comm import init_distributed, shutdown_distributed
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.run import JOBS, _prepare_model
 

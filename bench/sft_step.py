@@ -40,6 +40,7 @@ import torch
 
 from uniweave.codecs import build_codec
 from uniweave.config.algorithms import SFTConfig
+from uniweave.core.determinism import set_determinism
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.data.digits import TASKS, make_task_samples
 from uniweave.data.digits_images import load_split
@@ -47,9 +48,8 @@ from uniweave.data.template import serialize
 from uniweave.data.tokenizer import SpecialIds, build_tokenizer
 from uniweave.forward import forward_interleaved
 from uniweave.models.tiny import TinyArchitecture, TinyUnifiedModel
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.batching import pack, padded_fraction
-from uniweave.train.engine.build import set_determinism
 from uniweave.train.methods.sft.objective import SFTObjective
 
 

@@ -25,9 +25,10 @@ import torch
 from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig
 from uniweave.config import load_config
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
+from uniweave.models.build import build_model
 from uniweave.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import adapter_state, apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.grpo.source import PromptSampler

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from uniweave.algorithms.grpo import percentile_keep, replay_bound_keep
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.mismatch import global_threshold, population_quantiles
 
 

@@ -39,7 +39,7 @@ from trainer_helpers import ForkedCLI, run_cli
 from uniweave.codecs import build_codec
 from uniweave.config import validate_config
 from uniweave.data.digits_images import load_split
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 
 WORKERS = 3
 

@@ -42,9 +42,9 @@ from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.export import export_task
 from uniweave.data.tokenizer import SpecialIds
 from uniweave.forward import forward_interleaved
+from uniweave.models.build import build_model
 from uniweave.models.registry import load_model
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.sft.source import sft_trajectories
 from uniweave.train.run import _prepare_model

@@ -37,9 +37,9 @@ from uniweave.codecs.base import single_thread
 from uniweave.config import validate_config
 from uniweave.core.sample import GenerationRequest, Sample, TextPart
 from uniweave.core.seeding import seed_for
+from uniweave.models.build import build_model
 from uniweave.rollout import RolloutEngine, RolloutRequest, SamplingParams
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.opd.job import build_opd_job
 

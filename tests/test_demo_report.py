@@ -5,7 +5,7 @@ import json
 import numpy as np
 from PIL import Image
 
-from uniweave.report import before_after_png, markdown_table, reward_curve_png
+from uniweave.demo_figures import before_after_png, markdown_table, reward_curve_png
 
 
 def test_reward_curve_fit_matches_a_known_line(tmp_path):

@@ -27,7 +27,7 @@ from trainer_helpers import run_cli, tiny_config, write_config
 
 from uniweave.config import validate_config
 from uniweave.eval.runner import evaluate, split_config, task_metrics, weights_sha256
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""GRPO's per-prompt diversity metrics (`uniweave.train.rollouts.diversity`) against
+"""GRPO's per-prompt diversity metrics (`uniweave.train.onpolicy.diversity`) against
 independent numpy computations on fixed samples: the code distance by broadcasting, the
 Vendi score from the singular values of the normalised features (eigenvalues of
 K / n = X̂ X̂ᵀ / n are the squared singular values of X̂ / √n), the classifier's features
@@ -17,12 +17,12 @@ from trainer_helpers import grpo_config
 
 from uniweave.config import validate_config
 from uniweave.core.sample import ImagePart, Sample, TextPart
+from uniweave.models.build import build_model
 from uniweave.rewards import DigitClassifierReward, PluginSpec, RewardService
 from uniweave.rewards.digit_classifier import DigitClassifier
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.job import build_grpo_job
-from uniweave.train.rollouts.diversity import code_distance, diversity_metrics, vendi_score
+from uniweave.train.onpolicy.diversity import code_distance, diversity_metrics, vendi_score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,7 +184,7 @@ def test_round_robin_merge_keeps_each_rows_features_and_sums_counts():
     """Rank r scored rows r, r + 2, ...: the merged features are in batch order, a shard
     without features gets NaN rows, and plugin counts add up."""
     from uniweave.rewards import RewardResult
-    from uniweave.train.rollouts.scoring import merge_round_robin
+    from uniweave.train.onpolicy.scoring import merge_round_robin
 
     def part(ids, features, counts):
         n = len(ids)

@@ -19,7 +19,7 @@ from PIL import Image
 from uniweave.config import load_config
 from uniweave.core.types import TRUNCATED_REASONS
 from uniweave.eval import evaluate
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,7 +287,7 @@ def test_one_definition_of_passing():
 
     from uniweave.config import EvaluationConfig
     from uniweave.rewards import RewardResult, passes
-    from uniweave.train.rollouts.stats import row_passes, task_accuracy
+    from uniweave.train.onpolicy.stats import row_passes, task_accuracy
 
     threshold = EvaluationConfig().pass_threshold
     total = torch.tensor([0.9999, 1.0, 0.5, 0.4999, 0.0])

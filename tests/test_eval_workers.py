@@ -23,7 +23,7 @@ from trainer_helpers import tiny_config
 
 from uniweave.config import validate_config
 from uniweave.eval.runner import engine_rollout, evaluate, split_config
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -41,12 +41,12 @@ from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.data.tokenizer import SpecialIds
 from uniweave.forward import body_hidden
+from uniweave.models.build import build_model
 from uniweave.replay import replay_logprobs
 from uniweave.rewards import PLUGINS, RewardError, RewardPlugin
 from uniweave.rollout import SamplingParams
 from uniweave.rollout.config import sampling_params
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.metrics import read_metrics
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job

@@ -71,7 +71,7 @@ def _sft_config(tmp_path, codec, **data):
 
 def test_sft_rows_over_the_sequence_limit_are_refused_or_dropped(tmp_path, caplog):
     """Digits rows serialise to 36 (t2i) and 52 (i2t_mc) positions on the tiny model."""
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
     from uniweave.train.methods.sft.source import sft_trajectories
 
     codec = fit_small_codec(tmp_path / "vq", "vq")
@@ -98,7 +98,7 @@ def test_sft_rows_over_the_sequence_limit_are_refused_or_dropped(tmp_path, caplo
 def test_a_dataset_row_over_the_limit_names_its_file_and_line(tmp_path):
     import json
 
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
     from uniweave.train.methods.sft.source import sft_trajectories
 
     rows = tmp_path / "rows.jsonl"

@@ -24,7 +24,7 @@ from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.sft.information_gain import scored_events
 from uniweave.train.methods.sft.objective import SFTObjective
 

@@ -20,8 +20,8 @@ from uniweave.codecs.base import single_thread
 from uniweave.config import validate_config
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.forward import forward_interleaved
+from uniweave.models.build import build_model
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
-from uniweave.train.engine.build import build_model
 from uniweave.train.methods.sft.information_gain import blind_scores, scored_events
 from uniweave.train.methods.sft.source import sft_trajectories
 from uniweave.train.run import _val_evaluator, ig_report_path, run_train

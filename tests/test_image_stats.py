@@ -37,7 +37,7 @@ from uniweave.rewards.image_stats import (
     neighbour_correlation,
 )
 from uniweave.rewards.service import PluginSpec, RewardService
-from uniweave.train.rollouts.scoring import merge_round_robin
+from uniweave.train.onpolicy.scoring import merge_round_robin
 from uniweave.train.run import run_train
 
 # float64 arithmetic on <= 64 pixels: sums of a few dozen terms in [0, 1] are exact to a

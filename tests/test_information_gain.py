@@ -41,9 +41,9 @@ from uniweave.core.types import Modality, Owner
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
 from uniweave.forward import forward_interleaved
+from uniweave.models.build import build_model
 from uniweave.models.tiny import TinyUnifiedModel
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.sft.information_gain import (
     blind_scores,

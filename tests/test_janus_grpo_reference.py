@@ -26,9 +26,9 @@ from uniweave.codecs.base import single_thread
 from uniweave.config import validate_config
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits import vocabulary_texts
+from uniweave.models.build import build_model
 from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.grpo.objective import scored_mask
 

@@ -29,6 +29,7 @@ from uniweave.data.images import processor_for
 from uniweave.data.loader import DatasetError, load_rows
 from uniweave.data.tokenizer import build_tokenizer as build_digits_tokenizer
 from uniweave.models import check_model_config, load_model
+from uniweave.models.build import build_model
 from uniweave.models.janus_pro import JanusProModel
 from uniweave.models.janus_pro.template import BOI, EOI, IMAGE
 from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
@@ -40,8 +41,8 @@ from uniweave.rollout import (
     SamplingParams,
     sampling_records,
 )
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 
 from uniweave.config import ConfigError, UniweaveConfig, resume_conflicts, validate_config
 from uniweave.config.introspect import is_model, strip_optional, union_branches
+from uniweave.core.determinism import set_determinism
 from uniweave.core.sample import ImagePart
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits import make_task_samples
@@ -42,18 +43,13 @@ from uniweave.data.loader import DatasetError
 from uniweave.data.rows import split_rows
 from uniweave.eval.runner import eval_samples, evaluate, make_request, run_eval
 from uniweave.models import check_model_config
+from uniweave.models.build import build_model, config_tokenizer, resolve_device
 from uniweave.models.tiny.build import new_codec
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
 from uniweave.rewards.service import build_reward_service
 from uniweave.rollout.config import sampling_params
 from uniweave.rollout.engine import context_length
-from uniweave.train.dist.comm import DistInfo, init_distributed, shutdown_distributed
-from uniweave.train.engine.build import (
-    build_model,
-    config_tokenizer,
-    resolve_device,
-    set_determinism,
-)
+from uniweave.train.distributed.comm import DistInfo, init_distributed, shutdown_distributed
 from uniweave.train.engine.metrics import MetricsLogger
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.opd.objective import OPDObjective
@@ -945,7 +941,7 @@ def _ray_workers(kit):
     """What the Ray pools are started with (`RayPlan`: ray.init arguments, actor counts,
     each actor's resources and device, the replacement budget), without starting Ray;
     real runs with actors, a killed actor and a spent budget: tests/test_ray_workers.py."""
-    from uniweave.train.rollouts.workers import RayPlan
+    from uniweave.train.onpolicy.workers import RayPlan
 
     plugins = [{"name": "digit_classifier", "path": str(kit.classifier)}]
     grpo = {**GRPO, "reward": {"plugins": plugins}}

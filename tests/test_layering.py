@@ -12,26 +12,26 @@ dependency all the same. Beyond module cycles, the top-level components (`uniwea
 Layers, lowest first; a module may import only from its own layer or below:
 
     0 config, core            5 train, eval
-    1 codecs, data            6 cli, demo, generate, report, __main__
+    1 codecs, data            6 cli, demo, demo_figures, generate, __main__
     2 models
     3 rollout, replay, forward
     4 rewards, algorithms
 
 Inside `uniweave.train` the sub-packages have an order of their own, lowest first:
 
-    state, dist            atomic checkpoints, a child's parent; process groups, DDP/FSDP2
+    state, distributed     atomic checkpoints, a child's parent; process groups, DDP/FSDP2
     engine                 the loop, its protocols, micro-batching, optimiser, logging,
                            checkpointing, resume policy, retention, diagnostics
-    rollouts               prompts, scoring, stats and Ray workers of rollout methods
+    onpolicy               prompts, scoring, stats and Ray workers of rollout methods
     methods.<name>         one method each (sft, grpo, opd): source, objective, job
     run, preflight         what `uniweave train` runs
     layout                 what each entry of a run directory is (`uniweave inspect RUN_DIR`)
 
 A method never imports another method (what two methods share lives lower, in
-`rollouts` or `engine`), and no module imports a private name (`_x`) of another module,
+`onpolicy` or `engine`), and no module imports a private name (`_x`) of another module,
 by `from m import _x` or by `m._x` on an imported module.
 
-`report` (run reports: reward curves and image grids of trained models) and `generate`
+`demo_figures` (the demo's reward curve and image grids of trained models) and `generate`
 (the `uniweave generate` command body) build and drive models and read training metrics, so
 they sit with the command line; `demo` runs whole trainings.
 """
@@ -62,7 +62,7 @@ LAYERS: dict[str, int] = {
     "demo": 6,
     "generate": 6,
     "plan": 6,
-    "report": 6,
+    "demo_figures": 6,
     "__main__": 6,
 }
 """First component under `uniweave` -> layer. `uniweave` itself (the version) is layer 0."""
@@ -286,9 +286,9 @@ def test_graph_reads_the_real_tree():
 
 TRAIN_LAYERS: dict[str, int] = {
     "state": 0,
-    "dist": 0,
+    "distributed": 0,
     "engine": 1,
-    "rollouts": 2,
+    "onpolicy": 2,
     "methods": 3,
     "run": 4,
     "preflight": 4,

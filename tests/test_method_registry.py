@@ -38,8 +38,8 @@ from uniweave.rewards import PLUGINS, RewardPlugin, build_reward_service
 from uniweave.rollout.config import sampling_params
 from uniweave.rollout.service import RolloutService
 from uniweave.train.engine.protocols import BatchSource, Objective
-from uniweave.train.rollouts.prompts import PromptSampler, prompt_pools, rollout_request
-from uniweave.train.rollouts.scoring import score_sharded
+from uniweave.train.onpolicy.prompts import PromptSampler, prompt_pools, rollout_request
+from uniweave.train.onpolicy.scoring import score_sharded
 from uniweave.train.run import run_train
 
 ROOT = Path(__file__).resolve().parents[1]

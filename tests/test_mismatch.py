@@ -52,7 +52,7 @@ from uniweave.core.types import Modality
 from uniweave.forward import scored_mask
 from uniweave.replay import replay_logprobs
 from uniweave.rollout import RolloutEngine, SamplingParams
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.mismatch import global_threshold
 from uniweave.train.methods.grpo.objective import GRPOObjective
 

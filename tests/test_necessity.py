@@ -50,7 +50,7 @@ from uniweave.core.types import Modality
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
 from uniweave.forward import forward_interleaved
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.ema import EMA
 from uniweave.train.methods.sft.information_gain import blind_scores
 from uniweave.train.methods.sft.objective import SFTObjective

@@ -43,9 +43,9 @@ from uniweave.core.types import Modality
 from uniweave.data.digits import make_task_samples
 from uniweave.data.digits_images import load_split
 from uniweave.forward import forward_interleaved, scored_mask
+from uniweave.models.build import build_model
 from uniweave.replay import replay_distributions
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.opd.job import build_opd_job

@@ -119,7 +119,7 @@ def run_updates(raw: dict, info) -> dict:
 def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(dict(zip(ENV, (str(rank), str(rank), str(world), "127.0.0.1", str(port)))))
-    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.distributed.comm import init_distributed, shutdown_distributed
 
     info, _ = init_distributed(torch.device("cpu"), "ddp", 120.0)
     try:
@@ -137,7 +137,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, small_vq_dir, classifier_dir):
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     root = tmp_path_factory.mktemp("opd_parallel_teacher")
     out = {"clf": classifier_dir, "vq": small_vq_dir}
@@ -148,7 +148,7 @@ def assets(tmp_path_factory, small_vq_dir, classifier_dir):
 
 
 def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_path, assets):
-    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.distributed.comm import DistInfo
 
     reference = run_updates(config(tmp_path / "none", assets, "none"), DistInfo())
     assert all(not grad for _, _, _, grad in reference["teacher"].values())
@@ -187,7 +187,7 @@ def test_opd_ddp_and_fsdp2_equal_one_process_and_fsdp2_shards_the_teacher(tmp_pa
             for held in local:  # about half each: dim-0 chunks of ceil(rows / 2)
                 assert abs(held - total / 2) <= 0.05 * total, (held, total)
     # the run moved the weights (the comparison is not between two untouched models)
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     start = build_model(validate_config(config(tmp_path / "s", assets, "none"))).state_dict()
     moved = [(reference["params"][n] - start[n].double()).abs().max() for n in start]

@@ -229,7 +229,7 @@ def _rows_model(tmp_path: Path, extra: str = ""):
     plus a `t2i`-labelled text row and a `paint` row that asks for an image."""
     from eval_fixtures import make_dataset, write_config
 
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     data = make_dataset(tmp_path / "data", 6)
     paint = {
@@ -259,7 +259,7 @@ def _rows_model(tmp_path: Path, extra: str = ""):
 
 def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
     from uniweave.train.methods.sft.source import sft_trajectories
-    from uniweave.train.rollouts.prompts import prompt_pools
+    from uniweave.train.onpolicy.prompts import prompt_pools
 
     cfg, model, data = _rows_model(tmp_path)
     trajs = sft_trajectories(cfg, model, "train", 0)
@@ -280,7 +280,7 @@ def test_training_reads_the_train_split_through_the_model_processor(tmp_path):
 
 
 def test_grpo_forces_an_image_where_the_row_answers_with_one(tmp_path):
-    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.distributed.comm import DistInfo
     from uniweave.train.methods.grpo.job import build_grpo_job
 
     extra = (

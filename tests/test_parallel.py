@@ -29,7 +29,7 @@ from trainer_helpers import (
 from uniweave.config import ConfigError, validate_config
 from uniweave.data.digits import vocabulary_texts
 from uniweave.models.janus_pro.tiny import TinyJanusSpec, write_tiny_checkpoint
-from uniweave.train.dist.comm import init_distributed
+from uniweave.train.distributed.comm import init_distributed
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 MODES = ("none", "ddp", "fsdp2")
@@ -224,7 +224,7 @@ def test_settings_that_cannot_work_are_refused(tmp_path, codec_dir, monkeypatch)
     # machine) is refused before anything runs; this torch has it
     from torch.distributed.fsdp import FSDPModule
 
-    from uniweave.train.dist.parallel import check_fsdp2_support
+    from uniweave.train.distributed.parallel import check_fsdp2_support
 
     check_fsdp2_support()
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
@@ -274,7 +274,7 @@ def test_fp64_precision_is_float64_end_to_end_and_refuses_mixed_fsdp_dtypes(tmp_
 @contextmanager
 def one_process_fsdp2(monkeypatch):
     """A 1-process fsdp2 job in this process, as torchrun would set it up (gloo)."""
-    from uniweave.train.dist.comm import shutdown_distributed
+    from uniweave.train.distributed.comm import shutdown_distributed
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     with socket.socket() as s:
@@ -314,7 +314,7 @@ def test_fsdp2_reduce_scatters_once_per_update(tmp_path, codec_dir, monkeypatch)
     unset (accumulated locally, no reduce-scatter); the last reduce-scatters their sum,
     which equals the one-process accumulated gradient."""
     from uniweave.core.trajectory import TrajectoryBatch
-    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.distributed.comm import DistInfo
     from uniweave.train.engine.batching import rank_micro_batches
 
     torch.set_num_threads(1)
@@ -348,7 +348,7 @@ def test_fsdp2_leaves_a_parameter_no_micro_batch_reaches_without_a_gradient(tmp_
     process leaves its `.grad` None and AdamW skips it; fsdp2 reduce-scatters zeros for
     it, and `drop_unreached` sets it back to None, so one update with weight decay gives
     the same parameters (aligner untouched) as one process."""
-    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.distributed.comm import DistInfo
 
     torch.set_num_threads(1)
     ckpt = write_tiny_checkpoint(tmp_path / "janus", TinyJanusSpec(grid=2), vocabulary_texts())
@@ -393,7 +393,7 @@ def test_fsdp2_grpo_lora_in_one_process_equals_no_wrapper(
     """GRPO + LoRA under a 1-process fsdp2 job equals `parallel: none` (adapters after 2
     updates, which parameters have gradients): the adapter switch around the reference
     pass toggles requires_grad, and the unreached-parameter hooks are placed before it."""
-    from uniweave.train.dist.comm import DistInfo
+    from uniweave.train.distributed.comm import DistInfo
 
     torch.set_num_threads(1)
     assets = {"vq": codec_dir, "clf": classifier_dir}

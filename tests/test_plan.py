@@ -62,7 +62,7 @@ def _state_bytes(model) -> tuple[int, int, int]:
 @pytest.mark.parametrize("lora", [False, True])
 def test_janus_counts_and_state_bytes_equal_a_real_model(janus_dir, lora):
     from uniweave.models.janus_pro import JanusProModel
-    from uniweave.train.engine.build import apply_lora
+    from uniweave.train.engine.lora import apply_lora
 
     shapes = path_shapes("janus_pro", str(janus_dir), LORA)
     model = JanusProModel.from_pretrained(janus_dir)

@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     torch.set_num_threads(1)
     values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
     os.environ.update(dict(zip(ENV, values)))
-    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.distributed.comm import init_distributed, shutdown_distributed
     from uniweave.train.engine.trainer import Trainer
     from uniweave.train.run import JOBS, _prepare_model
 
@@ -80,7 +80,7 @@ def _forced_claims(rank: int, source, rows: list) -> None:
     not: every rank must still join the gather (a rank-local test once let rank 0 skip
     it; the ranks' all_gather_object calls then paired up wrongly). The result: the
     same trajectories, in order, and the rewards the update's rollout scored."""
-    from uniweave.train.rollouts.scoring import score_sharded
+    from uniweave.train.onpolicy.scoring import score_sharded
 
     samples, _ = source.requests(0)
     share = round_robin(len(samples), rank, 2)
@@ -116,7 +116,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def opd_assets(tmp_path_factory, small_vq_dir, classifier_dir):
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     root = tmp_path_factory.mktemp("opd_teacher")
     assets = {"clf": classifier_dir, "vq": small_vq_dir}
@@ -248,7 +248,7 @@ def _eval_config(root: Path, vq: Path) -> dict:
 
 def _evaluate(raw: dict, out: Path, clf: Path, ranks=None) -> tuple:
     from uniweave.eval.runner import evaluate, split_config, weights_sha256
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     cfg = validate_config(raw)
     model = build_model(cfg).eval()
@@ -270,7 +270,7 @@ def _eval_worker(rank: int, world: int, port: int, raw: dict, out: str, clf: str
     torch.set_num_threads(1)
     values = (str(rank), str(rank), str(world), "127.0.0.1", str(port))
     os.environ.update(dict(zip(ENV, values)))
-    from uniweave.train.dist.comm import init_distributed, shutdown_distributed
+    from uniweave.train.distributed.comm import init_distributed, shutdown_distributed
 
     info, _ = init_distributed(torch.device("cpu"), "ddp", 120.0)
     try:
@@ -361,7 +361,7 @@ def test_ddp_training_validates_on_every_rank(tmp_path, small_vq_dir, classifier
     from safetensors.torch import load_file
 
     from uniweave.eval.runner import evaluate, split_config, task_metrics, weights_sha256
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     plugins = [
         {"name": "digit_classifier", "path": str(classifier_dir), "tasks": ["t2i"]},

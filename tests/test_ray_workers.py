@@ -26,12 +26,13 @@ from trainer_helpers import checkpoint_tensors, opd_config, tiny_config
 
 from uniweave.config import ConfigError, validate_config
 from uniweave.data.tokenizer import SpecialIds
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import adapter_state, build_model
+from uniweave.models.build import build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import adapter_state
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.opd.job import build_opd_job
-from uniweave.train.rollouts.workers import RayPlan, StaleWeightsError, start_workers
+from uniweave.train.onpolicy.workers import RayPlan, StaleWeightsError, start_workers
 from uniweave.train.run import _prepare_model
 
 ray = pytest.importorskip("ray")

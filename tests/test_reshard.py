@@ -64,7 +64,7 @@ from trainer_helpers import write_config as write_yaml
 from uniweave import cli
 from uniweave.config import ConfigError, validate_config
 from uniweave.core.trajectory import TrajectoryBatch
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.batching import check_rank_geometry
 from uniweave.train.engine.resume import check_resume, check_world_size_change
 from uniweave.train.state.checkpoint import verify_checkpoint

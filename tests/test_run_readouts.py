@@ -55,7 +55,7 @@ def _config(name: str, run, assets, tmp_path) -> dict:
     # OPD distilling every row (routing all), scored by the kit's rewards
     teacher = tmp_path / "teacher"
     validated = validate_config(opd_config(tmp_path / "x", assets, seed=9))
-    from uniweave.train.engine.build import build_model
+    from uniweave.models.build import build_model
 
     build_model(validated).save_pretrained(teacher)
     cfg = opd_config(run, {**assets, "teacher_vq": teacher})

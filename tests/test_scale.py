@@ -5,7 +5,7 @@
   (`post_backward_sum`) give bitwise-equal models. Why bitwise and not a rounding bound:
   dividing and multiplying by a power of two is exact in binary floating point (barring
   subnormals), and 0.5 * a + 0.5 * b rounds to exactly half of the rounded a + b, so both
-  paths produce the same bits (uniweave.train.dist.parallel's docstring; other W would
+  paths produce the same bits (uniweave.train.distributed.parallel's docstring; other W would
   differ by ~(W + 1) ulp).
 - `trainer.world_size: 2` (`uniweave train` spawns its workers) equals `torchrun
   --nproc-per-node 2` bitwise: each worker runs the same code path with the same

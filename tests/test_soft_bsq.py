@@ -34,7 +34,7 @@ from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
 from uniweave.forward import forward_interleaved
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.sft.objective import SFTObjective
 
 LAMBDA = 0.7

@@ -33,9 +33,10 @@ from uniweave.config import resume_conflicts, validate_config
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.data.tokenizer import SpecialIds
 from uniweave.forward import forward_interleaved
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+from uniweave.models.build import build_model
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.errors import TrainingError
+from uniweave.train.engine.lora import adapter_state, apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.sft.objective import SFTObjective
 from uniweave.train.methods.sft.source import DatasetSource, sft_trajectories

@@ -19,12 +19,13 @@ from transformers import Qwen3VLForConditionalGeneration
 from uniweave.codecs import BSQTokenizer, BSQTokenizerConfig, codec_geometry, load_codec
 from uniweave.codecs.base import single_thread
 from uniweave.config import load_config
+from uniweave.models.build import build_model
 from uniweave.models.uniar import SMALL_SIZES, UniARModel, build_tiny_uniar
 from uniweave.models.uniar.convert import main as convert
 from uniweave.models.uniar.template import add_special_tokens
 from uniweave.models.uniar.tiny import image_processor, tiny_qwen3_vl_config, uniar_tokenizer
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.preflight import preflight
 from uniweave.train.run import JOBS

@@ -18,12 +18,13 @@ from transformers import Qwen3VLForConditionalGeneration
 from uniweave.codecs.base import single_thread
 from uniweave.config import load_config, validate_config
 from uniweave.core.sample import GenerationRequest, Sample, TextPart
+from uniweave.models.build import build_model
 from uniweave.models.uniar import SMALL_SIZES, UniARModel
 from uniweave.models.uniar.convert import main as convert
 from uniweave.models.uniar.template import add_special_tokens
 from uniweave.models.uniar.tiny import image_processor, tiny_qwen3_vl_config
-from uniweave.train.dist.comm import DistInfo
-from uniweave.train.engine.build import apply_lora, build_model
+from uniweave.train.distributed.comm import DistInfo
+from uniweave.train.engine.lora import apply_lora
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.grpo.job import build_grpo_job
 from uniweave.train.methods.sft.job import build_sft_job

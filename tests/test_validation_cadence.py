@@ -25,7 +25,7 @@ from uniweave.core.types import Modality, Owner
 from uniweave.eval.runner import evaluate, split_config, weights_sha256
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
 from uniweave.rollout import RolloutTrajectory
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.trainer import Trainer
 from uniweave.train.methods.sft.source import sft_trajectories

@@ -245,8 +245,9 @@ def make_grpo_trainer(cfg: dict | UniweaveConfig) -> Trainer:
     """What `uniweave train` builds for a GRPO config (without its run-directory files)."""
     from uniweave.config import UniweaveConfig, validate_config
     from uniweave.data.tokenizer import SpecialIds
-    from uniweave.train.dist.comm import DistInfo
-    from uniweave.train.engine.build import adapter_state, apply_lora, build_model
+    from uniweave.models.build import build_model
+    from uniweave.train.distributed.comm import DistInfo
+    from uniweave.train.engine.lora import adapter_state, apply_lora
     from uniweave.train.engine.trainer import Trainer
     from uniweave.train.methods.grpo.job import build_grpo_job
 

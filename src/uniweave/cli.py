@@ -407,7 +407,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_args_config(args)
     from pathlib import Path
 
-    from uniweave.train.dist.spawn import check_world_size, is_spawned_worker, spawn_workers
+    from uniweave.train.distributed.spawn import check_world_size, is_spawned_worker, spawn_workers
     from uniweave.train.run import run_train as train
 
     if cfg.trainer.world_size > 1 and not is_spawned_worker():

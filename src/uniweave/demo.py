@@ -21,10 +21,10 @@ from pathlib import Path
 
 from uniweave.config import load_config
 from uniweave.config.packaged import recipes_root
+from uniweave.demo_figures import before_after_png, draw_digits, markdown_table, reward_curve_png
 from uniweave.eval.run_report import REPORT_JSON
 from uniweave.eval.runner import task_metrics
 from uniweave.models import load_model
-from uniweave.report import before_after_png, draw_digits, markdown_table, reward_curve_png
 from uniweave.train.run import EVALS, run_train
 
 RECIPES = recipes_root() / "digits"  # the packaged recipes: the demo runs from a wheel too

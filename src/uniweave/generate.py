@@ -34,10 +34,10 @@ from uniweave.core.atomic import atomic_write, write_json_atomic
 from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.images import processor_for, read_rgb
+from uniweave.models.build import build_model, resolve_device
 from uniweave.rewards.plugins import build_responses
 from uniweave.rollout import RolloutEngine, RolloutRequest
 from uniweave.rollout.config import sampling_params
-from uniweave.train.engine.build import build_model, resolve_device
 
 SCALE = 16
 

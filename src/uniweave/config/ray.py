@@ -1,7 +1,7 @@
 """The `ray:` section and the worker checks (`rollout.workers`, `reward.workers`).
 
 With `rollout.workers: N > 0` (GRPO and OPD) the rollout service runs as N Ray actors and
-with `reward.workers: M > 0` the reward service as M actors (`uniweave.train.rollouts.workers`); 0
+with `reward.workers: M > 0` the reward service as M actors (`uniweave.train.onpolicy.workers`); 0
 keeps either in the training process. The `ray:` fields say where the actors run and
 what each may use; they act only when some workers are on, and a config that sets one
 with both counts at 0 is refused. When the worker counts and the `ray:` fields act is

@@ -88,7 +88,7 @@ from uniweave.data.rows import answer_image_grid, resolve_tasks
 from uniweave.eval.masked import TASK as MASKED_TASK
 from uniweave.eval.masked import masked_answer_scores
 from uniweave.eval.records import RESULTS, ResultLog
-from uniweave.eval.report import PAGE, SUMMARY, summarize, write_json, write_page
+from uniweave.eval.scorecard import PAGE, SUMMARY, summarize, write_json, write_page
 from uniweave.models.base import UnifiedModel
 from uniweave.models.build import build_model, dataset_rows, resolve_device
 from uniweave.models.registry import with_saved_sizes

@@ -70,10 +70,10 @@ from uniweave.rewards.defaults import evaluation_reward
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR, DigitClassifier
 from uniweave.rewards.service import build_reward_service
 from uniweave.rollout.config import sampling_params
-from uniweave.train.dist.parallel import check_fsdp2_support
+from uniweave.train.distributed.parallel import check_fsdp2_support
 from uniweave.train.engine.adapters import check_initial_adapter
-from uniweave.train.rollouts.prompts import check_exact_length
-from uniweave.train.rollouts.workers import RayPlan, check_capacity
+from uniweave.train.onpolicy.prompts import check_exact_length
+from uniweave.train.onpolicy.workers import RayPlan, check_capacity
 
 HEADER_BYTES = 8
 SHARD_INDEX = ".safetensors.index.json"
@@ -400,7 +400,7 @@ def check_rows(cfg: UniweaveConfig, geometry: Geometry | None = None) -> Rows:
 
 def check_prompts(cfg: UniweaveConfig, rows: Rows, codec_grid: tuple[int, int] | None) -> None:
     """GRPO / OPD: every training row of `data.tasks` is a request the rollout engine
-    takes (`uniweave.train.rollouts.prompts.rollout_request`): under `length_semantics:
+    takes (`uniweave.train.onpolicy.prompts.rollout_request`): under `length_semantics:
     exact` its answer is one image; an image answer's grid lies within
     `rollout.min_grid_side`..`max_grid_side`; for OPD's privileged teacher
     (`algorithm.teacher.privilege: answer`) it has an answer."""

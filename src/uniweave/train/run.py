@@ -46,6 +46,7 @@ import torch
 from uniweave.config import ConfigError, UniweaveConfig, config_hash, to_yaml
 from uniweave.config.methods import method, methods
 from uniweave.config.trained_on import write_trained_on
+from uniweave.core.determinism import set_determinism
 from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.core.status import RUN_LOG, open_run_log, status
 from uniweave.data.rows import has_split, resolve_tasks
@@ -53,11 +54,17 @@ from uniweave.eval.health import HealthMonitor
 from uniweave.eval.run_report import write_report
 from uniweave.eval.runner import evaluate, split_config, task_metrics
 from uniweave.models.base import UnifiedModel
+from uniweave.models.build import build_model, resolve_device
 from uniweave.models.registry import with_saved_sizes
 from uniweave.rewards import evaluation_reward
 from uniweave.rewards.digit_classifier import CLASSIFIER_DIR
-from uniweave.train.dist.comm import DistInfo, barrier, init_distributed, shutdown_distributed
-from uniweave.train.dist.spawn import check_world_size, is_spawned_worker
+from uniweave.train.distributed.comm import (
+    DistInfo,
+    barrier,
+    init_distributed,
+    shutdown_distributed,
+)
+from uniweave.train.distributed.spawn import check_world_size, is_spawned_worker
 from uniweave.train.engine.adapters import (
     ADAPTER_DIR,
     load_initial_adapter,
@@ -65,15 +72,8 @@ from uniweave.train.engine.adapters import (
     save_adapter,
 )
 from uniweave.train.engine.batching import check_rank_geometry
-from uniweave.train.engine.build import (
-    adapter_state,
-    apply_lora,
-    build_model,
-    merged_state_dict,
-    resolve_device,
-    set_determinism,
-)
 from uniweave.train.engine.faults import inject_fault
+from uniweave.train.engine.lora import adapter_state, apply_lora, merged_state_dict
 from uniweave.train.engine.metrics import METRICS, read_metrics
 from uniweave.train.engine.protocols import BatchSource, Objective
 from uniweave.train.engine.resume import check_resume
@@ -308,7 +308,7 @@ def evaluate_split(
     first `data.<split>_size` rows per task, into `<run_dir>/evals/<split>-update-NNNNNN`,
     with the run's digits classifier; per task t and summary statistic k (mean@n, pass@n,
     the task's headline metric, <plugin>/mean, invalid_frac, finish_<reason>_frac,
-    n_samples, n_rollouts, the masked-image probe; `uniweave.eval.report`), `t/k`. `info`
+    n_samples, n_rollouts, the masked-image probe; `uniweave.eval.scorecard`), `t/k`. `info`
     with several ranks: every rank calls it and evaluates its claimed share
     (`uniweave.eval.runner`, "Several ranks"); the metrics on rank 0, {} on the others."""
     size = {"val": cfg.data.val_size, "test": cfg.data.test_size}[split]

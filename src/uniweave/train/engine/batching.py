@@ -29,7 +29,7 @@ import torch
 from uniweave.config import ConfigError
 from uniweave.config.trainer import TrainerConfig
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 
 PER_ROW = ("rollout_logp", "rollout_logp_factors", "old_logp", "old_logp_factors", "advantage")
 

@@ -27,8 +27,8 @@ from torch import nn
 from uniweave.config import UniweaveConfig, config_hash
 from uniweave.core.status import status
 from uniweave.models.base import UnifiedModel
-from uniweave.train.dist.comm import DistInfo, barrier
-from uniweave.train.dist.parallel import Parallel
+from uniweave.train.distributed.comm import DistInfo, barrier
+from uniweave.train.distributed.parallel import Parallel
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.faults import inject_fault
 from uniweave.train.engine.metrics import truncate_metrics, truncate_tensorboard

@@ -20,7 +20,7 @@ from torch import nn
 
 from uniweave.config.trainer import TrainerConfig
 from uniweave.core.trajectory import Trajectory
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.batching import rank_micro_batches
 from uniweave.train.engine.protocols import Objective
 

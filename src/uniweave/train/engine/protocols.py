@@ -22,7 +22,7 @@ from torch import nn
 
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.models.base import UnifiedModel
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 
 
 class BatchSource(Protocol):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from uniweave.config import UniweaveConfig
-from uniweave.train.dist.comm import DistInfo, all_reduce_sum
+from uniweave.train.distributed.comm import DistInfo, all_reduce_sum
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.protocols import BatchSource
 from uniweave.train.state import artifacts

@@ -7,7 +7,7 @@ plus metric sums it `finalize`s). The two never see each other: the trainer only
 batches and sums.
 
 The trainer trains: it accumulates an update's gradients over micro-batches
-(`engine.batching`) and ranks (DDP / FSDP2, `uniweave.train.dist.parallel`), clips, steps
+(`engine.batching`) and ranks (DDP / FSDP2, `uniweave.train.distributed.parallel`), clips, steps
 AdamW and the schedule, decides when to evaluate, checkpoint and log (JSONL/TensorBoard
 metrics, samples, the progress bar or plain log lines). What it keeps and restores lives
 beside it: checkpoints and resuming (`engine.checkpointing`), the resume and campaign
@@ -30,8 +30,8 @@ from uniweave.config.methods import method
 from uniweave.core.status import status
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.models.base import UnifiedModel
-from uniweave.train.dist.comm import DistInfo, all_reduce_sum
-from uniweave.train.dist.parallel import Parallel
+from uniweave.train.distributed.comm import DistInfo, all_reduce_sum
+from uniweave.train.distributed.parallel import Parallel
 from uniweave.train.engine.batching import pack
 from uniweave.train.engine.checkpointing import Checkpointer
 from uniweave.train.engine.diagnostics import merge_parts, part_micro_batches, take_grads

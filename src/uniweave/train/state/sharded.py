@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.state.checkpoint import DCP
 
 PARTIAL = StateDictOptions(strict=False)

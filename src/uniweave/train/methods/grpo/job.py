@@ -10,12 +10,12 @@ from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.algorithms import GRPOConfig
 from uniweave.models.base import UnifiedModel
 from uniweave.rewards import build_reward_service
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.objective import GRPOObjective, Reference, anchor_old_logprobs
 from uniweave.train.methods.grpo.source import GRPOSource
-from uniweave.train.rollouts.prompts import PromptSampler, prompt_pools
-from uniweave.train.rollouts.scoring import load_run_classifier
-from uniweave.train.rollouts.workers import start_workers
+from uniweave.train.onpolicy.prompts import PromptSampler, prompt_pools
+from uniweave.train.onpolicy.scoring import load_run_classifier
+from uniweave.train.onpolicy.workers import start_workers
 
 
 def check_prefix_sharing(algo: GRPOConfig, supported: bool, model: str) -> None:

@@ -11,7 +11,7 @@ import math
 import torch
 
 from uniweave.algorithms.grpo import nearest_rank
-from uniweave.train.dist.comm import DistInfo, all_gather_objects
+from uniweave.train.distributed.comm import DistInfo, all_gather_objects
 
 QUANTILES = {"abs_dlogp": (50, 90, 99), "row_abs_dlogp": (50, 90)}
 """Logged quantiles of each population (`mismatch/<name>_p<q>`, plus `_max`)."""

@@ -74,13 +74,13 @@ from uniweave.forward import scored_mask
 from uniweave.models.base import UnifiedModel
 from uniweave.replay import DistributionChunk, ReplayPlan, replay_logprobs, replay_map
 from uniweave.rollout import SamplingRecord
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.batching import rank_micro_batches
-from uniweave.train.engine.build import set_adapters_enabled
 from uniweave.train.engine.forward_mode import autocast
+from uniweave.train.engine.lora import set_adapters_enabled
 from uniweave.train.engine.protocols import Objective
 from uniweave.train.methods.grpo.mismatch import global_threshold, population_quantiles
-from uniweave.train.rollouts.stats import finalize_loss_stats
+from uniweave.train.onpolicy.stats import finalize_loss_stats
 
 
 class Reference:

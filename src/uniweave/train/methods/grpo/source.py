@@ -17,7 +17,7 @@ at its first update; see `GRPOSource`):
    `length_exact` and is never shaped).
 3. Rewards: the reward service scores every row (truncation shaping from finish_reason;
    invalid, wrong and truncated rows stay in their group). The groups' diversity
-   (`uniweave.train.rollouts.diversity`: code distance and Vendi score of image samples,
+   (`uniweave.train.onpolicy.diversity`: code distance and Vendi score of image samples,
    distinct answers of text samples) is logged as `diversity/<task>/...`; when a reward
    reads images, the off-target statistics of the images drawn (`images/...`,
    `uniweave.rewards.image_stats`, measured by the reward service on its decoded pixels).
@@ -30,14 +30,14 @@ the guard's global threshold is computed from it before the first micro-batch.
 
 Under torchrun the rollout requests are split round-robin across ranks
 (`uniweave.rollout.RolloutService`); each rank scores the rows it sampled and the
-trajectories and scores are all-gathered (`uniweave.train.rollouts.scoring.score_sharded`), so every rank
+trajectories and scores are all-gathered (`uniweave.train.onpolicy.scoring.score_sharded`), so every rank
 holds the same global batch and computes the same advantages; the trainer then trains
 each rank on its shard. Every row carries what the objective needs — its advantage,
 sampling record, seed and (several updates per round) anchor log-probs — so the
 objective never reads the source.
 
 With `rollout.workers` / `reward.workers` > 0 (one process only) the rollouts and the
-scoring run on Ray actors (`uniweave.train.rollouts.workers`): the driver pushes the policy's weights
+scoring run on Ray actors (`uniweave.train.onpolicy.workers`): the driver pushes the policy's weights
 as version u before rolling out update u, and the trajectories and rewards are those
 of the in-process services.
 
@@ -65,14 +65,14 @@ from uniweave.models.base import UnifiedModel
 from uniweave.rewards import RewardError, RewardService
 from uniweave.rollout import RolloutRequest, RolloutService, RolloutTrajectory
 from uniweave.rollout.config import sampling_params
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.faults import inject_fault
 from uniweave.train.engine.protocols import BatchSource
-from uniweave.train.rollouts.diversity import diversity_metrics
-from uniweave.train.rollouts.prompts import PromptSampler, check_exact_length, rollout_request
-from uniweave.train.rollouts.scoring import score_sharded
-from uniweave.train.rollouts.stats import rollout_stats, task_accuracy
-from uniweave.train.rollouts.workers import Workers
+from uniweave.train.onpolicy.diversity import diversity_metrics
+from uniweave.train.onpolicy.prompts import PromptSampler, check_exact_length, rollout_request
+from uniweave.train.onpolicy.scoring import score_sharded
+from uniweave.train.onpolicy.stats import rollout_stats, task_accuracy
+from uniweave.train.onpolicy.workers import Workers
 from uniweave.train.state.checkpoint import PREFIX, checkpoint_dir
 
 ROUNDS = "rollouts"

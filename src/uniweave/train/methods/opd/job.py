@@ -9,12 +9,12 @@ from pathlib import Path
 from uniweave.config import UniweaveConfig
 from uniweave.models.base import UnifiedModel
 from uniweave.rewards import build_reward_service
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.opd.objective import OPDObjective, load_teacher, teacher_identity
 from uniweave.train.methods.opd.source import OPDSource
-from uniweave.train.rollouts.prompts import PromptSampler, prompt_pools
-from uniweave.train.rollouts.scoring import load_run_classifier
-from uniweave.train.rollouts.workers import start_workers
+from uniweave.train.onpolicy.prompts import PromptSampler, prompt_pools
+from uniweave.train.onpolicy.scoring import load_run_classifier
+from uniweave.train.onpolicy.workers import start_workers
 
 
 def build_opd_job(

@@ -27,7 +27,7 @@ Update u (0-based), deterministic in (config, u) and the student's parameters at
    cross-entropy.
 
 With `rollout.workers` > 0 (one training process) step 2 runs on Ray actors
-(`uniweave.train.rollouts.workers`): before rolling out update u the driver pushes the
+(`uniweave.train.onpolicy.workers`): before rolling out update u the driver pushes the
 student's current trainable weights as version u, the actors decode whole engine
 batches of the same requests (same per-row seeds), so the trajectories are the
 in-process ones bitwise; with `reward.workers` > 0 step 3's verifiers run on Ray actors.
@@ -53,13 +53,13 @@ from uniweave.rewards import RewardService
 from uniweave.rollout import RolloutService, RolloutTrajectory, SamplingRecord
 from uniweave.rollout.config import sampling_params
 from uniweave.rollout.request import prompt_length_of
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.faults import inject_fault
 from uniweave.train.engine.protocols import BatchSource
-from uniweave.train.rollouts.prompts import PromptSampler, rollout_request
-from uniweave.train.rollouts.scoring import score_sharded
-from uniweave.train.rollouts.stats import rollout_stats, row_passes, task_accuracy
-from uniweave.train.rollouts.workers import RewardWorkers, Workers
+from uniweave.train.onpolicy.prompts import PromptSampler, rollout_request
+from uniweave.train.onpolicy.scoring import score_sharded
+from uniweave.train.onpolicy.stats import rollout_stats, row_passes, task_accuracy
+from uniweave.train.onpolicy.workers import RewardWorkers, Workers
 
 GT_STREAM = 0x6774  # seed_for member slot of the GT-replay draws ("gt")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.data.digits_images import load_split
 from uniweave.models.base import UnifiedModel
-from uniweave.train.dist.comm import DistInfo
+from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.protocols import BatchSource, Objective
 from uniweave.train.methods.sft.objective import SFTObjective
 from uniweave.train.methods.sft.source import DatasetSource, sft_trajectories

@@ -24,7 +24,7 @@ from uniweave.config.algorithms import SFTConfig
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.forward import ForwardOutput, forward_interleaved, scored_indices
 from uniweave.models.base import UnifiedModel
-from uniweave.train.dist.comm import DistInfo, all_gather_objects, all_reduce_sum
+from uniweave.train.distributed.comm import DistInfo, all_gather_objects, all_reduce_sum
 from uniweave.train.engine.ema import EMA
 from uniweave.train.engine.forward_mode import draws_dropout
 from uniweave.train.engine.protocols import Objective

@@ -22,7 +22,7 @@ from uniweave.algorithms.necessity import ALL_VIEWS, answer_events, fused_views
 from uniweave.config import UniweaveConfig
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.models.base import UnifiedModel
-from uniweave.train.engine.build import build_model
+from uniweave.models.build import build_model
 from uniweave.train.methods.sft.source import sft_trajectories
 
 

@@ -1,44 +1,19 @@
-"""The training side of a run's model: LoRA adapters (inject, switch, merge, save).
+"""LoRA adapters of a run's model: inject, switch on/off, read, merge.
 
 The model itself, its device, tokenizer and dataset rows are built by
-`uniweave.models.build` (re-exported here).
+`uniweave.models.build`; deterministic kernels are set by `uniweave.core.determinism`.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from uniweave.config.schema import UniweaveConfig
 from uniweave.models import UnifiedModel
-from uniweave.models.build import build_model, config_tokenizer, dataset_rows, resolve_device
 
-__all__ = [
-    "adapter_state",
-    "apply_lora",
-    "build_model",
-    "config_tokenizer",
-    "dataset_rows",
-    "merged_state_dict",
-    "resolve_device",
-    "set_adapters_enabled",
-    "set_determinism",
-]
-
-
-CUBLAS_WORKSPACE = ":4096:8"
-
-
-def set_determinism(deterministic: bool, device: torch.device) -> None:
-    """`run.deterministic`: deterministic kernels (`torch.use_deterministic_algorithms`),
-    so the same command gives the same bits at a fixed thread count and device; on CUDA
-    also cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, set before the first CUDA
-    matmul; a value already in the environment is kept)."""
-    if deterministic and device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(deterministic)
+__all__ = ["adapter_state", "apply_lora", "merged_state_dict", "set_adapters_enabled"]
 
 
 def apply_lora(model: UnifiedModel, cfg: UniweaveConfig) -> list[str]:

@@ -55,7 +55,7 @@ from torch import nn
 
 from uniweave.config import ConfigError
 from uniweave.config.trainer import TrainerConfig
-from uniweave.train.dist.comm import DistInfo, all_gather_objects
+from uniweave.train.distributed.comm import DistInfo, all_gather_objects
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

@@ -29,7 +29,7 @@ from uniweave.rewards.digit_classifier import (
 from uniweave.rewards.image_stats import merge_counts
 from uniweave.rollout import RolloutService, RolloutTrajectory
 from uniweave.rollout.queue import place, round_robin
-from uniweave.train.dist.comm import DistInfo, barrier
+from uniweave.train.distributed.comm import DistInfo, barrier
 
 
 def merge_round_robin(parts: Sequence[RewardResult]) -> RewardResult:

@@ -47,14 +47,14 @@ from uniweave.config.schema import RewardConfig
 from uniweave.core.sample import Part, Sample
 from uniweave.rewards import RewardError, RewardResult
 from uniweave.rollout import RolloutRequest, RolloutTrajectory
-from uniweave.train.rollouts.ray_actors import (
+from uniweave.train.onpolicy.ray_actors import (
     FAULT,
     RewardWorker,
     RolloutWorker,
     StaleWeightsError,
     threads_for,
 )
-from uniweave.train.rollouts.scoring import first_failure, merge_round_robin
+from uniweave.train.onpolicy.scoring import first_failure, merge_round_robin
 
 
 class WorkerError(RuntimeError):

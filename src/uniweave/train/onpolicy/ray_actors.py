@@ -1,4 +1,4 @@
-"""The Ray actors of `uniweave.train.rollouts.workers`: plain classes, made remote by the pools.
+"""The Ray actors of `uniweave.train.onpolicy.workers`: plain classes, made remote by the pools.
 
 `RolloutWorker` holds a policy copy (version v: the policy after v updates) and a
 `RolloutService`; `generate(version, requests)` refuses any version but its own
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from uniweave.config.schema import RewardConfig
+from uniweave.core.determinism import set_determinism
 from uniweave.core.host_memory import apply_mmap_threshold
 from uniweave.rewards import RewardError, RewardResult, build_reward_service
 from uniweave.rollout import RolloutRequest, RolloutService
-from uniweave.train.engine.build import set_determinism
 
 FAULT = "rollout_worker"
 """`UNIWEAVE_FAULT=rollout_worker:<n>`: the first rollout actor exits when asked for update n."""

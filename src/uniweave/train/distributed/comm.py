@@ -6,7 +6,7 @@ is NCCL for tensors on GPU (gloo on CPU), and a second gloo group carries CPU sc
 metadata, barriers and checkpoint coordination, so no CPU tensor is ever sent over NCCL.
 Every collective times out after `trainer.collective_timeout_s`.
 
-Gradient reduction itself belongs to the data-parallel wrapper (`uniweave.train.dist.parallel`).
+Gradient reduction itself belongs to the data-parallel wrapper (`uniweave.train.distributed.parallel`).
 """
 
 from __future__ import annotations
