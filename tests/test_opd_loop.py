@@ -45,6 +45,7 @@ from uniweave.data.digits_images import load_split
 from uniweave.forward import forward_interleaved, scored_mask
 from uniweave.models.build import build_model
 from uniweave.replay import replay_distributions
+from uniweave.rewards import PLUGINS, RewardError, RewardPlugin
 from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.engine.errors import TrainingError
 from uniweave.train.engine.trainer import Trainer
@@ -312,6 +313,31 @@ def test_failure_replay_without_a_verifier_routing_exits_2(tmp_path, assets):
     assert done.returncode == 2
     assert "algorithm.gt_replay.mode: 'failure' needs a verifier routing" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+class _RaisesOnPrompt1(RewardPlugin):
+    name = "raises_on_prompt_1"
+
+    def score(self, samples, responses):
+        if any(s.id == "prompt-1" for s in samples):
+            raise RuntimeError("scorer crashed")
+        return [1.0] * len(samples)
+
+
+def test_a_failing_verifier_names_the_update_and_the_dataset_row(tmp_path, assets, monkeypatch):
+    """The rollout round GRPO and OPD share (`uniweave.train.onpolicy.rounds`): a reward
+    error names the update and the dataset row of the failing prompt, as GRPO's does."""
+    monkeypatch.setitem(PLUGINS, _RaisesOnPrompt1.name, _RaisesOnPrompt1)
+    cfg = opd_config(tmp_path / "run", assets)
+    cfg["reward"] = {"plugins": [{"name": _RaisesOnPrompt1.name}]}
+    trainer = make_trainer(cfg)
+    row = trainer.source.prompt_sampler.prompts(0, 6)[1].meta["source_id"]
+    match = (
+        r"update 1: reward plugin 'raises_on_prompt_1' failed on sample 'prompt-1': .*"
+        rf"\(prompt-1 is dataset row '{row}'\)"
+    )
+    with pytest.raises(RewardError, match=match):
+        next(iter(trainer.fit()))
 
 
 def _final(run_dir: Path):

@@ -62,17 +62,15 @@ from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.models.base import UnifiedModel
-from uniweave.rewards import RewardError, RewardService
-from uniweave.rollout import RolloutRequest, RolloutService, RolloutTrajectory
+from uniweave.rewards import RewardService
+from uniweave.rollout import RolloutRequest, RolloutTrajectory
 from uniweave.rollout.config import sampling_params
 from uniweave.train.distributed.comm import DistInfo
-from uniweave.train.engine.faults import inject_fault
-from uniweave.train.engine.protocols import BatchSource
 from uniweave.train.onpolicy.diversity import diversity_metrics
 from uniweave.train.onpolicy.prompts import PromptSampler, check_exact_length, rollout_request
-from uniweave.train.onpolicy.scoring import score_sharded
+from uniweave.train.onpolicy.rounds import RolloutSource
 from uniweave.train.onpolicy.stats import rollout_stats, task_accuracy
-from uniweave.train.onpolicy.workers import Workers
+from uniweave.train.onpolicy.workers import RewardWorkers, Workers
 from uniweave.train.state.checkpoint import PREFIX, checkpoint_dir
 
 ROUNDS = "rollouts"
@@ -92,7 +90,7 @@ class Rollout:
     metrics: dict[str, float]
 
 
-class GRPOSource(BatchSource):
+class GRPOSource(RolloutSource):
     """`BatchSource` of GRPO (module docstring), built from the run config (`rollout`,
     `algorithm`, `trainer.global_batch_size`, `run.seed`).
 
@@ -110,7 +108,7 @@ class GRPOSource(BatchSource):
         self,
         model: UnifiedModel,
         prompts: PromptSampler,
-        rewards: RewardService,
+        rewards: RewardService | RewardWorkers,
         cfg: UniweaveConfig,
         info: DistInfo,
         run_dir: Path,
@@ -119,26 +117,15 @@ class GRPOSource(BatchSource):
     ) -> None:
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         r, algo = cfg.rollout, cfg.algorithm
-        self.grid = tuple(model.codec.grid)
-        check_exact_length(r, self.grid)  # done by the preflight of `uniweave train`; free here
+        # done by the preflight of `uniweave train`; free here
+        check_exact_length(r, tuple(model.codec.grid))
         anchored = algo.updates_per_batch > 1 or algo.mismatch.percentile is not None
         if anchored and anchor is None:
             raise ValueError(
                 "updates_per_batch > 1 and mismatch.percentile need an anchor (old log-prob replay)"
             )
-        self.model = model
-        self.service = RolloutService(
-            model,
-            r.batch_size,
-            info.rank,
-            info.world_size,
-            info.cpu_group,
-            r.precision,
-            continuous=r.continuous_batching,
-            assignment=r.assignment,
-        )
+        super().__init__(model, rewards, cfg, info, workers)
         self.prompt_sampler = prompts
-        self.rewards = rewards
         self.algo = algo
         self.params = sampling_params(r)
         self.group_size = algo.group_size
@@ -148,14 +135,6 @@ class GRPOSource(BatchSource):
         self.info = info
         self.run_dir = Path(run_dir)
         self.anchor = anchor
-        self.workers = workers
-        self._rollout: Rollout | None = None
-
-    def close(self) -> None:
-        """Stop the Ray workers (if any)."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[RolloutTrajectory]:
@@ -217,10 +196,9 @@ class GRPOSource(BatchSource):
     def rollout(self, update: int) -> Rollout:
         """The (cached) rollout batch `update` trains on."""
         start = update - update % self.algo.updates_per_batch
-        if self._rollout is None or self._rollout.update != start:
-            self._rollout = None
-            self._rollout = self._make(start) if update == start else self._load(start, update)
-        return self._rollout
+        return self.cached(
+            start, lambda: self._make(start) if update == start else self._load(start, update)
+        )
 
     def requests(self, update: int) -> tuple[list[Sample], list[RolloutRequest]]:
         """The G members of every prompt of the round starting at `update`, in group
@@ -241,27 +219,9 @@ class GRPOSource(BatchSource):
     def _make(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         samples, requests = self.requests(update)
-        fault = lambda: inject_fault("rollout", update + 1)  # noqa: E731
-        remote = self.workers.rollout if self.workers is not None else None
-        indices = None  # round-robin
-        if remote is not None:
-            remote.sync(update, self.model)
-            local = remote.generate(update, requests, self.model.device, fault)
-        else:
-            indices, local = self.service.generate_assigned(requests, fault)
+        indices, local = self.roll_out(update, requests)
         t1 = time.perf_counter()
-        try:
-            trajs, result = score_sharded(
-                self.service, self.rewards, self.model.parse_response, samples, local, indices
-            )
-        except RewardError as err:
-            source = {s.group_id: s.meta.get("source_id") for s in samples}
-            group = err.sample_ids[0].split("/")[0] if err.sample_ids else ""
-            raise RewardError(
-                f"update {update + 1}: {err} ({group} is dataset row {source.get(group)!r})",
-                err.plugin,
-                err.sample_ids,
-            ) from err
+        trajs, result = self.score(update, samples, local, indices)
         a = self.algo
         total, ig_stats = result.total, {}
         if a.information_gain.weight > 0:

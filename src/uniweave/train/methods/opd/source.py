@@ -11,7 +11,9 @@ Update u (0-based), deterministic in (config, u) and the student's parameters at
    is forced into an image of that grid (`rollout_request`).
 3. Verification (with reward plugins): each row is scored once by the reward service's
    verifiers; a row is correct when every plugin scoring it passes and it did not end
-   truncated (cap / context / cycle: capped rows count as wrong).
+   truncated (cap / context / cycle: capped rows count as wrong). A failing verifier
+   stops the update with an error naming the dataset row (`uniweave.train.onpolicy.rounds`,
+   the rollout round GRPO and OPD share).
 4. Routing (`algorithm.routing`): `all` distils every row; `correct_only` only the correct
    rows (wrong rows are dropped); `privileged_correction` distils correct rows against the
    plain teacher and wrong rows against the privileged one. With `teacher.privilege:
@@ -50,14 +52,12 @@ from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import Trajectory
 from uniweave.models.base import UnifiedModel
 from uniweave.rewards import RewardService
-from uniweave.rollout import RolloutService, RolloutTrajectory, SamplingRecord
+from uniweave.rollout import RolloutTrajectory, SamplingRecord
 from uniweave.rollout.config import sampling_params
 from uniweave.rollout.request import prompt_length_of
 from uniweave.train.distributed.comm import DistInfo
-from uniweave.train.engine.faults import inject_fault
-from uniweave.train.engine.protocols import BatchSource
 from uniweave.train.onpolicy.prompts import PromptSampler, rollout_request
-from uniweave.train.onpolicy.scoring import score_sharded
+from uniweave.train.onpolicy.rounds import RolloutSource
 from uniweave.train.onpolicy.stats import rollout_stats, row_passes, task_accuracy
 from uniweave.train.onpolicy.workers import RewardWorkers, Workers
 
@@ -114,7 +114,7 @@ class OPDBatch:
     record: dict
 
 
-class OPDSource(BatchSource):
+class OPDSource(RolloutSource):
     """`BatchSource` of OPD (module docstring)."""
 
     def __init__(
@@ -128,34 +128,15 @@ class OPDSource(BatchSource):
         workers: Workers | None = None,
     ) -> None:
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
-        self.model, self.teacher = model, teacher
+        super().__init__(model, rewards, cfg, info, workers)
+        self.teacher = teacher
         self.algo = cfg.algorithm
-        self.grid = tuple(model.codec.grid)
-        self.service = RolloutService(
-            model,
-            cfg.rollout.batch_size,
-            info.rank,
-            info.world_size,
-            info.cpu_group,
-            precision=cfg.rollout.precision,
-            continuous=cfg.rollout.continuous_batching,
-            assignment=cfg.rollout.assignment,
-        )
         self.prompt_sampler = prompts
-        self.rewards = rewards
         greedy = self.algo.student_sampling == "greedy"
         self.params = sampling_params(cfg.rollout, greedy=greedy)
         self.n_prompts = cfg.trainer.global_batch_size
         self.run_seed = cfg.run.seed
         self.pass_threshold = cfg.evaluation.pass_threshold
-        self.workers = workers
-        self._batch: OPDBatch | None = None
-
-    def close(self) -> None:
-        """Stop the Ray workers (if any)."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
 
     # -- the trainer's interface ---------------------------------------------------
     def global_batch(self, update: int) -> list[Trajectory]:
@@ -172,10 +153,7 @@ class OPDSource(BatchSource):
         return batch.sampled, batch.record
 
     def _make_cached(self, update: int) -> OPDBatch:
-        if self._batch is None or self._batch.update != update:
-            self._batch = None
-            self._batch = self._make(update)
-        return self._batch
+        return self.cached(update, lambda: self._make(update))
 
     # -- one update ------------------------------------------------------------------
     def _make(self, update: int) -> OPDBatch:
@@ -185,24 +163,15 @@ class OPDSource(BatchSource):
             rollout_request(s, seed_for(self.run_seed, update, i, 0), self.params, self.grid)
             for i, s in enumerate(samples)
         ]
-        fault = lambda: inject_fault("rollout", update + 1)  # noqa: E731
-        remote = self.workers.rollout if self.workers is not None else None
-        if remote is not None:  # one training process: every row, in request order
-            remote.sync(update, self.model)
-            local = remote.generate(update, requests, self.model.device, fault)
-            indices = list(range(len(requests)))
-        else:
-            indices, local = self.service.generate_assigned(requests, fault)
+        indices, local = self.roll_out(update, requests)
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.rewards is not None:
-            trajs, result = score_sharded(
-                self.service, self.rewards, self.model.parse_response, samples, local, indices
-            )
+            trajs, result = self.score(update, samples, local, indices)
             correct = (row_passes(result, self.pass_threshold) & ~result.truncated).tolist()
             metrics.update({**result.metrics(), **task_accuracy(result, self.pass_threshold)})
         else:
-            trajs = self.service.gather_assigned(indices, local, len(samples))
+            trajs = self.gather(samples, local, indices)
             correct = [None] * len(trajs)
         t2 = time.perf_counter()
         rows, counts, routes = self._route(samples, trajs, correct)
