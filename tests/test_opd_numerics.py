@@ -12,8 +12,6 @@ from torch.distributions import Bernoulli, Categorical, kl_divergence
 
 from uniweave.algorithms.opd import (
     Events,
-    bernoulli_jsd,
-    bit_pairs,
     categorical_divergence,
     clip_text_contribution,
     event_index,
@@ -23,6 +21,7 @@ from uniweave.algorithms.opd import (
     trajectory_first,
     union_bound,
 )
+from uniweave.core.distributions import bernoulli_jsd, bit_pairs
 from uniweave.core.types import Modality
 
 

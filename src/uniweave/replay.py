@@ -30,6 +30,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from uniweave.core.distributions import TextCategorical
+from uniweave.core.dtypes import at_least_fp32_dtype
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.forward import body_hidden, prompt_lengths, scored_indices, shared_prefix_hidden
@@ -232,14 +233,9 @@ def replay_map(
             out = torch.zeros(shape, dtype=value.dtype, device=value.device)
         out = out.index_put((rows, cols), value)
     if out is None:
-        kw = {"device": batch.token_ids.device, "dtype": _score_dtype(plan.hidden)}
+        kw = {"device": batch.token_ids.device, "dtype": at_least_fp32_dtype(plan.hidden.dtype)}
         return torch.zeros(len(batch), batch.max_length, **kw)
     return out
-
-
-def _score_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """Log-probs are float32 (or float64 for a float64 model), as the distributions are."""
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
 def replay_logprobs(
@@ -256,7 +252,7 @@ def replay_logprobs(
     `replay_map`."""
     plan = _Plan(model, batch, records, params, share_prefix)
     B, T = len(batch), batch.max_length
-    kw = {"device": batch.token_ids.device, "dtype": _score_dtype(plan.hidden)}
+    kw = {"device": batch.token_ids.device, "dtype": at_least_fp32_dtype(plan.hidden.dtype)}
     factors = torch.zeros(B, T, batch.n_factors, **kw) if batch.is_bits else None
     logp = torch.zeros(B, T, **kw)
 

@@ -43,9 +43,9 @@ from uniweave.algorithms.information_gain import (
     blind_attention_mask,
     blocks,
 )
-from uniweave.algorithms.opd import bernoulli_jsd, bit_pairs
 from uniweave.algorithms.sft import text_ce, visual_ce
-from uniweave.core.distributions import generalized_jsd
+from uniweave.core.distributions import bernoulli_jsd, bit_pairs, generalized_jsd
+from uniweave.core.dtypes import at_least_fp32_dtype
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.models.base import UnifiedModel
@@ -222,7 +222,7 @@ def carriers(
 def nd_text(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
     """D_p [n] = JSD_β(softmax(z_S) ‖ sg softmax(z_T)) of categorical logits [n, V]
     (float32 at least; float64 stays float64)."""
-    dtype = torch.promote_types(student.dtype, torch.float32)
+    dtype = at_least_fp32_dtype(student.dtype)
     logp = torch.log_softmax(student.to(dtype), -1)
     logq = torch.log_softmax(teacher.detach().to(dtype), -1)
     return generalized_jsd(logp, logq, beta)
@@ -230,7 +230,7 @@ def nd_text(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.
 
 def nd_bits(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
     """D_p [n]: the Bernoulli JSD_β per factor of bit logits [n, L], mean over L."""
-    dtype = torch.promote_types(student.dtype, torch.float32)
+    dtype = at_least_fp32_dtype(student.dtype)
     pairs_t = bit_pairs(teacher.detach().to(dtype))
     return bernoulli_jsd(bit_pairs(student.to(dtype)), pairs_t, beta)
 

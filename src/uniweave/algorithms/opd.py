@@ -13,8 +13,9 @@ distribution objects of the replay apply it: log softmax(z / τ), Bernoulli σ(z
       0 < β < 1:  ∂D/∂log p_k = (1 − β)·p_k·log(p_k / m_k)
       β = 0:      ∂D/∂log p_k = −q_k
       β = 1:      ∂D/∂log p_k = p_k·(log p_k − log q_k + 1)
-- BSQ (`bernoulli_jsd`): D_β per factor f on the pair (σ(z_f), 1 − σ(z_f)), then the mean
-  over the L factors of the position (a visual position weighs like one token).
+- BSQ (`uniweave.core.distributions.bernoulli_jsd` of `bit_pairs`): D_β per factor f on
+  the pair (σ(z_f), 1 − σ(z_f)), then the mean over the L factors of the position (a
+  visual position weighs like one token).
 - Top-K union (`union_with_tail`): U_t = topK(q) ∪ topK(p); D_β over the |U_t| ids plus one
   tail category holding each distribution's remaining mass (exact when U_t covers the
   vocabulary). Merging categories never increases an f-divergence, and for 0 < β < 1
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from uniweave.core.distributions import generalized_jsd
+from uniweave.core.dtypes import at_least_fp32
 from uniweave.core.types import Modality
 
 COMPLETE_REASONS = frozenset({"eos", "length_exact"})
@@ -46,25 +48,8 @@ def tempered_logp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     """log softmax(z / τ) over the last dim (float32 at least)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    z = at_least_fp32(logits)
     return torch.log_softmax(z / temperature, -1)
-
-
-# -- BSQ -----------------------------------------------------------------------------
-
-
-def bit_pairs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-factor Bernoulli log-probs [..., L, 2]: (log σ(z/τ), log σ(−z/τ))."""
-    z = logits / temperature
-    return torch.stack([torch.nn.functional.logsigmoid(z), torch.nn.functional.logsigmoid(-z)], -1)
-
-
-def bernoulli_jsd(pairs_s: torch.Tensor, pairs_t: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """Mean over the L factors of the per-factor D_β, [n] from pair log-probs [n, L, 2]
-    (`bit_pairs`) of student and teacher."""
-    n, L = pairs_s.shape[0], pairs_s.shape[1]
-    d = generalized_jsd(pairs_s.reshape(n * L, 2), pairs_t.reshape(n * L, 2), beta)
-    return d.view(n, L).mean(-1)
 
 
 # -- top-K union with a tail category ----------------------------------------------------

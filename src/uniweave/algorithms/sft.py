@@ -21,21 +21,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """`logits` in float32, or float64 when they are float64 (`trainer.precision: fp64`
-    stays float64 end to end; bf16/fp16 logits are upcast)."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+from uniweave.core.dtypes import at_least_fp32
 
 
 def text_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy [N] of categorical `logits` [N, V] at `targets` [N]."""
-    return F.cross_entropy(_at_least_fp32(logits), targets, reduction="none")
+    return F.cross_entropy(at_least_fp32(logits), targets, reduction="none")
 
 
 def bit_ce(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Per-position bit cross-entropy [N], summed over the L Bernoulli factors."""
-    z = _at_least_fp32(logits)
+    z = at_least_fp32(logits)
     return F.binary_cross_entropy_with_logits(z, bits.to(z.dtype), reduction="none").sum(-1)
 
 
@@ -118,7 +114,7 @@ def half_partition(seeds: Sequence[int]) -> frozenset[int]:
 def soft_codes(logits: torch.Tensor, latent_dim: int) -> torch.Tensor:
     """ĉ = (2σ(z) − 1)/√L [N, k²L]: the expected code under the predicted Bernoulli bits
     (E[2b − 1] = 2σ(z) − 1 per bit), differentiable in the bit logits z."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = at_least_fp32(logits)
     return (2.0 * torch.sigmoid(z) - 1.0) / math.sqrt(latent_dim)
 
 

@@ -13,7 +13,8 @@ fingerprints themselves are always computed from the files.
 
 A directory's fingerprint maps every file under it (relative POSIX name, sorted) to the
 file's fingerprint; `digest` reduces such a map to one SHA-256 (names and content hashes,
-not paths: a copied directory has the same digest).
+not paths: a copied directory has the same digest); `path_identity` pairs it with the
+resolved path.
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def digest(files: dict[str, dict[str, Any]]) -> str:
     for name in sorted(files):
         h.update(name.encode() + b"\0" + files[name]["sha256"].encode() + b"\n")
     return h.hexdigest()
+
+
+def path_identity(path: str | Path) -> dict[str, str]:
+    """{"path": the resolved path, "digest": `digest(fingerprint(path))`}: what a file or
+    directory is, by content (a copy has the same digest), from the cached content hashes
+    (the one file identity: OPD's teacher in every checkpoint, `trained_on.json`'s data
+    files). FileNotFoundError when `path` does not exist."""
+    return {"path": str(Path(path).resolve()), "digest": digest(fingerprint(path))}
 
 
 def changed_files(

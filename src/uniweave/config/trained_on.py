@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from uniweave.config.fingerprint import digest, fingerprint
+from uniweave.config.fingerprint import path_identity
 from uniweave.config.schema import UniweaveConfig
 
 TRAINED_ON = "trained_on.json"
@@ -34,7 +34,7 @@ TRAINED_ON = "trained_on.json"
 def _data_record(path: str | None) -> dict[str, str] | None:
     if path is None:
         return None
-    return {"path": str(Path(path).resolve()), "digest": digest(fingerprint(path))}
+    return path_identity(path)
 
 
 def trained_on(cfg: UniweaveConfig, config_hash: str) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from uniweave.core.dtypes import at_least_fp32
+
 Generators = torch.Generator | Sequence[torch.Generator] | None
 LogprobMode = Literal["guided", "conditional"]
 
@@ -34,7 +36,7 @@ def _as_float(logits: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a floating tensor")
     if logits.dim() == 0:
         raise ValueError(f"{name} needs a last (vocabulary / factor) dimension")
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return at_least_fp32(logits)
 
 
 def _check_temperature(temperature: float) -> None:
@@ -319,6 +321,24 @@ class VisualCategorical(TextCategorical):
         return self._sampling
 
 
+def bit_pairs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-factor two-outcome log-probs [..., L, 2] of Bernoulli bit logits [..., L]:
+    (log P(1), log P(0)) = (log σ(z/τ), log σ(−z/τ)) (the one construction: `VisualBits`,
+    OPD's distillation, SFT's necessity distillation)."""
+    z = logits if temperature == 1.0 else logits / temperature
+    return torch.stack([F.logsigmoid(z), F.logsigmoid(-z)], dim=-1)
+
+
+def bernoulli_jsd(pairs_s: torch.Tensor, pairs_t: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """D_β per position [n]: the mean over the L factors of the per-factor generalised
+    JSD (`generalized_jsd`: blockwise, differentiable in the student's side only) of pair
+    log-probs [n, L, 2] (`bit_pairs`) of student and teacher. A visual position weighs
+    like one token. `VisualBits.jsd` is the same divergence computed densely."""
+    n, L = pairs_s.shape[0], pairs_s.shape[1]
+    d = generalized_jsd(pairs_s.reshape(n * L, 2), pairs_t.reshape(n * L, 2), beta)
+    return d.view(n, L).mean(-1)
+
+
 class VisualBits:
     """L independent Bernoulli factors per position (BSQ), logits [..., L].
 
@@ -366,7 +386,7 @@ class VisualBits:
 
     def _pair_logp(self) -> torch.Tensor:
         """Per-factor two-outcome log-probs [..., L, 2]: (log P(1), log P(0))."""
-        return torch.stack([F.logsigmoid(self.logits), F.logsigmoid(-self.logits)], dim=-1)
+        return bit_pairs(self.logits)
 
     def log_prob_factors(self, bits: torch.Tensor) -> torch.Tensor:
         """log p(b_f) [..., L] for float `bits` in {0, 1} of shape [..., L]."""

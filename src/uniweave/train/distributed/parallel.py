@@ -55,6 +55,7 @@ from torch import nn
 
 from uniweave.config import ConfigError
 from uniweave.config.trainer import TrainerConfig
+from uniweave.core.dtypes import at_least_fp32
 from uniweave.train.distributed.comm import DistInfo, all_gather_objects
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -110,11 +111,6 @@ def check_fsdp2_support() -> None:
         )
 
 
-def _at_least_fp32(g: torch.Tensor) -> torch.Tensor:
-    """`g` in float32, or float64 when it is float64 (trainer.precision fp64)."""
-    return g.detach().to(torch.promote_types(g.dtype, torch.float32))
-
-
 def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
     """Clip the global L2 norm to `max_norm` (<= 0: no clipping).
 
@@ -123,7 +119,7 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tup
     params = [p for p in params if p.grad is not None]
     norm = (
         torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(_at_least_fp32(p.grad)) for p in params])
+            torch.stack([torch.linalg.vector_norm(at_least_fp32(p.grad.detach())) for p in params])
         ).item()
         if params
         else 0.0

@@ -25,13 +25,13 @@ mode with `requires_grad` False, and never handed to the optimizer (the trainer 
 optimises the student's parameters). Student and teacher must share the action spaces
 (`compare_action_spaces`), checked by `uniweave train`'s preflight from the teacher's
 tokenizer and codec files before anything is written, and again on the loaded models.
-`teacher_identity` (path and a SHA-256 of the directory's files) is written into every
-checkpoint; a resume against a different teacher is refused.
+`teacher_identity` (path and the digest of the directory's file hashes, the cached ones
+of the run's input fingerprints) is written into every checkpoint; a resume against a
+different teacher is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +40,6 @@ import torch
 
 from uniweave.algorithms.necessity import answer_events, fused_views
 from uniweave.algorithms.opd import (
-    bernoulli_jsd,
     categorical_divergence,
     clip_text_contribution,
     event_index,
@@ -50,7 +49,8 @@ from uniweave.algorithms.opd import (
 from uniweave.algorithms.sft import text_ce, visual_ce
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.algorithms import OPDConfig
-from uniweave.core.distributions import TextCategorical, VisualBits
+from uniweave.config.fingerprint import path_identity
+from uniweave.core.distributions import TextCategorical, VisualBits, bernoulli_jsd, bit_pairs
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.forward import forward_interleaved, scored_mask
@@ -65,16 +65,10 @@ EVENT_KINDS = ("text", "visual", "window")
 
 
 def teacher_identity(path: str | Path) -> dict[str, str]:
-    """{"path", "sha256"}: the resolved directory and a hash of its files (relative names
-    and bytes, in sorted order)."""
-    root = Path(path).resolve()
-    h = hashlib.sha256()
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(str(f.relative_to(root)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return {"path": str(root), "sha256": h.hexdigest()}
+    """{"path", "digest"}: the resolved directory and the digest of its files' content
+    hashes (`uniweave.config.fingerprint.path_identity`; hashes cached by the run's input
+    fingerprints, so a resume does not re-read the teacher)."""
+    return path_identity(path)
 
 
 def compare_action_spaces(student: ModelFacts, teacher: ModelFacts) -> None:
@@ -231,12 +225,11 @@ class OPDObjective(Objective):
                 tdist = plan.distribution(chunk.index, chunk.rows, chunk.cols + shift[chunk.rows])
             dist = chunk.dist
             if isinstance(dist, VisualBits):
-                ones = torch.ones_like(chunk.targets, dtype=dist.logits.dtype)
-                ps = torch.stack([dist.log_prob_factors(ones), dist.log_prob_factors(1 - ones)], -1)
+                if not isinstance(tdist, VisualBits):
+                    raise TypeError(f"cannot distil VisualBits from {type(tdist).__name__}")
+                ps = bit_pairs(dist.logits)
                 with torch.no_grad():
-                    qs = torch.stack(
-                        [tdist.log_prob_factors(ones), tdist.log_prob_factors(1 - ones)], -1
-                    )
+                    qs = bit_pairs(tdist.logits)
                 jsd = bernoulli_jsd(ps, qs, a.beta)
                 agree = ((ps[..., 0] > ps[..., 1]) == (qs[..., 0] > qs[..., 1])).float().mean(-1)
                 one = torch.ones_like(jsd)

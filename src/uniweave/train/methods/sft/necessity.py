@@ -26,6 +26,7 @@ from uniweave.algorithms.necessity import (
     trajectory_sum,
 )
 from uniweave.config.algorithms import NecessityDistillationConfig
+from uniweave.core.dtypes import at_least_fp32_dtype
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.forward import ForwardOutput
@@ -139,7 +140,7 @@ def nd_terms(
         finally:
             model.train(was)
         sums["nd/student_calls"] = 1.0
-    dtype = torch.promote_types(s_text.dtype, torch.float32)
+    dtype = at_least_fp32_dtype(s_text.dtype)
     d = torch.zeros(len(car.rows), device=s_text.device, dtype=dtype)
     if bool(tv.any()):
         d = d.index_put(
