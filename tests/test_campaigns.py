@@ -31,7 +31,7 @@ from trainer_helpers import (
 
 from uniweave import cli
 from uniweave.config import validate_config
-from uniweave.config.fingerprint import cache_path, fingerprint
+from uniweave.config.fingerprint import cache_path, digest, fingerprint, path_identity
 from uniweave.config.hashing import (
     ALWAYS_RESUMABLE,
     RESUME_MODES,
@@ -46,6 +46,7 @@ from uniweave.models.build import build_model
 from uniweave.models.registry import load_model
 from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.job import build_grpo_job
+from uniweave.train.methods.opd.objective import teacher_identity
 from uniweave.train.methods.sft.source import sft_trajectories
 from uniweave.train.run import _prepare_model
 
@@ -633,3 +634,33 @@ def test_content_hashes_are_cached_by_size_mtime_and_inode(tmp_path):
     replacement.write_bytes(b"abd")
     replacement.replace(file)  # another inode (and mtime), same size
     assert fingerprint(file)["w.bin"]["sha256"] == hashlib.sha256(b"abd").hexdigest()
+
+
+def test_the_teacher_identity_is_the_cached_file_identity(tmp_path):
+    """OPD's teacher identity (written into every checkpoint) is `path_identity`: the
+    digest of the directory's cached content hashes, the same ones the run's input
+    fingerprints record, so a start does not hash the teacher again; a copy of the
+    directory has the same digest."""
+    teacher = tmp_path / "teacher"
+    (teacher / "sub").mkdir(parents=True)
+    (teacher / "model.bin").write_bytes(b"weights")
+    (teacher / "sub" / "tok.json").write_bytes(b"{}")
+    first = teacher_identity(teacher)
+    assert (
+        first
+        == path_identity(teacher)
+        == {
+            "path": str(teacher.resolve()),
+            "digest": digest(fingerprint(teacher)),
+        }
+    )
+    copy = tmp_path / "copy"
+    shutil.copytree(teacher, copy)
+    assert teacher_identity(copy)["digest"] == first["digest"]
+    cache = json.loads(cache_path().read_text())
+    cache[str((teacher / "model.bin").resolve())]["sha256"] = "planted"
+    cache_path().write_text(json.dumps(cache))
+    planted = teacher_identity(teacher)["digest"]  # the stamp matched: the cached hash
+    assert planted != first["digest"]
+    (teacher / "model.bin").write_bytes(b"weights!")  # another size: hashed again
+    assert teacher_identity(teacher)["digest"] not in (first["digest"], planted)
