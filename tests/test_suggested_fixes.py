@@ -75,7 +75,7 @@ APPLIED_ELSEWHERE = {
         "a model with active dropout: tests/test_ig_full_view.py::"
         "test_fused_refuses_a_model_with_active_dropout computes the loss with it"
     ),
-    ("train/dist/parallel.py", "set trainer.parallel=ddp"): (
+    ("train/distributed/parallel.py", "set trainer.parallel=ddp"): (
         "an FSDP2 without set_reduce_scatter_unused_params (torch < 2.13): not this torch; "
         "ddp is trained by tests/test_parallel.py"
     ),
