@@ -31,7 +31,7 @@ model's conv-prior `MixCache`); `check_supported` refuses the rest.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -88,7 +88,7 @@ class SlotLayer(DynamicLayer):
         self.buf_v[:, :, self.n : self.n + t] = value_states
         self.n += t
         self.views()
-        return self.keys, self.values
+        return self.buf_k[:, :, self.lo : self.n], self.buf_v[:, :, self.lo : self.n]
 
     def get_seq_length(self) -> int:
         return self.n - self.lo
@@ -102,12 +102,18 @@ class SlotBatch:
         self.model, self.S, self.margin, self.lean = model, slots, margin, lean
         self.n = margin  # the next column every slot writes
         self.lo = margin
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # bool [S, C]
+        self.cache: DynamicCache | None = None  # built at the first admission (`_allocate`)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool)  # bool [S, C]
         self.start: list[int | None] = [None] * slots  # first column of each live slot
-        self.next_position: torch.Tensor | None = None  # long [S]
-        self.hidden: torch.Tensor | None = None  # [S, d]
+        self.next_position = torch.zeros(0, dtype=torch.long)  # long [S]
+        self.hidden = torch.zeros(0, 0)  # [S, d]
         self.bits: int | None = None
+
+    @property
+    def layers(self) -> list[SlotLayer]:
+        """The slot layers of the cache (after the first admission)."""
+        assert self.cache is not None, "no slot cache before the first admission"
+        return cast("list[SlotLayer]", self.cache.layers)
 
     # ---- admission -------------------------------------------------------------------
     def admit(self, placed: list[tuple[int, Trajectory]], pad_id: int) -> None:
@@ -127,7 +133,7 @@ class SlotBatch:
         n = self.n
         for (slot, prompt), j in zip(placed, inverse):
             P = len(prompt)
-            for layer, src in zip(self.cache.layers, out.cache.layers):
+            for layer, src in zip(self.layers, out.cache.layers):
                 layer.buf_k[slot, :, n - P : n] = src.keys[j, :, width - P :]
                 layer.buf_v[slot, :, n - P : n] = src.values[j, :, width - P :]
             self.mask[slot, :n] = False
@@ -146,7 +152,7 @@ class SlotBatch:
             v = src.values.new_zeros(self.S, H, C, src.values.shape[-1])
             layers.append(SlotLayer(k, v, self.lo, self.n))
         self.cache = DynamicCache()
-        self.cache.layers = layers
+        self.cache.layers = list(layers)
         self.mask = torch.zeros(self.S, C, dtype=torch.bool, device=last.device)
         self.next_position = torch.zeros(self.S, dtype=torch.long, device=last.device)
         self.hidden = last.new_zeros(self.S, last.shape[-1])
@@ -159,7 +165,7 @@ class SlotBatch:
     def _window(self) -> None:
         live = [s for s in self.start if s is not None]
         self.lo = min(live) if live else self.n
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.lo = self.lo
             layer.views()
 
@@ -167,7 +173,7 @@ class SlotBatch:
     def select(self, keep: list[int]) -> None:
         """Keep only slots `keep` (in this order)."""
         idx = torch.tensor(keep, device=self.mask.device)
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.buf_k, layer.buf_v = layer.buf_k[idx], layer.buf_v[idx]
             layer.views()
         self.mask, self.hidden = self.mask[idx], self.hidden[idx]
@@ -185,7 +191,7 @@ class SlotBatch:
         shift = min(shift, self.n - self.margin)  # later prompts still fit left of n
         if shift >= C // 4:
             w = self.n - shift
-            for layer in self.cache.layers:
+            for layer in self.layers:
                 layer.buf_k[:, :, :w] = layer.buf_k[:, :, shift : self.n].clone()
                 layer.buf_v[:, :, :w] = layer.buf_v[:, :, shift : self.n].clone()
             self.mask[:, :w] = self.mask[:, shift : self.n].clone()
@@ -194,7 +200,7 @@ class SlotBatch:
             self.n, self.lo = w, self.lo - shift
         else:
             grow = C
-            for layer in self.cache.layers:
+            for layer in self.layers:
                 layer.buf_k = torch.cat(
                     [layer.buf_k, torch.zeros_like(layer.buf_k)[:, :, :grow]], 2
                 )
@@ -202,7 +208,7 @@ class SlotBatch:
                     [layer.buf_v, torch.zeros_like(layer.buf_v)[:, :, :grow]], 2
                 )
             self.mask = torch.cat([self.mask, torch.zeros_like(self.mask)[:, :grow]], 1)
-        for layer in self.cache.layers:
+        for layer in self.layers:
             layer.n, layer.lo = self.n, self.lo
             layer.views()
 

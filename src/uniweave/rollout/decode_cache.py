@@ -36,18 +36,25 @@ class GrowingLayer(DynamicLayer):
         self._values: torch.Tensor | None = None
         self._n = 0
 
-    def _views(self) -> None:
-        self.keys = self._keys[:, :, : self._n]
-        self.values = self._values[:, :, : self._n]
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers (after the first update)."""
+        assert self._keys is not None and self._values is not None
+        return self._keys, self._values
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._buffers()
+        self.keys = keys[:, :, : self._n]
+        self.values = values[:, :, : self._n]
+        return self.keys, self.values
 
     def _grow(self, need: int) -> None:
         cap = max(2 * need, need + self.reserve)
-        keys, values = self._keys, self._values
+        keys, values = self._buffers()
         shape = (*keys.shape[:2], cap, keys.shape[-1])
-        self._keys = keys.new_empty(shape)
-        self._values = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
-        self._keys[:, :, : self._n] = keys[:, :, : self._n]
-        self._values[:, :, : self._n] = values[:, :, : self._n]
+        self._keys = new_k = keys.new_empty(shape)
+        self._values = new_v = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
+        new_k[:, :, : self._n] = keys[:, :, : self._n]
+        new_v[:, :, : self._n] = values[:, :, : self._n]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -60,11 +67,11 @@ class GrowingLayer(DynamicLayer):
             self._grow(t)
         elif self._n + t > self._keys.shape[-2]:
             self._grow(self._n + t)
-        self._keys[:, :, self._n : self._n + t] = key_states
-        self._values[:, :, self._n : self._n + t] = value_states
+        keys, values = self._buffers()
+        keys[:, :, self._n : self._n + t] = key_states
+        values[:, :, self._n : self._n + t] = value_states
         self._n += t
-        self._views()
-        return self.keys, self.values
+        return self._views()
 
     def get_seq_length(self) -> int:
         return self._n
@@ -75,28 +82,29 @@ class GrowingLayer(DynamicLayer):
         a new buffer."""
         if self._keys is None:
             return
+        keys, values = self._buffers()
         k, n = len(indices), self._n
-        if k > self._keys.shape[0]:
-            keys, values = self._keys, self._values
-            self._keys = keys.new_empty((k, *keys.shape[1:]))
-            self._values = values.new_empty((k, *values.shape[1:]))
-            self._keys[:, :, :n] = keys[indices, :, :n]
-            self._values[:, :, :n] = values[indices, :, :n]
+        if k > keys.shape[0]:
+            self._keys = new_k = keys.new_empty((k, *keys.shape[1:]))
+            self._values = new_v = values.new_empty((k, *values.shape[1:]))
+            new_k[:, :, :n] = keys[indices, :, :n]
+            new_v[:, :, :n] = values[indices, :, :n]
             self._views()
             return
-        self._keys[:k, :, :n] = self._keys[indices, :, :n]
-        self._values[:k, :, :n] = self._values[indices, :, :n]
-        self._keys, self._values = self._keys[:k], self._values[:k]
+        keys[:k, :, :n] = keys[indices, :, :n]
+        values[:k, :, :n] = values[indices, :, :n]
+        self._keys, self._values = keys[:k], values[:k]
         self._views()
 
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, keep: int) -> None:
         """Copy rows `src` onto rows `dst` (in place), then keep the first `keep` rows."""
         if self._keys is None:
             return
+        keys, values = self._buffers()
         n = self._n
-        self._keys[dst, :, :n] = self._keys[src, :, :n]
-        self._values[dst, :, :n] = self._values[src, :, :n]
-        self._keys, self._values = self._keys[:keep], self._values[:keep]
+        keys[dst, :, :n] = keys[src, :, :n]
+        values[dst, :, :n] = values[src, :, :n]
+        self._keys, self._values = keys[:keep], values[:keep]
         self._views()
 
     def reset(self) -> None:
@@ -114,8 +122,9 @@ class GrowingLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._keys is None:
             return
-        self._keys = self._keys.repeat_interleave(repeats, dim=0)
-        self._values = self._values.repeat_interleave(repeats, dim=0)
+        keys, values = self._buffers()
+        self._keys = keys.repeat_interleave(repeats, dim=0)
+        self._values = values.repeat_interleave(repeats, dim=0)
         self._views()
 
 

@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache, partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -40,7 +40,8 @@ from uniweave.core.trajectory import Trajectory, validate_all
 from uniweave.core.types import Modality, Owner
 from uniweave.data.template import image_generation_prefix, parse_image_header, serialize
 from uniweave.data.tokenizer import SpecialIds
-from uniweave.models.base import UnifiedModel
+from uniweave.core.distributions import VisualBits
+from uniweave.models.base import StreamIds, UnifiedModel
 from uniweave.rollout.continuous import SlotBatch, check_supported, pad_input
 from uniweave.rollout.decode_batch import DecodeBatch
 from uniweave.rollout.decode_cache import holes_filled
@@ -108,6 +109,7 @@ class RolloutEngine:
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.own_format = self.tokenizer is model.tokenizer
+        self.special: StreamIds | SpecialIds
         if self.own_format:
             self.special = model.special_ids
             self.parse_header = model.parse_image_header
@@ -220,7 +222,9 @@ class RolloutEngine:
                 f"{where}: max_new_tokens None bounds the row by the model's context length, "
                 "but the model declares none (pass max_positions)"
             )
-        need = len(prompt) + (grid[0] * grid[1] + 1 if p.length_semantics == "exact" else 1)
+        need = len(prompt) + 1
+        if p.length_semantics == "exact" and grid is not None:
+            need += grid[0] * grid[1]
         if self.max_positions is not None and need > self.max_positions:
             raise ValueError(
                 f"{where}: needs {need} positions (prompt {len(prompt)}), more than the "
@@ -315,6 +319,7 @@ class RolloutEngine:
         n_rows = len(states) + len(twins)
         margin = max(len(p) for p in [*prompts, *twins.values()])
         lean = lean_step(self.model) if self.lean else None
+        assert self.slots is not None, "continuous batching without a slot count"
         batch = SlotBatch(self.model, min(self.slots, n_rows), margin, lean)
         slot_rows: list[tuple[int, bool] | None] = [None] * batch.S
         waiting = list(range(len(states)))[::-1]  # pop() takes the next in order
@@ -346,7 +351,9 @@ class RolloutEngine:
             rows = [slot_rows[s] for s in taken]
             self._act(states, gens, rows, _rows(batch.hidden, taken), keys)
             for s in taken:
-                if states[slot_rows[s][0]].done:
+                row = slot_rows[s]
+                assert row is not None, "an acting slot holds a row"
+                if states[row[0]].done:
                     slot_rows[s] = None
                     batch.free(s)
 
@@ -364,14 +371,15 @@ class RolloutEngine:
                 batch.select(live)
                 slot_rows = [slot_rows[s] for s in live]
             batch._window()
-            inputs = []
+            inputs: list[tuple[int, int, Any, int]] = []
             for r in slot_rows:
                 if r is None:
                     inputs.append(pad_input(pad))
                 else:
                     s = states[r[0]]
                     inputs.append((*s.last_input(), s.last_image_position()))
-            batch.step(tuple(map(list, zip(*inputs))))
+            ids, mods, codes, where = map(list, zip(*inputs))
+            batch.step((ids, mods, codes, where))
             act([s for s, r in enumerate(slot_rows) if r is not None])
 
     def _act(
@@ -379,7 +387,8 @@ class RolloutEngine:
     ) -> None:
         """Append one position to every live row, sampling in groups of equal params
         (`keys[k]`: the group keys of request k, `_keys`)."""
-        cond, uncond = {}, {}
+        cond: dict[int, int] = {}
+        uncond: dict[int, int] = {}
         for b, (k, is_twin) in enumerate(rows):
             (uncond if is_twin else cond)[k] = b
         text, visual = defaultdict(list), defaultdict(list)
@@ -409,21 +418,25 @@ class RolloutEngine:
             idx = [cond[k] for k in ks] + ([uncond[k] for k in ks] if params.guided else [])
             logits = model.visual_logits(_rows(hidden, idx))
             c, u = (logits[: len(ks)], logits[len(ks) :]) if params.guided else (logits, None)
-            dist = visual_distribution(model.visual_head, c, u, params)
-            codes = dist.mode() if params.greedy else dist.sample([gens[k] for k in ks])
+            vdist = visual_distribution(model.visual_head, c, u, params)
+            codes = vdist.mode() if params.greedy else vdist.sample([gens[k] for k in ks])
             if model.visual_head == "bsq":
-                factors = dist.log_prob_factors(codes)
+                assert isinstance(vdist, VisualBits), "a BSQ head samples bits"
+                factors = vdist.log_prob_factors(codes)
                 for j, k in enumerate(ks):
                     states[k].push_visual(codes[j].cpu(), float(factors[j].sum()), factors[j].cpu())
             else:
-                logp = dist.log_prob(codes)
+                logp = vdist.log_prob(codes)
                 for k, code, lp in zip(ks, codes.tolist(), logp.tolist()):
                     states[k].push_visual(code, lp)
 
     def _inputs(self, states: list[RowState], rows) -> tuple[list[int], list[int], list, list]:
         """Next input (token, modality, code, index within its image) of each batch row;
         padding for finished rows."""
-        ids, modality, codes, where = [], [], [], []
+        ids: list[int] = []
+        modality: list[int] = []
+        codes: list[Any] = []
+        where: list[Any] = []
         for k, _ in rows:
             s = states[k]
             if s.done:

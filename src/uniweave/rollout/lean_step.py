@@ -17,7 +17,7 @@ gets None and the engine runs the model's own forward (the same numbers, slower)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +111,8 @@ class LeanLlamaStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         hidden = embeds
-        for i, layer in enumerate(decoder.layers):
+        for i, block in enumerate(decoder.layers):
+            layer = cast(LlamaDecoderLayer, block)
             attn, mlp = layer.self_attn, layer.mlp
             residual = hidden
             x = _rms_norm(layer.input_layernorm, hidden)

@@ -43,8 +43,12 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> None:
 
 
 def _positive_float(name: str, value: object) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"SamplingParams.{name} must be a finite number > 0, got {value!r}")
 
 

@@ -126,7 +126,9 @@ class RolloutService:
             return list(local)
         parts: list[list[T] | None] = [None] * self.world_size
         dist.all_gather_object(parts, list(local), group=self.group)
-        out = interleave(parts)
+        filled = [p for p in parts if p is not None]
+        assert len(filled) == self.world_size, "all_gather_object fills every rank's part"
+        out = interleave(filled)
         if len(out) != n:
             raise ValueError(f"gather: the ranks hold {len(out)} items, expected {n}")
         return out
@@ -163,7 +165,7 @@ class RolloutService:
             self.last_indices = indices
             return indices, self.generate([requests[i] for i in indices], after_batch)
         lengths = [self.prepared_length(r) for r in requests]
-        indices: list[int] = []
+        indices = []
         out: list[RolloutTrajectory] = []
         for claim in self.queue.claims(lengths, self.batch_size):
             out += self.generate([requests[i] for i in claim])

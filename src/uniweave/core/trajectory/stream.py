@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -18,6 +18,9 @@ from uniweave.core.trajectory.rules import (
     validate_all,
 )
 from uniweave.core.types import FinishReason, LengthSemantics, Modality, Owner
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _OPTIONAL_PER_ROW = (
     "rollout_logp",
@@ -75,7 +78,7 @@ class Trajectory:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Trajectory:
+    def from_state(cls, state: dict[str, Any]) -> Self:
         """The trajectory `to_state` gave (validated); ValueError naming a bad field."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(state) - names)
@@ -86,7 +89,7 @@ class Trajectory:
         kw["images"] = list(state.get("images", []))
         return cls(**kw).validate()
 
-    def validate(self) -> Trajectory:
+    def validate(self) -> Self:
         """Check every rule of `uniweave.core.trajectory.rules`: the layout (types, dtypes,
         shapes, grids, labels: `check_layout`), then the values (`value_rules`); ValueError
         naming the field of the first that fails. Returns self. `validate_all` checks the

@@ -8,14 +8,17 @@
   metric sums, and `finalize`s the sums once they are added over micro-batches and
   ranks.
 
-Every member the trainer may call is declared here. The optional ones have a default
-that does nothing, so a method subclasses these classes and overrides only what it needs
-(the trainer never probes a source or objective with `getattr`).
+Every member the trainer may call is declared here. Both are abstract base classes: the
+members every method must provide are abstract (a subclass that lacks one cannot be
+constructed: TypeError naming it), and the optional ones have a default that does
+nothing, so a method overrides only what it needs (the trainer never probes a source or
+objective with `getattr`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,18 +28,18 @@ from uniweave.models.base import UnifiedModel
 from uniweave.train.distributed.comm import DistInfo
 
 
-class BatchSource(Protocol):
+class BatchSource(ABC):
     logs_samples: bool = False
     """True when `samples` returns rows to log (rollout sources)."""
 
+    @abstractmethod
     def global_batch(self, update: int) -> list[Trajectory]:
         """The trajectories of update `update` (the same on every rank and every retry),
         each carrying the per-row data its objective needs (advantages, anchors, ...)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def batch_metrics(self, update: int) -> dict[str, float]:
         """Metrics of producing update `update`'s batch (rewards, rollout speed, ...)."""
-        raise NotImplementedError
 
     def samples(self, update: int, n: int) -> list[dict[str, Any]]:
         """Up to `n` rows of update `update` to log (prompt, response, reward, image);
@@ -57,9 +60,10 @@ class BatchSource(Protocol):
 
     def close(self) -> None:
         """Release what the source holds beyond the run (rollout/reward workers)."""
+        return None
 
 
-class Objective(Protocol):
+class Objective(ABC):
     identity: dict[str, str] | None = None
     """What besides the config a checkpoint must match to be resumed (e.g. OPD's teacher
     path and content hash); written into every checkpoint."""
@@ -73,30 +77,32 @@ class Objective(Protocol):
         """Whether row `traj`'s loss belongs to the second of `gradient_parts`."""
         return False
 
+    @abstractmethod
     def count(self, batch: TrajectoryBatch) -> int:
         """This shard's contribution to the global normaliser."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss(
         self, model: UnifiedModel, micro: TrajectoryBatch, n_global: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's share of the global loss, and metric *sums* of the
         micro-batch (additive over micro-batches and ranks; the same keys every call)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finalize(self, sums: dict[str, float], n_global: int) -> dict[str, float]:
         """The logged metrics of an update from its `loss` sums, added over every
         micro-batch and all-reduced over ranks."""
-        raise NotImplementedError
 
     def begin_update(self, update: int, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
         """Called once per update before the micro-batches (on every rank, with this
         rank's micro-batches): an objective whose loss needs the update number or a
         global count besides `count` (SFT with Information Gain) sets them here."""
+        return None
 
     def after_step(self) -> None:
         """Called after every optimizer step (SFT's EMA Necessity distillation updates its
         EMA shadow here)."""
+        return None
 
     def state_dict(self) -> dict[str, Any] | None:
         """State the objective carries across updates that a checkpoint must hold to
