@@ -35,12 +35,12 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from uniweave.core.distributions import VisualBits
 from uniweave.core.sample import GenerationRequest, Sample
 from uniweave.core.trajectory import Trajectory, validate_all
 from uniweave.core.types import Modality, Owner
 from uniweave.data.template import image_generation_prefix, parse_image_header, serialize
 from uniweave.data.tokenizer import SpecialIds
-from uniweave.core.distributions import VisualBits
 from uniweave.models.base import StreamIds, UnifiedModel
 from uniweave.rollout.continuous import SlotBatch, check_supported, pad_input
 from uniweave.rollout.decode_batch import DecodeBatch
