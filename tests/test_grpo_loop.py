@@ -44,6 +44,7 @@ from uniweave.forward import body_hidden
 from uniweave.models.build import build_model
 from uniweave.replay import replay_logprobs
 from uniweave.rewards import PLUGINS, RewardError, RewardPlugin
+from uniweave.rewards.digit_classifier import DigitClassifier
 from uniweave.rollout import SamplingParams
 from uniweave.rollout.config import sampling_params
 from uniweave.train.distributed.comm import DistInfo
@@ -108,9 +109,21 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     ids = [t.sample_id for t in trajs]
     assert validate_groups(ids) == (2, 4) and ids[:2] == ["prompt-0/0", "prompt-0/1"]
     assert {t.finish_reason for t in trajs} == {"length_exact"}
+    rollout = trainer.source.rollout(0)  # the batch update 0 trains on (before it changes)
     metrics = fit_metrics(trainer)[0]
     assert metrics["reward/overwritten_frac"] == 0.0
-    assert metrics["reward/total_mean"] > 0 and metrics["reward/total_std"] > 0
+    # the rewards are the classifier's p(target digit) of each decoded image, recomputed
+    # here from the trajectories' codes, and the logged mean/std are theirs
+    expected = _classifier_rewards(trainer.model, rollout, assets["clf"])
+    # bound: the classifier's fp32 forward in two batch geometries (reductions 9 + 9c + 32c +
+    # hidden + 10 for channels c=16, hidden 64) at probability scale 1
+    tol = reduction_bound(1.0, 739)
+    assert_within((torch.tensor(rollout.rewards).double() - expected).abs(), tol)
+    # the service's float64 mean and population std of the same float32 rewards: both move
+    # by at most the largest reward difference (the std is 1-Lipschitz in the max norm)
+    assert_within(abs(metrics["reward/total_mean"] - float(expected.mean())), tol)
+    assert_within(abs(metrics["reward/total_std"] - float(expected.std(correction=0))), tol)
+    assert metrics["reward/total_std"] > 0  # the 8 rewards are not all equal
     assert metrics["rollout/finish_length_exact_frac"] == 1.0
     assert metrics["policy/ratio_is_one_by_construction"] == 1.0
     assert metrics["policy/ratio_mean"] == 1.0 and metrics["policy/clip_frac"] == 0.0
@@ -124,6 +137,22 @@ def test_one_update_per_action_space_with_exact_count_images(tmp_path, assets, k
     assert samples[1]["reward"] == float(trainer.source.rollout(0).rewards[4])
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def _classifier_rewards(model, rollout, clf_dir) -> torch.Tensor:
+    """p(target digit | image) of every row of `rollout`: the image decoded by the codec
+    from the codes at the row's image positions, scored by the classifier of `clf_dir`;
+    float64 [rows]."""
+    clf = DigitClassifier.from_pretrained(clf_dir)
+    H, W = model.codec.grid
+    codes = []
+    for traj in rollout.trajectories:
+        where = traj.modality == int(Modality.VISUAL)
+        codes.append(traj.visual_codes[where].reshape(H, W, *traj.visual_codes.shape[1:]))
+    pixels = model.codec.decode(torch.stack(codes))
+    digits = torch.tensor([int(s.meta.get("digit", s.answer)) for s in rollout.samples])
+    proba = clf.predict_proba(pixels).double()
+    return proba[torch.arange(len(digits)), digits]
 
 
 def _grad_reductions(model, batch) -> int:
