@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -20,7 +25,21 @@ def tok() -> PreTrainedTokenizerFast:
 
 
 def test_vocab_is_deterministic_and_specials_come_first(tok):
-    assert build_vocab() == build_vocab()
+    # the vocabulary is a function of the code alone: another interpreter, with its own
+    # string-hash randomisation, builds the same one (same tokens at the same ids)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from uniweave.data.tokenizer import build_vocab; "
+            "print(json.dumps(build_vocab()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "random"},
+    )
+    assert json.loads(other.stdout) == build_vocab()
     assert build_tokenizer().get_vocab() == tok.get_vocab()
     vocab = tok.get_vocab()
     for i, t in enumerate(SPECIAL_TOKENS):
