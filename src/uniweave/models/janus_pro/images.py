@@ -14,6 +14,7 @@ VQ decoding inverts that, x = clip(x' * std + mean, 0, 1), as
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ class JanusVQCodec:
     def __init__(self, hf: JanusForConditionalGeneration, spec: PixelSpec) -> None:
         self._hf = hf
         self.spec = spec
-        vq = hf.config.vq_config
+        vq: Any = hf.config.vq_config  # transformers types sub-configs as dict | config | None
         self.codebook_size = int(vq.num_embeddings)
         side = int(vq.num_patches)
         self.grid = (side, side)

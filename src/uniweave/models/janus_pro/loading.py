@@ -14,6 +14,7 @@ token id, the vocabulary size). Nothing is downloaded.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -52,7 +53,8 @@ def check_checkpoint(path: Path) -> dict:
 
 def check_geometry(config: JanusConfig, image_size: int, where: Path) -> None:
     """The understanding and generation paths must agree on one square image grid."""
-    vision, vq = config.vision_config, config.vq_config
+    vision: Any = config.vision_config  # transformers types sub-configs as dict | config
+    vq: Any = config.vq_config
     side = int(vision.image_size) // int(vision.patch_size)
     downsample = 2 ** (len(vq.channel_multiplier) - 1)
     problems = []
@@ -79,7 +81,8 @@ def check_tokenizer(tokenizer, config: JanusConfig, where: Path) -> JanusTokens:
             f"{where}: tokenizer's {IMAGE} is id {tokens.image} but config image_token_id is "
             f"{config.image_token_id} (mismatched tokenizer)"
         )
-    vocab = int(config.text_config.vocab_size)
+    text: Any = config.text_config  # transformers types sub-configs as dict | config
+    vocab = int(text.vocab_size)
     if len(tokenizer) > vocab:
         raise ValueError(
             f"{where}: tokenizer has {len(tokenizer)} tokens but the model's text vocabulary "
@@ -95,7 +98,7 @@ def inspect_checkpoint(path: Path, full: bool = False) -> ModelFacts:
     (the VQ codebook lives in the weights: no codec tensors). No weights are read."""
     path = Path(path)
     check_checkpoint(path)
-    vq = JanusConfig.from_pretrained(str(path)).vq_config
+    vq: Any = JanusConfig.from_pretrained(str(path)).vq_config
     processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=False)
     size = (int(processor.size["height"]), int(processor.size["width"]))
     vocab = None

@@ -90,7 +90,10 @@ class JanusProModel(UnifiedModel):
 
     @property
     def max_positions(self) -> int:
-        return int(self.config.text_config.max_position_embeddings)
+        text: Any = (
+            self.config.text_config
+        )  # transformers types sub-configs as dict | config | None
+        return int(text.max_position_embeddings)
 
     # ---- chat format ---------------------------------------------------------------
     @property
@@ -173,7 +176,8 @@ class JanusProModel(UnifiedModel):
         """Aligned SigLIP features [n, N, d] of checked pixels [S, S, 3] in [0, 1]; equal
         images (a group's members share theirs) go through the tower once."""
         slot: dict[bytes, int] = {}
-        keys, distinct = [], []
+        keys: list[Any] = []
+        distinct: list[Any] = []
         for image in images:
             px = torch.as_tensor(image).detach().float().cpu().contiguous()
             key = hashlib.blake2b(px.numpy().tobytes(), digest_size=16).digest()

@@ -71,7 +71,7 @@ class JanusTokens:
                 f"tokenizer lacks Janus-Pro special token(s) {', '.join(missing)} "
                 "(is it a Janus-Pro tokenizer?)"
             )
-        return cls(*(int(found[tag]) for tag in SPECIAL_TOKENS))
+        return cls(*(int(found[tag]) for tag in SPECIAL_TOKENS))  # type: ignore[arg-type]  # one token -> one id
 
 
 class _Stream:
@@ -162,7 +162,7 @@ class JanusTemplate:
                 raise ValueError(
                     f"sample {sample.id!r} parts[{k}]: a GenerationRequest must be last"
                 )
-        stream, pixels = _Stream(self), []
+        stream, pixels = _Stream(self), []  # type: list[Any]
         open_turn = False
         for role, members in turns_of(parts):
             if role == "assistant":
@@ -311,5 +311,5 @@ class JanusTemplate:
     def _text(self, ids: list[int]) -> list[Part]:
         if not ids:
             return []
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
         return [TextPart(text[1:] if text.startswith(" ") else text, "assistant")]

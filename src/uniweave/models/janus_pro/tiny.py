@@ -15,6 +15,7 @@ import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -85,7 +86,7 @@ def build_tokenizer(texts: Iterable[str] = ()) -> PreTrainedTokenizerFast:
 
 def tiny_config(spec: TinyJanusSpec, tokenizer: PreTrainedTokenizerFast) -> JanusConfig:
     d, side = spec.hidden_size, spec.grid * spec.patch
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IMAGE)}
+    ids: dict[str, Any] = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IMAGE)}
     text = LlamaConfig(
         vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=d,
@@ -144,11 +145,9 @@ def write_tiny_checkpoint(
     torch.manual_seed(spec.seed)
     model = JanusForConditionalGeneration(config)
     gen = model.generation_config
-    gen.pad_token_id, gen.bos_token_id = (
-        config.text_config.pad_token_id,
-        config.text_config.bos_token_id,
-    )
-    gen.eos_token_id = config.text_config.eos_token_id
+    text: Any = config.text_config  # transformers types sub-configs as dict | config | None
+    gen.pad_token_id, gen.bos_token_id = text.pad_token_id, text.bos_token_id
+    gen.eos_token_id = text.eos_token_id
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     side = spec.grid * spec.patch

@@ -30,6 +30,7 @@ every body call (the decoder layers' signatures carry neither the 2-D mask nor t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,7 +135,8 @@ def install_mixers(decoder: nn.Module, kernel: int, init_std: float | None = Non
     is what lets attention bind them before any previous-token head has formed."""
     init_std = kernel**-0.5 if init_std is None else init_std
     ctx = MixContext()
-    for i, layer in enumerate(decoder.layers):
+    layers: Any = decoder.layers  # an nn.ModuleList of Llama-like layers
+    for i, layer in enumerate(layers):
         d = layer.input_layernorm.weight.shape[0]
         layer.input_layernorm = MixedNorm(
             layer.input_layernorm, CausalMixer(d, kernel, 2 * i, init_std), ctx

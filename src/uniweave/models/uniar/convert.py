@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
@@ -49,7 +50,8 @@ def from_qwen3_vl(
     add_special_tokens(tokenizer)
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))
     hf = Qwen3VLForConditionalGeneration.from_pretrained(str(qwen_dir), dtype=torch.float32)
-    if len(tokenizer) > hf.config.text_config.vocab_size:
+    text: Any = hf.config.text_config  # transformers types sub-configs as dict | config | None
+    if len(tokenizer) > text.vocab_size:
         hf.resize_token_embeddings(len(tokenizer))
     torch.manual_seed(seed)
     return UniARModel(hf.eval(), tokenizer, processor, codec, spec).eval()

@@ -15,6 +15,7 @@ and no checkpoint code runs (`trust_remote_code=False`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3VLConfig
@@ -112,7 +113,8 @@ def check_tokenizer(tokenizer, record: dict, config: Qwen3VLConfig, path: Path) 
                 f"{path / 'config.json'}: field {field} is {getattr(config, field)} but the "
                 f"tokenizer gives {found[name]}"
             )
-    vocab = int(config.text_config.vocab_size)
+    text: Any = config.text_config  # transformers types sub-configs as dict | config | None
+    vocab = int(text.vocab_size)
     if len(tokenizer) > vocab:
         raise ValueError(
             f"{path / 'config.json'}: field text_config.vocab_size is {vocab} but the "

@@ -91,14 +91,17 @@ class UniARModel(UnifiedModel):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.codec = codec
-        text = hf.config.text_config
+        text: Any = hf.config.text_config  # transformers types sub-configs as dict | config | None
         d, n_bits = int(text.hidden_size), int(codec.bits_per_position)
         self.bit_embed = BitEmbedding(n_bits, codec.latent_dim, d)
         width = self.spec.decoder_width or d
         self.visual_decoder = VisualDecoder(
             d, width, self.spec.decoder_layers, n_bits, float(text.rms_norm_eps)
         )
-        self.merge = int(hf.config.vision_config.spatial_merge_size)
+        vision: Any = (
+            hf.config.vision_config
+        )  # transformers types sub-configs as dict | config | None
+        self.merge = int(vision.spatial_merge_size)
         self.vision = VisionInputs(image_processor, self.merge)
         norm = self.model.language_model.norm
         norm._uniweave_skip = False
@@ -118,7 +121,10 @@ class UniARModel(UnifiedModel):
 
     @property
     def max_positions(self) -> int:
-        return int(self.config.text_config.max_position_embeddings)
+        text: Any = (
+            self.config.text_config
+        )  # transformers types sub-configs as dict | config | None
+        return int(text.max_position_embeddings)
 
     # ---- chat format -----------------------------------------------------------------
     def prompt_trajectory(self, sample: Sample, add_generation_prompt: bool = True) -> Trajectory:

@@ -134,7 +134,8 @@ def build_tiny_uniar(
     torch.manual_seed(seed)
     hf = Qwen3VLForConditionalGeneration(config)
     gen = hf.generation_config
-    gen.pad_token_id, gen.eos_token_id = config.text_config.pad_token_id, special_id_map(tok)["eos"]
+    text: Any = config.text_config  # transformers types sub-configs as dict | config | None
+    gen.pad_token_id, gen.eos_token_id = text.pad_token_id, special_id_map(tok)["eos"]
     return UniARModel(hf.eval(), tok, image_processor(), codec, spec).eval()
 
 
