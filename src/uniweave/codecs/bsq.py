@@ -206,15 +206,21 @@ class BSQCodec(ImageCodec):
     def is_fitted(self) -> bool:
         return self.net is not None
 
+    @property
+    def _fitted_net(self) -> BSQAutoencoder:
+        """The autoencoder (after `fit` or loading)."""
+        assert self.net is not None, "the BSQ codec is not fitted"
+        return self.net
+
     def _build(self) -> BSQAutoencoder:
         return BSQAutoencoder(self.latent_dim, self.hidden, self.patch, self.channels)
 
     def loss(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Training loss on pixels x [B, H, W(, C)] (module docstring) and its parts."""
         self._check_fitted()
-        u = self.net.latents(x)
+        u = self._fitted_net.latents(x)
         c_hat = quantize(u)
-        recon = nn.functional.mse_loss(self.net.decode(c_hat), x)
+        recon = nn.functional.mse_loss(self._fitted_net.decode(c_hat), x)
         flat = u.permute(0, 2, 3, 1).reshape(-1, self.latent_dim)
         commit = (flat - quantize(flat).detach()).pow(2).sum(-1).mean()
         codebook = sub_codebook(self.entropy_group, self.latent_dim)
@@ -235,9 +241,9 @@ class BSQCodec(ImageCodec):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.net = self._build()
-        self.net.train()
+        self._fitted_net.train()
         train_minibatches(
-            self.net.parameters(),
+            self._fitted_net.parameters(),
             lambda idx: self.loss(x[idx])[0],
             n=x.shape[0],
             epochs=self.epochs,
@@ -246,7 +252,7 @@ class BSQCodec(ImageCodec):
             weight_decay=0.0,
             seed=seed,
         )
-        self.net.eval()
+        self._fitted_net.eval()
         return self
 
     def encode(self, pixels: ArrayLike) -> torch.Tensor:
@@ -254,7 +260,7 @@ class BSQCodec(ImageCodec):
         self._check_fitted()
         x = self._pixels(pixels)
         with torch.no_grad():
-            u = self.net.latents(x)
+            u = self._fitted_net.latents(x)
         bits = (u > 0).float().permute(0, 2, 3, 1).contiguous()
         return group_bits(bits, self.group) if self.group > 1 else bits
 
@@ -289,14 +295,15 @@ class BSQCodec(ImageCodec):
             bits = ungroup_bits(bits, self.group, self.latent_dim)
         c = ((2.0 * bits - 1.0) / math.sqrt(self.latent_dim)).permute(0, 3, 1, 2)
         with torch.no_grad():
-            return self.net.decode(c.contiguous())
+            return self._fitted_net.decode(c.contiguous())
 
     def feature_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight [hidden, L], bias [hidden]) of the decoder's first layer, the 1x1 conv
         that maps one cell's code vector to features: the code -> feature projection F
         of the Soft-BSQ loss (docs/numerics.md §2). Detached float32 copies."""
         self._check_fitted()
-        conv = self.net.decoder[0]
+        conv = self._fitted_net.decoder[0]
+        assert isinstance(conv, nn.Conv2d), "the decoder starts with a 1x1 conv"
         return conv1x1_affine(conv)
 
     def with_group(self, group: int) -> BSQCodec:
@@ -326,7 +333,7 @@ class BSQCodec(ImageCodec):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         self._check_fitted()
-        return dict(self.net.state_dict())
+        return dict(self._fitted_net.state_dict())
 
     @classmethod
     def _from_state(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> BSQCodec:

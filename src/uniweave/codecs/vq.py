@@ -131,6 +131,12 @@ class VQCodec(ImageCodec):
     def is_fitted(self) -> bool:
         return self.codebook is not None
 
+    @property
+    def _fitted_codebook(self) -> torch.Tensor:
+        """The codebook (after `fit` or loading)."""
+        assert self.codebook is not None, "the VQ codec is not fitted"
+        return self.codebook
+
     def fit(self, images: ArrayLike, seed: int = 0) -> VQCodec:
         """Fit the codebook on every patch of `images` (float64 k-means, stored float32)."""
         pixels = self._pixels(images)
@@ -147,6 +153,7 @@ class VQCodec(ImageCodec):
                 centers, inertia = kmeans(x, self.codebook_size, generator, self.max_iter)
                 if inertia < best_inertia:
                     best, best_inertia = centers, inertia
+        assert best is not None, "n_init >= 1 k-means runs"
         self.codebook = best.float().clamp(0.0, 1.0)
         return self
 
@@ -155,7 +162,7 @@ class VQCodec(ImageCodec):
         self._check_fitted()
         x = to_patches(self._pixels(pixels), self.patch)
         n, gh, gw, d = x.shape
-        return _sq_dists(x.reshape(-1, d), self.codebook).argmin(dim=1).reshape(n, gh, gw)
+        return _sq_dists(x.reshape(-1, d), self._fitted_codebook).argmin(dim=1).reshape(n, gh, gw)
 
     def decode(self, codes: ArrayLike) -> torch.Tensor:
         """Codewords pasted back into images: float32 [N, H, W(, C)]."""
@@ -173,7 +180,7 @@ class VQCodec(ImageCodec):
             raise ValueError(
                 f"VQ codes must lie in [0, {self.codebook_size}), got min {lo} and max {hi}"
             )
-        patches = self.codebook[codes.long()]
+        patches = self._fitted_codebook[codes.long()]
         return from_patches(patches, self.patch, self.channels)
 
     def config(self) -> dict[str, Any]:
@@ -187,7 +194,7 @@ class VQCodec(ImageCodec):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         self._check_fitted()
-        return {"codebook": self.codebook}
+        return {"codebook": self._fitted_codebook}
 
     @classmethod
     def _from_state(cls, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> VQCodec:

@@ -47,7 +47,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import cast, Any
 
 import torch
 import torch.distributed as dist
@@ -116,19 +116,19 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> tup
 
     Returns (pre-clip norm, applied scale), the scale being min(1, max_norm / norm).
     """
-    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     norm = (
         torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(at_least_fp32(p.grad.detach())) for p in params])
+            torch.stack([torch.linalg.vector_norm(at_least_fp32(g.detach())) for g in grads])
         ).item()
-        if params
+        if grads
         else 0.0
     )
     scale = 1.0
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
+        for g in grads:
+            g.mul_(scale)
     return norm, scale
 
 
@@ -149,7 +149,8 @@ class Parallel:
             raise ValueError(f"trainer.parallel=none with {info.world_size} processes")
         self.runner = Runner(model, frozen if self.mode == "fsdp2" else ())
         self.wrapped: nn.Module = self.runner
-        self._units: list[nn.Module] = []
+        # fully_shard turns each unit into an FSDPModule (its methods are added at run time)
+        self._units: list[Any] = []
         self._watched: set[int] = set()
         self._reached: set[int] = set()
         if self.mode == "ddp":
@@ -278,9 +279,9 @@ class Parallel:
         Every rank runs the same number of micro-batches (fsdp2 refuses a token budget),
         so the collectives line up."""
         if self.mode == "ddp" and not last:
-            return self.wrapped.no_sync()
+            return cast(DistributedDataParallel, self.wrapped).no_sync()
         if self.mode == "fsdp2":
-            self.runner.set_requires_gradient_sync(last)
+            cast(Any, self.runner).set_requires_gradient_sync(last)  # an FSDPModule here
         return nullcontext()
 
     def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> tuple[float, float]:
