@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := src tests $(wildcard bench) $(wildcard examples)
 
-.PHONY: venv test test-fast test-full lint format demo recipes-check clean
+.PHONY: venv test test-fast test-full lint typecheck format demo recipes-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+
+# mypy over src/ (configured in pyproject.toml [tool.mypy]); CI starts without a cache.
+typecheck: $(STAMP)
+	$(BIN)/mypy src
 
 format: $(STAMP)
 	$(BIN)/ruff format $(LINT_PATHS)
