@@ -46,7 +46,15 @@ from typing import Any
 import numpy as np
 from PIL import UnidentifiedImageError
 
-from uniweave.core.sample import ROLES, GenerationRequest, ImagePart, Part, Sample, TextPart
+from uniweave.core.sample import (
+    ROLES,
+    GenerationRequest,
+    ImagePart,
+    Part,
+    Role,
+    Sample,
+    TextPart,
+)
 from uniweave.data.errors import DatasetError
 from uniweave.data.images import GreyscaleProcessor, ImageProcessor, log_summary, read_rgb
 
@@ -61,7 +69,7 @@ SUFFIXES = (".jsonl", ".parquet")
 SPLITS = ("train", "val", "test")
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -164,7 +172,7 @@ class _Images:
         return GenerationRequest(sides[0], sides[1], role="assistant")
 
 
-def _content(row: _Row, field: str, content: Any, role: str, images: _Images) -> list[Part]:
+def _content(row: _Row, field: str, content: Any, role: Role, images: _Images) -> list[Part]:
     if isinstance(content, str):
         return [TextPart(content, role)]
     row.expect(field, content, list, "a string or a non-empty array of content items")
