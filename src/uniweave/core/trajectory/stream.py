@@ -126,6 +126,14 @@ class TrajectoryBatch:
     # of each position within its row, 0 = padding; None = one sequence per row ----------
     segment_ids: torch.Tensor | None = None
 
+    def need(self, name: str) -> torch.Tensor:
+        """The optional per-row tensor `name` (`rollout_logp`, `old_logp`, their
+        `_factors`, `advantages`, ...); ValueError naming it when the batch has none."""
+        value = getattr(self, name)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"TrajectoryBatch.{name}: rows {self.sample_ids[:3]} carry none")
+        return value
+
     @classmethod
     def collate(
         cls, trajs: Sequence[Trajectory], pad_id: int, validate: bool = True

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from uniweave.config import UniweaveConfig
 from uniweave.core.sample import Part, Sample
-from uniweave.rewards import RewardError, RewardResult, RewardService
+from uniweave.rewards import RewardError, RewardResult
 from uniweave.rewards.digit_classifier import (
     CLASSIFIER_DIR,
     load_or_fit_classifier,
@@ -112,9 +112,21 @@ def first_failure(
     return min(found, key=lambda f: min((index.get(i, last) for i in f[2]), default=last))
 
 
+class Scorer(Protocol):
+    """The type of what scores a batch's rows: `RewardService` in this process or its Ray
+    actors (`workers.RewardWorkers`), both with `RewardService.score`'s interface."""
+
+    def score(
+        self,
+        samples: Sequence[Sample],
+        trajectories: Sequence[RolloutTrajectory],
+        responses: Sequence[Sequence[Part] | None],
+    ) -> RewardResult: ...
+
+
 def score_sharded(
     service: RolloutService,
-    rewards: RewardService,
+    rewards: Scorer,
     parse: Callable[[RolloutTrajectory], Sequence[Part] | None],
     samples: Sequence[Sample],
     local: list[RolloutTrajectory],

@@ -50,7 +50,9 @@ from dataclasses import dataclass
 import torch
 
 from uniweave.algorithms.grpo import (
+    AlignedSurrogate,
     LossCounts,
+    Surrogate,
     aggregate,
     aligned_surrogate,
     aligned_surrogate_factors,
@@ -67,7 +69,12 @@ from uniweave.algorithms.grpo import (
 )
 from uniweave.config import UniweaveConfig
 from uniweave.config.algorithms import GRPOConfig
-from uniweave.core.distributions import TextCategorical, blockwise_entropy, generalized_jsd
+from uniweave.core.distributions import (
+    TextCategorical,
+    VisualBits,
+    blockwise_entropy,
+    generalized_jsd,
+)
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.core.types import Modality
 from uniweave.forward import scored_mask
@@ -100,6 +107,7 @@ class Reference:
         """The reference model, under no_grad (adapters switched off for its duration)."""
         with torch.no_grad():
             if not self.lora:
+                assert self.frozen is not None, "a reference without LoRA holds a frozen copy"
                 yield self.frozen
                 return
             set_adapters_enabled(self.policy, False)
@@ -176,9 +184,14 @@ class GRPOObjective(Objective):
                     "(old_logp); the GRPO source anchors them when the guard is on"
                 )
             mask = scored_mask(micro)
-            delta = mismatch_delta(micro.old_logp, micro.rollout_logp, mask)
+            delta = mismatch_delta(micro.old_logp, micro.need("rollout_logp"), mask)
             local.append(delta[mask].abs().cpu())
         self._threshold = global_threshold(local, p, dist)
+
+    def _reference(self) -> Reference:
+        """The reference policy (the objective has one when a KL or JSD penalty is on)."""
+        assert self.reference is not None, "a KL/JSD penalty needs the reference policy"
+        return self.reference
 
     def frozen_models(self) -> list[torch.nn.Module]:
         """The reference copy (none under LoRA: the policy with adapters off), which a
@@ -201,21 +214,21 @@ class GRPOObjective(Objective):
         def fn(chunk: DistributionChunk) -> torch.Tensor:
             dist, n = chunk.dist, len(chunk)
             if bits and chunk.modality == Modality.VISUAL:
+                assert isinstance(dist, VisualBits), "BSQ visual positions are bits"
                 factors = dist.log_prob_factors(chunk.targets)
                 logp = factors.sum(-1)
             else:
                 logp = dist.log_prob(chunk.targets)
                 factors = logp.new_zeros(n, batch.n_factors) if bits else None
-            categorical = isinstance(dist, TextCategorical)
-            if categorical:
+            if isinstance(dist, TextCategorical):
                 cols = [logp, blockwise_entropy(dist.log_probs)]
             else:
                 with torch.no_grad():
                     cols = [logp, dist.entropy()]
             if ref_plan is not None:
-                with self.reference.active():
+                with self._reference().active():
                     ref = ref_plan.distribution(chunk.index, chunk.rows, chunk.cols)
-                if categorical and isinstance(ref, TextCategorical):
+                if isinstance(dist, TextCategorical) and isinstance(ref, TextCategorical):
                     cols.append(generalized_jsd(dist.log_probs, ref.log_probs, 0.5))
                 else:
                     cols.append(jsd_penalty(dist, ref))
@@ -233,7 +246,7 @@ class GRPOObjective(Objective):
             return None
         if kind == "jsd":
             return jsd
-        with self.reference.active() as ref_model:
+        with self._reference().active() as ref_model:
             ref = _replay(ref_model, micro, records, self.algo)
         kl = kl_penalty(logp, ref.logp, kind)
         if factors is not None:
@@ -266,7 +279,7 @@ class GRPOObjective(Objective):
         `updates_per_batch` > 1: a separate replay before the round's first update); or
         this replay, detached (replay, one update per batch: ρ ≡ 1 by construction)."""
         if self.algo.old_logp_source == "rollout":
-            return micro.rollout_logp, micro.rollout_logp_factors, False
+            return micro.need("rollout_logp"), micro.rollout_logp_factors, False
         return self._replay_old(micro, logp, factors)
 
     def _surrogate(
@@ -281,14 +294,15 @@ class GRPOObjective(Objective):
         a = self.algo
         clip = (a.clip_low, a.clip_high, a.dual_clip)
         old_r, old_rf, self_r = self._replay_old(micro, logp, factors)
+        surr: Surrogate | AlignedSurrogate
         if a.surrogate == "standard":
             old, old_f, self_anchored = self._old_logp(micro, logp, factors)
             surr = clipped_surrogate(logp, old, adv, *clip)
             weight = base = None
         else:
             old, old_f, self_anchored = old_r, old_rf, self_r
-            surr = aligned_surrogate(logp, old, micro.rollout_logp.to(logp), adv, *clip)
-            weight, base = surr.weight, surr.base_loss
+            aligned = aligned_surrogate(logp, old, micro.need("rollout_logp").to(logp), adv, *clip)
+            surr, weight, base = aligned, aligned.weight, aligned.base_loss
         t = _Terms(
             surr.loss,
             surr.ratio,
@@ -302,14 +316,20 @@ class GRPOObjective(Objective):
         )
         if factors is None:
             return t
+        assert old_f is not None, "BSQ rows carry per-factor old log-probs"
+        sf: Surrogate | AlignedSurrogate
         if a.surrogate == "standard":
             sf = clipped_surrogate_factors(factors, old_f, adv, *clip)
         else:
-            sampled_f = micro.rollout_logp_factors.to(factors)
-            sf = aligned_surrogate_factors(factors, old_f, sampled_f, adv, *clip)
-            t.weight = torch.where(visual, sf.weight.mean(-1), t.weight)
-            t.aligned_ratio = torch.where(visual, (sf.weight * sf.ratio).mean(-1), t.aligned_ratio)
-            t.base = torch.where(visual, sf.base_loss, t.base)
+            sampled_f = micro.need("rollout_logp_factors").to(factors)
+            asf = aligned_surrogate_factors(factors, old_f, sampled_f, adv, *clip)
+            assert t.weight is not None and t.aligned_ratio is not None and t.base is not None
+            t.weight = torch.where(visual, asf.weight.mean(-1), t.weight)
+            t.aligned_ratio = torch.where(
+                visual, (asf.weight * asf.ratio).mean(-1), t.aligned_ratio
+            )
+            t.base = torch.where(visual, asf.base_loss, t.base)
+            sf = asf
         t.loss = torch.where(visual, sf.loss, t.loss)
         t.ratio = torch.where(visual, sf.ratio.mean(-1), t.ratio)
         t.clipped = torch.where(visual, sf.clipped.double().mean(-1), t.clipped)
@@ -354,7 +374,7 @@ class GRPOObjective(Objective):
         self._row_abs_delta.append(row_mean[rows].cpu())
         k3 = kl_penalty(torch.zeros_like(delta), delta, "k3")
         return {
-            "logp_sampled_sum": float(micro.rollout_logp.double()[mask].sum()),
+            "logp_sampled_sum": float(micro.need("rollout_logp").double()[mask].sum()),
             "logp_replay_sum": float(old_r.detach().double()[mask].sum()),
             "logp_sum": float(logp.detach().double()[mask].sum()),
             "mismatch_k3_sum": float(k3[mask].sum()),
@@ -376,7 +396,7 @@ class GRPOObjective(Objective):
         visual = mask & (micro.modality == Modality.VISUAL)
         ref_plan = None
         if a.kl.type == "jsd":
-            with self.reference.active() as ref_model:
+            with self._reference().active() as ref_model:
                 ref_plan = ReplayPlan(
                     ref_model,
                     scoring,
@@ -393,7 +413,7 @@ class GRPOObjective(Objective):
         factors = out[..., 3 if jsd is not None else 2 :] if micro.is_bits else None
         t = self._surrogate(micro, logp, factors, adv, visual)
         anchor = micro.old_logp if micro.old_logp is not None else t.old_replay
-        delta = mismatch_delta(anchor, micro.rollout_logp, mask)
+        delta = mismatch_delta(anchor, micro.need("rollout_logp"), mask)
         keep, guard_stats = self._guards(micro, delta, mask)
         per_pos = t.loss
         if keep is not None:
@@ -408,7 +428,10 @@ class GRPOObjective(Objective):
             kl_loss = float(kl_term.detach())
             kl_sum = float(divergence.detach()[mask].sum())
         n = int(mask.sum())
-        k3 = float(k3_mismatch(micro.rollout_logp.double(), logp.detach().double(), mask)) * n
+        k3 = (
+            float(k3_mismatch(micro.need("rollout_logp").double(), logp.detach().double(), mask))
+            * n
+        )
         return loss, {
             "n_rows": float(len(micro)),
             "n_self_anchored_rows": float(len(micro)) if t.self_anchored else 0.0,
@@ -436,6 +459,7 @@ class GRPOObjective(Objective):
         loss L(r) (the same guards and aggregation), to compare with `pg_loss`."""
         if t.weight is None:
             return {}
+        assert t.base is not None and t.aligned_ratio is not None, "aligned terms come together"
         a = self.algo
         base = t.base.detach()
         if keep is not None:
@@ -476,6 +500,7 @@ class GRPOObjective(Objective):
             out["mismatch/bound_masked_row_share"] = sums["bound_masked_rows"] / n_rows
             out["mismatch/bound_masked_share"] = sums["bound_masked_actions"] / n
         if m.percentile is not None:
+            assert self._threshold is not None, "begin_update sets the percentile threshold"
             out["mismatch/percentile_threshold"] = float(self._threshold)
             out["mismatch/percentile_masked_actions"] = sums["percentile_masked_actions"]
             out["mismatch/percentile_masked_share"] = sums["percentile_masked_actions"] / n
@@ -497,11 +522,13 @@ def anchor_old_logprobs(
     replay at training geometry (this rank's micro-batches, the trainer's precision)
     before the round's first update: the ratio anchor of every update of the round
     (verl's compute_log_prob)."""
+    algo = cfg.algorithm
+    assert isinstance(algo, GRPOConfig), "the GRPO anchor of a GRPO config"
     for group in rank_micro_batches(trajs, info, cfg.trainer):
         batch = TrajectoryBatch.collate(group, model.special_ids.pad).to(model.device)
         records = _records(batch)
         with autocast(cfg.trainer, model.device):
-            out = _replay(model, batch, records, cfg.algorithm)
+            out = _replay(model, batch, records, algo)
         for b, traj in enumerate(group):
             n, device = len(traj), traj.token_ids.device
             traj.old_logp = out.logp[b, :n].to(device)

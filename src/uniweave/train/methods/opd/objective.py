@@ -112,7 +112,11 @@ def check_action_spaces(student: UnifiedModel, teacher: UnifiedModel) -> None:
 
 def load_teacher(cfg: UniweaveConfig, student: UnifiedModel) -> UnifiedModel:
     """The frozen teacher (module docstring), on the student's device."""
-    path = cfg.algorithm.teacher.path
+    algo = cfg.algorithm
+    assert isinstance(algo, OPDConfig), "load_teacher of an OPD config"
+    path = algo.teacher.path
+    if path is None:
+        raise ConfigError("the teacher needs a path", key=KEY)
     if not Path(path).is_dir():
         raise ConfigError(f"{path} is not a directory", key=KEY)
     teacher = load_model(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from uniweave.config import ConfigError, UniweaveConfig
+from uniweave.config.algorithms import SFTConfig
 from uniweave.data.digits_images import load_split
 from uniweave.models.base import UnifiedModel
 from uniweave.train.distributed.comm import DistInfo
@@ -25,8 +26,10 @@ def build_sft_job(
     source = DatasetSource(
         trajs, cfg.trainer.global_batch_size, cfg.data.seed, cfg.data.shuffle, cfg.run.seed
     )
-    objective = SFTObjective(cfg.algorithm, model)
-    if cfg.algorithm.soft_bsq.weight > 0:
+    algo = cfg.algorithm
+    assert isinstance(algo, SFTConfig), "build_sft_job of an SFT config"
+    objective = SFTObjective(algo, model)
+    if algo.soft_bsq.weight > 0:
         try:
             objective.projection(model)
         except ValueError as err:

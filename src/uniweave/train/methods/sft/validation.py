@@ -23,6 +23,7 @@ import torch
 
 from uniweave.algorithms.sft import text_ce, visual_ce
 from uniweave.config import UniweaveConfig
+from uniweave.config.algorithms import SFTConfig
 from uniweave.config.schema import VISUAL_LOSS
 from uniweave.core.trajectory import Trajectory, TrajectoryBatch
 from uniweave.forward import forward_interleaved
@@ -52,7 +53,9 @@ def validation_loss(
             n_visual += len(visual)
     if n_text + n_visual == 0:
         raise ValueError("validation loss: the val rows have no scored position")
-    lam = cfg.algorithm.lambda_visual
+    algo = cfg.algorithm
+    assert isinstance(algo, SFTConfig), "the SFT validation loss of an SFT config"
+    lam = algo.lambda_visual
     out = {"loss": (text_sum + lam * visual_sum) / (n_text + n_visual)}
     if n_text:
         out["loss_text"] = text_sum / n_text
