@@ -470,12 +470,14 @@ def jsd_penalty(
     distributions must be built with the rollout's temperature / truncation / guidance.
     The reference should hold no gradient (build it from detached logits).
     """
-    if isinstance(policy, VisualBits) != isinstance(reference, VisualBits):
-        raise TypeError(
-            f"policy {type(policy).__name__} and reference {type(reference).__name__} "
-            "are different action spaces"
-        )
-    return policy.jsd(reference, beta=0.5)
+    if isinstance(policy, VisualBits) and isinstance(reference, VisualBits):
+        return policy.jsd(reference, beta=0.5)
+    if isinstance(policy, TextCategorical) and isinstance(reference, TextCategorical):
+        return policy.jsd(reference, beta=0.5)
+    raise TypeError(
+        f"policy {type(policy).__name__} and reference {type(reference).__name__} "
+        "are different action spaces"
+    )
 
 
 def k3_mismatch(

@@ -26,7 +26,7 @@ def load_trajectories(path: str | Path, kinds: Sequence[type[Trajectory]] = ()) 
     `Trajectory` (e.g. `uniweave.rollout.RolloutTrajectory`); ValueError naming the path for
     an unreadable file or an unknown kind."""
     path = Path(path)
-    classes = {c.__name__: c for c in (Trajectory, *kinds)}
+    classes: dict[str, type[Trajectory]] = {c.__name__: c for c in (Trajectory, *kinds)}
     try:
         payload = torch.load(path, weights_only=True)
     except Exception as err:  # any unreadable file gets the same one line

@@ -165,11 +165,13 @@ class TrajectoryBatch:
         T = int(lengths.max())
         code_pad = BITS_PAD if first.is_bits else VQ_PAD
 
-        def pad(name: str, value: float) -> torch.Tensor | None:
-            seqs = [getattr(t, name) for t in trajs]
-            if seqs[0] is None:
-                return None
-            return pad_sequence(seqs, batch_first=True, padding_value=value)
+        def pad(name: str, value: float) -> torch.Tensor:
+            return pad_sequence(
+                [getattr(t, name) for t in trajs], batch_first=True, padding_value=value
+            )
+
+        def pad_optional(name: str, value: float) -> torch.Tensor | None:
+            return None if getattr(first, name) is None else pad(name, value)
 
         return cls(
             token_ids=pad("token_ids", pad_id),
@@ -180,17 +182,17 @@ class TrajectoryBatch:
             lengths=lengths.to(device),
             image_grids=[list(t.image_grids) for t in trajs],
             sample_ids=[t.sample_id for t in trajs],
-            rollout_logp=pad("rollout_logp", 0.0),
-            rollout_logp_factors=pad("rollout_logp_factors", 0.0),
+            rollout_logp=pad_optional("rollout_logp", 0.0),
+            rollout_logp_factors=pad_optional("rollout_logp_factors", 0.0),
             finish_reasons=[t.finish_reason for t in trajs],
             length_semantics=[t.length_semantics for t in trajs],
             pad_id=pad_id,
             images=[list(t.images) for t in trajs],
             advantages=None
             if first.advantage is None
-            else torch.tensor([float(t.advantage) for t in trajs], device=device),
-            old_logp=pad("old_logp", 0.0),
-            old_logp_factors=pad("old_logp_factors", 0.0),
+            else torch.tensor([float(t.advantage) for t in trajs], device=device),  # type: ignore[arg-type]  # all rows carry one (checked above)
+            old_logp=pad_optional("old_logp", 0.0),
+            old_logp_factors=pad_optional("old_logp_factors", 0.0),
             seeds=[t.seed for t in trajs],
             sampling=[t.sampling for t in trajs],
         )
