@@ -130,7 +130,7 @@ class HealthMonitor:
 
     def observe(self, update: int, metrics: dict[str, Any]) -> list[Alarm]:
         """The alarms that fire at `update` given its metrics."""
-        c, new = self.cfg, []
+        c, new = self.cfg, list[Alarm]()
 
         def at_least(name: str, key: str, knob: str, limit: float | None, what: str) -> None:
             v = _num(metrics, key)
@@ -217,6 +217,8 @@ class HealthMonitor:
     def _off_target(self, update: int, metrics: dict[str, Any], new: list[Alarm]) -> None:
         """The `off_target` alarm (module docstring): each statistic's and the reward's
         logged values so far, fitted by `drift_to_noise`."""
+        limit = self.cfg.off_target_drift
+        assert limit is not None, "observe calls this only with off_target_drift set"
         c = self.cfg
         for key in (REWARD, *OFF_TARGET):
             v = _num(metrics, key)
@@ -239,16 +241,14 @@ class HealthMonitor:
                 f"{c.off_target_reward_ratio:g}): the images changed in a way the reward does "
                 "not ask for (a hacked reward?)"
             )
-            alarm = Alarm(
-                "off_target", key, update, fit.drift, c.off_target_drift, "off_target_drift", msg
-            )
+            alarm = Alarm("off_target", key, update, fit.drift, limit, "off_target_drift", msg)
             moved = fit.drift if key.endswith("_frac") else abs(fit.drift)
-            self._check(rising and moved > c.off_target_drift, alarm, new)
+            self._check(rising and moved > limit, alarm, new)
 
     def heldout(self, update: int, split: str, comparisons: Iterable[Paired]) -> list[Alarm]:
         """The held-out alarms of the evaluation of `split` at `update` against its
         baseline (`comparisons`: `uniweave.eval.paired.compare`)."""
-        c, new = self.cfg, []
+        c, new = self.cfg, list[Alarm]()
         for p in comparisons:
             key = f"{split}/{p.task}/{p.metric}"
             if p.metric == "invalid_frac":

@@ -144,8 +144,9 @@ def masked_answer_scores(
         scores = [0.0] * len(samples)
         for start in range(0, len(keep), batch_size):
             idx = keep[start : start + batch_size]
+            kept = [c for c in (cuts[i] for i in idx) if c is not None]  # idx ⊆ keep
             rows = _decode_answers(
-                model, [cuts[i][0] for i in idx], [cuts[i][1] for i in idx], n_visual, masked
+                model, [c[0] for c in kept], [c[1] for c in kept], n_visual, masked
             )
             parsed = [parse_response(t, model.tokenizer) for t in rows]
             responses, _ = build_responses(parsed, None)

@@ -169,7 +169,7 @@ def _fit(series: training_curves.Series) -> DriftNoise | None:
 
 def verdicts(data: dict[str, Any]) -> list[tuple[str, Paired]]:
     """(split, comparison) of every split's latest evaluation against its baseline."""
-    out = []
+    out: list[tuple[str, Paired]] = []
     for split, s in data["splits"].items():
         last = s["steps"][-1]
         out.extend((split, p) for p in last["comparisons"])

@@ -244,6 +244,8 @@ def _text_of(parts: Sequence[Part]) -> str:
 def _pixels(part: ImagePart, model: UnifiedModel) -> np.ndarray | None:
     if part.pixels is not None:
         return part.pixels
+    if part.codes is None:
+        return None
     try:
         return model.codec.decode(part.codes[None])[0].float().cpu().numpy()
     except ValueError:
@@ -275,13 +277,13 @@ def _records(cfg, model, log, batch, trajs, rewards: RewardService) -> None:
                 images[rel] = pixels
                 prompt_images.append(rel)
         out_images, codes = [], []
-        for k, (part, pixels) in enumerate(
+        for k, (part, decoded) in enumerate(
             zip([p for p in response.parts if isinstance(p, ImagePart)], response.images)
         ):
             codes.append(part.codes.tolist() if part.codes is not None else None)
-            if pixels is not None:
+            if decoded is not None:
                 rel = log.image_path(sample.id, m, k)
-                images[rel] = pixels.numpy()
+                images[rel] = decoded.numpy()
                 out_images.append(rel)
         applied = [k for k in result.per_plugin if result.applied[k][j]]
         record: dict[str, Any] = {
@@ -499,12 +501,13 @@ def evaluate(
         run_claims(claims, run_batch, len(workers), model_device(model))
     work = [counts]
     if world > 1:
-        work = [None] * world
+        work = [[] for _ in range(world)]
         # every rank's records are committed once every rank has sent its counts
         torch.distributed.all_gather_object(work, counts, group=group)
         torch.distributed.barrier(group=group)
         if rank > 0:
             return None
+        assert queue is not None, "a queue with more than one rank"
         queue.close()
         log = ResultLog(out)  # every rank's records
     write_json(out / WORK, {"computed": work, "kept": len(samples) * n - sum(map(sum, work))})

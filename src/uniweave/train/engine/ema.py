@@ -68,6 +68,7 @@ class EMA:
             self._swap()
 
     def _swap(self) -> None:
+        assert self.shadow is not None, "the EMA shadow exists once the EMA started"
         for k, p in enumerate(self.params):
             data = p.data
             p.data = self.shadow[k]
