@@ -128,13 +128,14 @@ def build_responses(
                 continue
             if part.pixels is not None:
                 pixels[(i, k)] = torch.from_numpy(np.asarray(part.pixels, dtype=np.float32))
-            elif decode_images is None:
+            elif decode_images is None or part.codes is None:
                 pixels[(i, k)] = None
             else:
                 shape = (tuple(part.codes.shape), part.codes.dtype)
                 pending.setdefault(shape, []).append((i, k))
     for where in pending.values():
-        codes = torch.stack([parts_list[i][k].codes for i, k in where])
+        assert decode_images is not None, "codes are pending only with a decoder"
+        codes = torch.stack([_codes(parts_list[i], k) for i, k in where])
         try:
             decoded = decode_images(codes)
         except ValueError:
@@ -169,3 +170,10 @@ def local_model_dir(path: str | Path, device: str, what: str) -> torch.device:
     if "auto_map" in json.loads(config.read_text()):
         raise ValueError(f"{config}: asks for remote code (auto_map); refusing to run it")
     return torch.device(device)
+
+
+def _codes(parts: Sequence[Part] | None, k: int) -> torch.Tensor:
+    """The codes of image part `k` of `parts` (`build_responses` pends only such parts)."""
+    part = None if parts is None else parts[k]
+    assert isinstance(part, ImagePart) and part.codes is not None
+    return part.codes

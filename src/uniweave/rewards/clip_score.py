@@ -72,7 +72,7 @@ class ClipScore(RewardPlugin):
         self.device = local_model_dir(path, device, "clip_score")
         from transformers import CLIPModel, CLIPProcessor
 
-        self.model = CLIPModel.from_pretrained(str(path)).to(self.device).eval()
+        self.model = CLIPModel.from_pretrained(str(path)).to(self.device).eval()  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.model.requires_grad_(False)
         self.processor = CLIPProcessor.from_pretrained(str(path))
         self.mode = mode
@@ -89,7 +89,9 @@ class ClipScore(RewardPlugin):
                 key=f"{key}.path",
                 expected="a directory holding a CLIPModel and its CLIPProcessor",
             )
-        kwargs = {k: cfg.kwargs[k] for k in ("device", "mode", "batch_size") if k in cfg.kwargs}
+        kwargs: dict[str, Any] = {  # user values: the constructor checks them
+            k: cfg.kwargs[k] for k in ("device", "mode", "batch_size") if k in cfg.kwargs
+        }
         try:
             return cls(cfg.path, **kwargs)
         except FileNotFoundError as err:
@@ -137,7 +139,7 @@ class ClipScore(RewardPlugin):
         out = torch.full((len(samples), self.model.config.projection_dim), float("nan"))
         valid = [i for i, img in enumerate(images) if img is not None]
         if valid:
-            out[valid] = self.image_features([images[i] for i in valid])
+            out[valid] = self.image_features([img for img in images if img is not None])
         return out
 
     def score(self, samples: Sequence[Sample], responses: Sequence[Response]) -> torch.Tensor:
@@ -146,7 +148,7 @@ class ClipScore(RewardPlugin):
         valid = [i for i, img in enumerate(images) if img is not None]
         if valid:
             cos = self.similarity(
-                [prompt_text(samples[i]) for i in valid], [images[i] for i in valid]
+                [prompt_text(samples[i]) for i in valid], [img for img in images if img is not None]
             )
             if self.mode == "pickscore":
                 value = self.model.logit_scale.exp().float().cpu() * cos

@@ -249,7 +249,7 @@ class LocalJudge:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.model = AutoModelForCausalLM.from_pretrained(str(path)).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(path)).to(self.device).eval()  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.model.requires_grad_(False)
         self.yes, self.no = (self._word_id(w) for w in ("yes", "no"))
         if self.yes == self.no:
@@ -311,7 +311,7 @@ class AnswerJudge(RewardPlugin):
     ) -> AnswerJudge:
         """Build from `reward.plugins.N`: exactly one of `path` (a local causal LM) and
         kwargs.base_url (an HTTP endpoint, with kwargs.model)."""
-        kw = dict(cfg.kwargs)
+        kw: dict[str, Any] = dict(cfg.kwargs)  # user values: the constructor checks them
         if (cfg.path is None) == ("base_url" not in kw):
             raise ConfigError(
                 "answer_judge needs exactly one judge",

@@ -242,7 +242,8 @@ class VisualJigsaw(RewardPlugin):
         if cfg.path is not None:
             raise ConfigError(f"plugin '{cfg.name}' does not load a model", key=f"{key}.path")
         try:
-            return cls(**cfg.kwargs)
+            kwargs: dict[str, Any] = dict(cfg.kwargs)  # user values: the constructor checks them
+            return cls(**kwargs)
         except ValueError as err:
             raise ConfigError(str(err), key=f"{key}.kwargs.gamma") from err
 
@@ -288,7 +289,7 @@ class DigitClassifierReward(RewardPlugin):
         out = torch.zeros(len(samples), dtype=torch.float32)
         valid = [i for i, img in enumerate(images) if img is not None]
         if valid:
-            pixels = torch.stack([images[i] for i in valid])
+            pixels = torch.stack([img for img in images if img is not None])
             out[valid] = self.classifier.score(pixels, torch.tensor([digits[i] for i in valid]))
         return out
 
@@ -304,7 +305,9 @@ class DigitClassifierReward(RewardPlugin):
         out = torch.full((len(samples), self.classifier.hidden), float("nan"))
         valid = [i for i, img in enumerate(images) if img is not None]
         if valid:
-            out[valid] = self.classifier.features(torch.stack([images[i] for i in valid]))
+            out[valid] = self.classifier.features(
+                torch.stack([img for img in images if img is not None])
+            )
         return out
 
 
@@ -345,6 +348,7 @@ class ExactAnswer(RewardPlugin):
         return out
 
     def _predict(self, pixels: torch.Tensor) -> int:
+        assert self.classifier is not None, "require_image_class loads the classifier"
         return int(self.classifier.predict(pixels.unsqueeze(0))[0])
 
     def invalid_format(

@@ -163,8 +163,8 @@ class RewardResult:
                     n = counts[f"n_{name[4:]}"]
                     out[f"reward/{key}/{name[4:]}_mean"] = float(value) / n if n else 0.0
         for task in sorted({t for t in self.tasks if t is not None}):
-            rows = torch.tensor([t == task for t in self.tasks])
-            out[f"reward/task/{task}/mean"] = _mean(self.total[rows])
+            of_task = torch.tensor([t == task for t in self.tasks])
+            out[f"reward/task/{task}/mean"] = _mean(self.total[of_task])
         out.update(image_metrics(self.image_counts))
         return out
 

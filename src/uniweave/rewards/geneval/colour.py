@@ -65,7 +65,7 @@ class ClipColourClassifier:
         from transformers import CLIPModel, CLIPProcessor
 
         model = CLIPModel.from_pretrained(str(path))
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.processor = CLIPProcessor.from_pretrained(str(path))
         self._weights: dict[str, torch.Tensor] = {}
 

@@ -197,7 +197,7 @@ class Mask2FormerDetector(Detector):
         from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
 
         model = Mask2FormerForUniversalSegmentation.from_pretrained(str(path))
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.processor = AutoImageProcessor.from_pretrained(str(path))
         labels = model.config.id2label
         self.classes = tuple(
@@ -270,7 +270,7 @@ class Owlv2Detector(Detector):
         from transformers import Owlv2ForObjectDetection, Owlv2Processor
 
         model = Owlv2ForObjectDetection.from_pretrained(str(path))
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.processor = Owlv2Processor.from_pretrained(str(path))
 
     @torch.no_grad()

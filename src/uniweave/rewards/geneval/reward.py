@@ -106,7 +106,7 @@ class GenEvalReward(RewardPlugin):
         / `["geneval_colours"]` pass a built `Detector` / `ClipColourClassifier` instead of
         loading one (then `path` / `clip_path` must be unset)."""
         resources = resources or {}
-        kw = dict(cfg.kwargs)
+        kw: dict[str, Any] = dict(cfg.kwargs)  # user values: the constructor checks them
         for name in ("threshold", "partial"):
             if name in kw:
                 try:

@@ -293,12 +293,13 @@ def judge(
                     if not matched:
                         break
         groups.append(found if matched else None)
-    for i, clause in enumerate(row.exclude):
-        n = len(detected.get(clause.cls, ()))
-        excludes.append(n < clause.count)
-        if n >= clause.count:
+    for i, excluded in enumerate(row.exclude):
+        n = len(detected.get(excluded.cls, ()))
+        excludes.append(n < excluded.count)
+        if n >= excluded.count:
             reasons.append(
-                f"exclude[{i}] ({clause.cls}): expected {clause.cls}<{clause.count}, found {n}"
+                f"exclude[{i}] ({excluded.cls}): expected {excluded.cls}<{excluded.count}, "
+                f"found {n}"
             )
     includes = tuple(group is not None for group in groups)
     return Verdict(not reasons, "\n".join(reasons), detected, includes, tuple(excludes))
