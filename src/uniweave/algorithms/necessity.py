@@ -123,7 +123,7 @@ def fused_views(
     pos_row = [e.row for e in events for _ in e.targets]
     pos_col = [p for e in events for p in e.targets]
     P = len(pos_col)
-    logp = {v: torch.full((P,), math.nan, device=dev) for v in views}
+    logp: dict[str, torch.Tensor] = {v: torch.full((P,), math.nan, device=dev) for v in views}
     offsets = [0]
     for e in events:
         offsets.append(offsets[-1] + len(e.targets))
@@ -181,7 +181,7 @@ def fused_views(
         model.train(was)
     index = torch.tensor(pos_event, dtype=torch.long, device=dev)
     counts = torch.tensor([len(e.targets) for e in events], dtype=torch.float32, device=dev)
-    scores = {
+    scores: dict[str, torch.Tensor] = {
         v: torch.zeros(len(events), device=dev).index_add(0, index, x) / counts
         for v, x in logp.items()
     }

@@ -66,7 +66,8 @@ def codec_geometry(directory: str | Path) -> tuple[str, tuple[int, int], int]:
         codec = _codec_class(kind, str(file))(**config)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{file}: invalid {kind} codec config ({err})") from None
-    return kind, tuple(codec.grid), int(getattr(codec, "bits_per_position", 0))
+    grid = (int(codec.grid[0]), int(codec.grid[1]))
+    return kind, grid, int(getattr(codec, "bits_per_position", 0))
 
 
 def load_codec(directory: str | Path) -> ImageCodec | BSQTokenizer:

@@ -144,7 +144,7 @@ def write_json_atomic(path: str | Path, data: Any, **dumps: Any) -> None:
 
 
 def write_dir_atomic(
-    parent: str | Path, name: str, write: Callable[[Path], None], unique: bool = False
+    parent: str | Path, name: str, write: Callable[[Path], object], unique: bool = False
 ) -> Path:
     """Write directory `parent/name` whole or not at all (module docstring): `write(tmp)`
     fills the empty staging directory, which is then fsynced and renamed into place; an
@@ -170,6 +170,7 @@ def write_dir_atomic(
         if final.exists():
             if unique:
                 old = Path(tempfile.mkdtemp(prefix=f".{name}.old{TMP_MARK}-", dir=parent))
+            assert old is not None, "the old name is set in both branches above"
             os.replace(final, old)
         os.replace(staging, final)
     except BaseException:

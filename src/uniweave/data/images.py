@@ -69,7 +69,9 @@ def _wide_grey(image: Image.Image, name: str) -> np.ndarray:
 def _resize(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     h, w = size
     channels = [
-        np.asarray(Image.fromarray(pixels[..., c], mode="F").resize((w, h), Image.BICUBIC))
+        np.asarray(
+            Image.fromarray(pixels[..., c], mode="F").resize((w, h), Image.Resampling.BICUBIC)
+        )
         for c in range(pixels.shape[-1])
     ]
     return np.clip(np.stack(channels, axis=-1), 0.0, 1.0).astype(np.float32)

@@ -34,6 +34,7 @@ import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -167,7 +168,7 @@ def load_or_train_bpe(
 def normalize_text(text: str, tokenizer: PreTrainedTokenizerBase) -> str:
     """decode(encode(text)): the form in which `text` comes back from a token stream."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,10 @@ class SpecialIds:
             "image_pad": IMAGE_PAD,
             "endoftext": ENDOFTEXT,
         }
-        found = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in names.values()}
+        # one token in, one id (or None) out
+        found: dict[str, Any] = {
+            tok: tokenizer.convert_tokens_to_ids(tok) for tok in names.values()
+        }
         unk = tokenizer.unk_token_id
         missing = [tok for tok, i in found.items() if i is None or (i == unk and tok != UNK)]
         if missing:

@@ -197,7 +197,7 @@ def _as_loader(kind: str, target: Any) -> Loader:
     if isinstance(target, type) and issubclass(target, UnifiedModel):
         if getattr(target, "kind", None) != kind:
             raise ValueError(f"{target.__name__}.kind is not {kind!r}")
-        return target.from_pretrained
+        return target.from_pretrained  # type: ignore[attr-defined]  # each kind's class defines it
     if callable(target):
         return target
     raise TypeError(f"model kind {kind!r}: {target!r} is neither a model class nor a loader")
@@ -446,9 +446,10 @@ def load_model(path: str | Path) -> UnifiedModel:
     path = Path(path)
     kind = model_kind(path)
     spec = discover().get(kind)
-    if spec is None or not spec.implemented:
+    load = None if spec is None else spec.load
+    if load is None:
         raise ValueError(f"{path}: unknown model kind {kind!r}; known: {_names(discover())}")
-    return spec.load(path)
+    return load(path)
 
 
 _CODEC_SIZES = {  # codec.json field -> model.codec key, per codec kind (tiny model codecs)

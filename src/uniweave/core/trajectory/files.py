@@ -26,14 +26,15 @@ def load_trajectories(path: str | Path, kinds: Sequence[type[Trajectory]] = ()) 
     `Trajectory` (e.g. `uniweave.rollout.RolloutTrajectory`); ValueError naming the path for
     an unreadable file or an unknown kind."""
     path = Path(path)
-    classes: dict[str, type[Trajectory]] = {c.__name__: c for c in (Trajectory, *kinds)}
+    known: list[type[Trajectory]] = [Trajectory, *kinds]
+    classes = {c.__name__: c for c in known}
     try:
         payload = torch.load(path, weights_only=True)
     except Exception as err:  # any unreadable file gets the same one line
         raise ValueError(f"{path}: not a readable trajectory file ({err})") from None
     out = []
     for k, item in enumerate(payload):
-        cls = classes.get(item.get("kind")) if isinstance(item, dict) else None
+        cls = classes.get(str(item.get("kind"))) if isinstance(item, dict) else None
         if cls is None:
             raise ValueError(f"{path}: entry {k} has an unknown kind; known: {sorted(classes)}")
         try:

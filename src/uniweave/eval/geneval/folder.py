@@ -135,12 +135,13 @@ def read_folder(
                     found[number] = path
         expected = images_per_prompt or max((n + 1 for n in found), default=1)
         for number in range(expected):
-            path = found.get(number)
-            if path is None:
+            listed = found.get(number)
+            if listed is None:
                 problems.append(
                     FolderProblem("missing", sample_dir / f"{number:04d}.png", "no such file")
                 )
                 continue
+            path = listed
             why = _unreadable(path)
             if why is not None:
                 problems.append(FolderProblem("unreadable", path, why))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,7 +163,8 @@ class JanusTemplate:
                 raise ValueError(
                     f"sample {sample.id!r} parts[{k}]: a GenerationRequest must be last"
                 )
-        stream, pixels = _Stream(self), []  # type: list[Any]
+        stream = _Stream(self)
+        pixels: list[Any] = []
         open_turn = False
         for role, members in turns_of(parts):
             if role == "assistant":

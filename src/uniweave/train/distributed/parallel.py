@@ -279,7 +279,7 @@ class Parallel:
         Every rank runs the same number of micro-batches (fsdp2 refuses a token budget),
         so the collectives line up."""
         if self.mode == "ddp" and not last:
-            return cast(DistributedDataParallel, self.wrapped).no_sync()
+            return cast(Any, self.wrapped).no_sync()  # a DistributedDataParallel here
         if self.mode == "fsdp2":
             cast(Any, self.runner).set_requires_gradient_sync(last)  # an FSDPModule here
         return nullcontext()

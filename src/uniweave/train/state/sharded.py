@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -97,4 +97,4 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) model state on rank 0, on CPU; empty on other ranks
     (a collective)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))

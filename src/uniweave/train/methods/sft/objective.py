@@ -102,14 +102,14 @@ class SFTObjective(Objective):
             self.batch_seeds = frozenset(every)
             self.noised_seeds = half_partition(every)
         if self.soft_bsq > 0:
-            local = sum(len(scored_indices(m)[1]) for m in micros)
-            self.visual_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+            n_visual = sum(len(scored_indices(m)[1]) for m in micros)
+            self.visual_global = int(all_reduce_sum(torch.tensor(float(n_visual)), dist).item())
         if self.ema is not None:
             self._score_carriers(micros, dist)
         if self.ig.weight <= 0:
             return
-        local = sum(contributing_rows(m, self.ig, update, self.ig_rows(m)) for m in micros)
-        self.ig_rows_global = int(all_reduce_sum(torch.tensor(float(local)), dist).item())
+        n_rows = sum(contributing_rows(m, self.ig, update, self.ig_rows(m)) for m in micros)
+        self.ig_rows_global = int(all_reduce_sum(torch.tensor(float(n_rows)), dist).item())
 
     def _score_carriers(self, micros: list[TrajectoryBatch], dist: DistInfo) -> None:
         assert self.ema is not None and self.model is not None
@@ -318,6 +318,7 @@ def soft_bsq_projection(model: UnifiedModel) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _row_seeds(batch: TrajectoryBatch) -> list[int]:
-    if batch.seeds is None or any(s is None for s in batch.seeds):
+    seeds = [s for s in batch.seeds or [] if s is not None]
+    if batch.seeds is None or len(seeds) != len(batch.seeds):
         raise ValueError("BitFlip noise needs every row's seed (DatasetSource sets them)")
-    return [int(s) for s in batch.seeds]
+    return seeds

@@ -56,12 +56,12 @@ def validation_loss(
     algo = cfg.algorithm
     assert isinstance(algo, SFTConfig), "the SFT validation loss of an SFT config"
     lam = algo.lambda_visual
-    out = {"loss": (text_sum + lam * visual_sum) / (n_text + n_visual)}
+    metrics = {"loss": (text_sum + lam * visual_sum) / (n_text + n_visual)}
     if n_text:
-        out["loss_text"] = text_sum / n_text
+        metrics["loss_text"] = text_sum / n_text
     if n_visual:
-        out[f"loss_image_{VISUAL_LOSS[cfg.model.visual_head]}"] = visual_sum / n_visual
-    return out
+        metrics[f"loss_image_{VISUAL_LOSS[cfg.model.visual_head]}"] = visual_sum / n_visual
+    return metrics
 
 
 def ig_report_name(update: int) -> str:
