@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from uniweave.models.hub_layout import (
     SHARD_BYTES,
@@ -90,7 +91,7 @@ def janus_config(name: str, small: bool, tokenizer):
 
     from uniweave.models.janus_pro.template import BOS, EOS, IMAGE, PAD
 
-    text = dict(JANUS_SMALL if small else JANUS_TEXT[name])
+    text: dict[str, Any] = dict(JANUS_SMALL if small else JANUS_TEXT[name])
     h = text["hidden_size"]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IMAGE)}
     text.update(

@@ -13,6 +13,7 @@ as `convert.py` adds them (the next free ids, inside the 151,936 embedding rows)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from uniweave.models.hub_layout import (
     SHARD_BYTES,
@@ -93,8 +94,8 @@ def qwen_config(small: bool, tokenizer):
 
     from uniweave.models.uniar.template import special_id_map
 
-    text = dict(SMALL_TEXT if small else QWEN3_VL_2B_TEXT)
-    vision = dict(SMALL_VISION if small else QWEN3_VL_2B_VISION)
+    text: dict[str, Any] = dict(SMALL_TEXT if small else QWEN3_VL_2B_TEXT)
+    vision: dict[str, Any] = dict(SMALL_VISION if small else QWEN3_VL_2B_VISION)
     text.update(
         vocab_size=len(tokenizer) if small else QWEN_VOCAB,
         max_position_embeddings=262144,

@@ -199,9 +199,10 @@ class Mask2FormerDetector(Detector):
         model = Mask2FormerForUniversalSegmentation.from_pretrained(str(path))
         self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound
         self.processor = AutoImageProcessor.from_pretrained(str(path))
-        labels = model.config.id2label
+        config: Any = model.config  # transformers types id2label and num_labels loosely
+        labels = config.id2label
         self.classes = tuple(
-            LABEL_ALIASES.get(labels[i], labels[i]) for i in range(model.config.num_labels)
+            LABEL_ALIASES.get(labels[i], labels[i]) for i in range(config.num_labels)
         )
 
     @classmethod
@@ -425,4 +426,4 @@ def load_detector(
     cls = DETECTORS.get(kind)
     if cls is None:
         raise ValueError(f"unknown detector {kind!r}; expected one of {', '.join(DETECTORS)}")
-    return cls(path, device=device, batch_size=batch_size)
+    return cls(path, device=device, batch_size=batch_size)  # type: ignore[call-arg]  # each registered detector takes these

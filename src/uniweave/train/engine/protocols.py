@@ -18,6 +18,7 @@ objective with `getattr`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ class BatchSource(ABC):
     """True when `samples` returns rows to log (rollout sources)."""
 
     @abstractmethod
-    def global_batch(self, update: int) -> list[Trajectory]:
+    def global_batch(self, update: int) -> Sequence[Trajectory]:
         """The trajectories of update `update` (the same on every rank and every retry),
         each carrying the per-row data its objective needs (advantages, anchors, ...)."""
 
@@ -52,7 +53,7 @@ class BatchSource(ABC):
         cadences for it)."""
         return None
 
-    def rollout_record(self, update: int) -> tuple[list[Trajectory], dict[str, Any]] | None:
+    def rollout_record(self, update: int) -> tuple[Sequence[Trajectory], dict[str, Any]] | None:
         """Update `update`'s sampled trajectories and a JSON-able per-row record
         (rewards, advantages, routing, replay selection) for `checkpoint.save_rollouts`;
         None for a source that samples nothing."""

@@ -19,6 +19,7 @@ import torch
 from uniweave.config.schema import RewardConfig
 from uniweave.core.determinism import set_determinism
 from uniweave.core.host_memory import apply_mmap_threshold
+from uniweave.models.base import UnifiedModel
 from uniweave.rewards import RewardError, RewardResult, build_reward_service
 from uniweave.rollout import RolloutRequest, RolloutService
 
@@ -40,7 +41,7 @@ class RolloutWorker:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: UnifiedModel,
         version: int,
         batch_size: int,
         device: str,

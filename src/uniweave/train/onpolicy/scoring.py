@@ -161,17 +161,21 @@ def score_sharded(
     except RewardError as err:
         failure = (str(err), err.plugin, list(err.sample_ids))
     mine_part = (list(indices), local, result, failure)
-    if service.world_size == 1:
-        parts = [mine_part]
-    else:
+    parts: list[Any] = [mine_part]
+    if service.world_size > 1:
         parts = [None] * service.world_size
         torch.distributed.all_gather_object(parts, mine_part, group=service.group)
     failure = first_failure([p[3] for p in parts], samples)
     if failure is not None:
         raise RewardError(*failure)
     trajs = place([(p[0], p[1]) for p in parts], len(samples))
-    scored = [p for p in parts if p[2] is not None]
-    return trajs, merge_indexed([p[2] for p in scored], [p[0] for p in scored])
+    results: list[RewardResult] = []
+    rows: list[list[int]] = []
+    for idx, _, res, _ in parts:
+        if res is not None:
+            results.append(res)
+            rows.append(idx)
+    return trajs, merge_indexed(results, rows)
 
 
 def load_run_classifier(cfg: UniweaveConfig, run_dir: Path, info: DistInfo) -> dict[str, Any]:

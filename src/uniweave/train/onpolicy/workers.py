@@ -45,6 +45,7 @@ import torch
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.schema import RewardConfig
 from uniweave.core.sample import Part, Sample
+from uniweave.models.base import UnifiedModel
 from uniweave.rewards import RewardError, RewardResult
 from uniweave.rollout import RolloutRequest, RolloutTrajectory
 from uniweave.train.onpolicy.ray_actors import (
@@ -228,7 +229,7 @@ class RolloutWorkers:
         cpu_copy = model if next(model.parameters()).device.type == "cpu" else None
         self.model_ref = ray.put(cpu_copy or copy.deepcopy(model).to("cpu"))
         self.version = version
-        self.weights_ref = None
+        self.weights_ref: Any = None  # a ray.ObjectRef of the pushed weights
         self.batch_size = cfg.rollout.batch_size
         spec = os.environ.get("UNIWEAVE_FAULT", "")
         die_at = int(spec.split(":")[1]) if spec.startswith(f"{FAULT}:") else None
@@ -354,7 +355,7 @@ class Workers:
 
 def start_workers(
     cfg: UniweaveConfig,
-    model: torch.nn.Module,
+    model: UnifiedModel,
     resources: dict[str, Any],
     version: int = 0,
     features: bool = True,

@@ -213,6 +213,7 @@ class GRPOObjective(Objective):
 
         def fn(chunk: DistributionChunk) -> torch.Tensor:
             dist, n = chunk.dist, len(chunk)
+            factors: torch.Tensor | None
             if bits and chunk.modality == Modality.VISUAL:
                 assert isinstance(dist, VisualBits), "BSQ visual positions are bits"
                 factors = dist.log_prob_factors(chunk.targets)

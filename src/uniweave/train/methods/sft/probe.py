@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -58,7 +58,7 @@ def run_probe(cfg: UniweaveConfig, n: int, out: TextIO = sys.stdout) -> list[dic
     first `n` val rows per task, print the table and the per-direction means."""
     model = build_model(cfg).to("cpu").eval()
     trajs = sft_trajectories(cfg, model, "val", n)
-    records: list[dict[str, object]] = []
+    records: list[dict[str, Any]] = []
     for start in range(0, len(trajs), 16):
         batch = TrajectoryBatch.collate(trajs[start : start + 16], model.special_ids.pad)
         records += probe_rows(model, batch)
