@@ -56,7 +56,17 @@ def draw_digits(model: UnifiedModel, per_digit: int, seed: int) -> list[np.ndarr
     ]
     trajs = RolloutEngine(model).generate(requests)
     responses, _ = build_responses([model.parse_response(t) for t in trajs], model.codec.decode)
-    return [r.images[0].numpy() if r.images else np.zeros((8, 8)) for r in responses]
+    return [_first_image(r.images) for r in responses]
+
+
+def _first_image(images: tuple[torch.Tensor | None, ...]) -> np.ndarray:
+    """A response's first image (a blank 8x8 where it drew none); ValueError when the
+    image it drew could not be decoded."""
+    if not images:
+        return np.zeros((8, 8))
+    if images[0] is None:
+        raise ValueError("a generated image could not be decoded")
+    return images[0].numpy()
 
 
 def before_after_png(

@@ -23,6 +23,7 @@ when scored, its score).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from PIL import Image
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.errors import COMMAND_LINE
 from uniweave.core.atomic import atomic_write, write_json_atomic
-from uniweave.core.sample import ImagePart, Sample, TextPart
+from uniweave.core.sample import ImagePart, Part, Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.data.images import processor_for, read_rgb
 from uniweave.models.build import build_model, resolve_device
@@ -126,7 +127,7 @@ def generate(
 
 
 def _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards) -> dict:
-    parts = []
+    parts: list[Part] = []
     if image is not None:
         channels = int(getattr(model.codec, "channels", 1))
         parts.append(read_prompt_image(cfg, image, tuple(model.codec.image_size), channels))
@@ -158,7 +159,7 @@ def _generate(cfg, model, prompt, n, out_dir, draw, image, task, answer, rewards
             pixels = img.float().cpu().numpy()
             images.append(pixels)
             files.append(str(image_grid_png([pixels], out_dir / f"sample-{m}-{k}.png", cols=1)))
-        record = {
+        record: dict[str, Any] = {
             "id": traj.sample_id,
             "text": response.text,
             "images": files,

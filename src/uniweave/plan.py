@@ -113,14 +113,15 @@ def meta_module(kind: str, config: Any, uniar: tuple[int, int, int] | None = Non
         if kind == "janus_pro":
             from transformers import JanusForConditionalGeneration
 
-            hf = JanusForConditionalGeneration(config)
+            janus = JanusForConditionalGeneration(config)
             root = nn.Module()
-            root.model, root.lm_head = hf.model, hf.lm_head
+            root.model, root.lm_head = janus.model, janus.lm_head
             return root, ("model.vision_model.", "model.vqmodel.")
         from transformers import Qwen3VLForConditionalGeneration
 
         from uniweave.models.uniar.heads import BitEmbedding, VisualDecoder
 
+        assert uniar is not None, "a UniAR module tree needs its head sizes (bits, layers, width)"
         bits, layers, width = uniar
         hf = Qwen3VLForConditionalGeneration(config)
         text = config.text_config

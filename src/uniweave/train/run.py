@@ -390,7 +390,9 @@ def evaluation_model(cfg: UniweaveConfig, model: UnifiedModel, run_dir: Path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    device = next(iter(full.values())).device
+    first = next(iter(full.values()))
+    assert isinstance(first, torch.Tensor), "a model state holds tensors"
+    device = first.device
     copy = _prepare_model(cfg, run_dir, device)
     copy.load_state_dict(full)
     del full
