@@ -230,10 +230,15 @@ class UnifiedModel(nn.Module, ABC):
     # Whether `prepare` accepts packed batches (`TrajectoryBatch.segment_ids`): the body
     # honours a block-causal [B, 1, T, T] mask and positions restart per sequence.
     supports_packing: bool = False
-    # Replay may run each distinct prompt once and its rows' completions against its KV
-    # cache (`uniweave.forward.shared_prefix_hidden`): RoPE positions [B, T], and a body
-    # whose cached continuation equals the full forward with gradient.
-    supports_prefix_sharing: bool = False
+
+    @property
+    def supports_prefix_sharing(self) -> bool:
+        """Whether replay may run each distinct prompt once and its rows' completions
+        against its KV cache (`uniweave.forward.shared_prefix_hidden`): RoPE positions
+        [B, T], and a body whose cached continuation equals the full forward with
+        gradient. Default: no."""
+        return False
+
     # The largest H or W of a generated image the model's own serialisation allows (UniAR:
     # 30); None: no limit of its own. The rollout engine bounds sampled and forced image
     # grids by it as well as by `rollout.min_grid_side`..`max_grid_side`.

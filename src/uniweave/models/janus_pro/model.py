@@ -46,6 +46,7 @@ from uniweave.models.registry import MODEL_CONFIG
 class JanusProModel(UnifiedModel):
     kind = "janus_pro"
     visual_head = "vq"
+    _hf: JanusForConditionalGeneration  # set outside the module registry (see __init__)
 
     def __init__(self, hf: JanusForConditionalGeneration, tokenizer: Any, image_processor: Any):
         super().__init__()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +21,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
 
 from uniweave.codecs import ImageCodec, load_codec
+from uniweave.codecs.bsq import BSQCodec
+from uniweave.codecs.vq import VQCodec
 from uniweave.config.schema import TinyModelConfig
 from uniweave.core.types import Modality
 from uniweave.models.base import BodyOutput, ModelInputs, UnifiedModel, VisualHead, run_decoder
@@ -73,8 +75,7 @@ class TinyUnifiedModel(UnifiedModel):
         if config.mixer_kernel > 0:
             self._mix = install_mixers(self.decoder, config.mixer_kernel)
         d = config.hidden_size
-        n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
-        self._n_visual = int(n_out)
+        self._n_visual = _n_visual_outputs(codec)
         if codec.kind == "vq":
             self.visual_embed: nn.Module = nn.Embedding(self._n_visual, d)
         else:
@@ -86,7 +87,8 @@ class TinyUnifiedModel(UnifiedModel):
         # updates instead of being discovered through the code table alone.
         self._n_grid = int(codec.grid[0] * codec.grid[1])
         if codec.kind == "vq":
-            feats = codec.codebook.reshape(codec.codebook_size, -1).float() - 0.5
+            vq = cast(VQCodec, codec)
+            feats = vq.tensors()["codebook"].reshape(vq.codebook_size, -1).float() - 0.5
         else:
             feats = torch.zeros(0, self._n_visual)
         self.register_buffer("code_features", feats.clone(), persistent=False)
@@ -104,7 +106,8 @@ class TinyUnifiedModel(UnifiedModel):
 
     @staticmethod
     def _llama_config(config: TinyArchitecture, vocab_size: int) -> LlamaConfig:
-        return LlamaConfig(
+        # rope_theta and attn_implementation: taken through **kwargs (not in its signature)
+        return LlamaConfig(  # type: ignore[call-arg]
             vocab_size=vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -225,7 +228,7 @@ class TinyUnifiedModel(UnifiedModel):
         path = Path(path)
         config = cls._check_directory(path)
         codec = load_codec(path / "codec")
-        if config.visual_head != codec.kind:
+        if not isinstance(codec, ImageCodec) or config.visual_head != codec.kind:
             raise ValueError(
                 f"{path / MODEL_CONFIG}: field config.visual_head is {config.visual_head!r} "
                 f"but {path / 'codec'} holds a {codec.kind} codec"
@@ -234,7 +237,7 @@ class TinyUnifiedModel(UnifiedModel):
         if full:
             vocab = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer")).get_vocab()
             tensors = codec.tensors()
-        n_out = codec.codebook_size if codec.kind == "vq" else codec.bits_per_position
+        n_out = _n_visual_outputs(codec)
         grid = (int(codec.grid[0]), int(codec.grid[1]))
         size = (int(codec.image_size[0]), int(codec.image_size[1]))
         prefix = config.mixer_kernel == 0
@@ -247,6 +250,16 @@ class TinyUnifiedModel(UnifiedModel):
         path = Path(path)
         config = cls._check_directory(path)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
-        model = cls(config, tokenizer, load_codec(path / "codec"))
+        codec = load_codec(path / "codec")
+        if not isinstance(codec, ImageCodec):
+            raise ValueError(f"{path / 'codec'} holds a {codec.kind} codec, not a vq or bsq codec")
+        model = cls(config, tokenizer, codec)
         model.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)
         return model
+
+
+def _n_visual_outputs(codec: ImageCodec) -> int:
+    """The visual head's outputs: a VQ codec's codebook size, a BSQ codec's bits."""
+    if codec.kind == "vq":
+        return int(cast(VQCodec, codec).codebook_size)
+    return int(cast(BSQCodec, codec).bits_per_position)
