@@ -37,6 +37,7 @@ from uniweave.config import (
     load_config,
     to_yaml,
 )
+from uniweave.config.resolved import run_dir as resolved_run_dir
 from uniweave.data.errors import DatasetError
 
 PROG = "uniweave"
@@ -405,7 +406,6 @@ def _print_fingerprints(where: str) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (before anything is created), then train / resume the run."""
     cfg = load_args_config(args)
-    from pathlib import Path
 
     from uniweave.train.distributed.spawn import check_world_size, is_spawned_worker, spawn_workers
     from uniweave.train.run import run_train as train
@@ -424,7 +424,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         run_dir = train(cfg, stop_after=args.stop_after_updates)
     except KeyboardInterrupt:
-        saved = last_saved(Path(cfg.run.output_dir))
+        saved = last_saved(resolved_run_dir(cfg))
         raise KeyboardInterrupt(
             "no checkpoint was saved"
             if saved is None
@@ -516,7 +516,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.image is not None and not Path(args.image).is_file():
         raise ConfigError(f"{args.image}: image file not found", key="--image", source=COMMAND_LINE)
     draw = args.prompt.lower().startswith("draw") if args.draw is None else args.draw
-    out = Path(args.out) if args.out else Path(cfg.run.output_dir) / GENERATIONS
+    out = Path(args.out) if args.out else resolved_run_dir(cfg) / GENERATIONS
     summary = generate(cfg, args.prompt, args.n, out, draw, args.image, args.task, args.answer)
     for record in summary["samples"]:
         shown = [repr(record["text"])] if record["text"] or not record["images"] else []

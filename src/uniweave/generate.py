@@ -31,6 +31,7 @@ from PIL import Image
 
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.errors import COMMAND_LINE
+from uniweave.config.resolved import run_dir
 from uniweave.core.atomic import atomic_write, write_json_atomic
 from uniweave.core.sample import ImagePart, Part, Sample, TextPart
 from uniweave.core.seeding import seed_for
@@ -103,7 +104,7 @@ def scorer(cfg: UniweaveConfig, task: str):
     return lambda model: eval_rewards(
         cfg.model_copy(update={"data": data}),
         model,
-        Path(cfg.run.output_dir) / "classifier",
+        run_dir(cfg) / "classifier",
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from uniweave.config.errors import ConfigError
 from uniweave.config.methods import get_key, method, with_key
@@ -42,6 +42,10 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in TRUE
 
 
+@overload
+def resolve(value: str, key: str) -> str: ...
+@overload
+def resolve(value: None, key: str) -> None: ...
 def resolve(value: str | None, key: str) -> str | None:
     """`value` unchanged unless it is a hub id; then its local snapshot directory
     (module docstring). ConfigError naming `key` and the id when it cannot be had."""

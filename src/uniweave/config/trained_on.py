@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from uniweave.config.fingerprint import path_identity
+from uniweave.config.resolved import data_tasks
 from uniweave.config.schema import UniweaveConfig
 
 TRAINED_ON = "trained_on.json"
@@ -40,7 +41,7 @@ def _data_record(path: str | None) -> dict[str, str] | None:
 def trained_on(cfg: UniweaveConfig, config_hash: str) -> dict[str, Any]:
     """The record of a run that trains with `cfg` (module docstring)."""
     return {
-        "tasks": list(cfg.data.tasks),
+        "tasks": list(data_tasks(cfg.data)),
         "algorithm": cfg.algorithm.name,
         "config_hash": config_hash,
         "data": {"data.path": _data_record(cfg.data.path)},
@@ -81,7 +82,7 @@ def mismatch_warnings(cfg: UniweaveConfig) -> list[str]:
         return []
     out = []
     trained = list(record["tasks"])
-    other = [t for t in cfg.data.tasks if t not in trained]
+    other = [t for t in data_tasks(cfg.data) if t not in trained]
     if other:
         out.append(
             f"model.path {cfg.model.path} was trained on tasks {trained}; this evaluation "

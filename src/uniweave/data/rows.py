@@ -26,6 +26,7 @@ from collections import Counter
 from transformers import PreTrainedTokenizerBase
 
 from uniweave.config import UniweaveConfig, validate_config
+from uniweave.config.resolved import data_tasks
 from uniweave.config.schema import DataConfig
 from uniweave.core.sample import GenerationRequest, ImagePart, Sample, TextPart
 from uniweave.core.status import log_once
@@ -138,9 +139,10 @@ def _split_rows(
                 f"{rows.where[sample.id]}: task: missing; give the row a task or set "
                 "data.default_task"
             )
-    kept = [s.task in data.tasks for s in rows.samples]
+    tasks = data_tasks(data)
+    kept = [s.task in tasks for s in rows.samples]
     present = {s.task for s, k in zip(rows.samples, kept) if k}
-    missing = [t for t in data.tasks if t not in present]
+    missing = [t for t in tasks if t not in present]
     if missing and (split == "train" or not any(kept)):  # refused before any warning
         labels = Counter(s.task for s in rows.samples)
         has = ", ".join(f"{t} ({n})" for t, n in sorted(labels.items()))

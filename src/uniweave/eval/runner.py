@@ -78,6 +78,7 @@ import torch
 from rich.progress import Progress
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash
+from uniweave.config.resolved import data_tasks, run_dir
 from uniweave.config.trained_on import mismatch_warnings
 from uniweave.core.atomic import write_text_atomic
 from uniweave.core.host_memory import apply_mmap_threshold
@@ -161,7 +162,7 @@ def indexed_eval_samples(
             )
         samples = [
             s
-            for task in cfg.data.tasks
+            for task in data_tasks(cfg.data)
             for s in make_task_samples(task, split, n[split], seed=cfg.data.seed)
         ]
     indexed = list(zip(task_indices(samples), samples))
@@ -462,7 +463,7 @@ def evaluate(
         torch.distributed.barrier(group=group)
         if rank > 0:
             log = ResultLog(out)
-    classifier_dir = classifier_dir or Path(cfg.run.output_dir) / CLASSIFIER_DIR
+    classifier_dir = classifier_dir or run_dir(cfg) / CLASSIFIER_DIR
     grid = tuple(model.codec.grid)
     n = cfg.evaluation.rollouts_per_sample
     todo = [(k, m, s) for k, s in indexed for m in range(n) if (s.id, m) not in log.done]
@@ -518,7 +519,7 @@ def evaluate(
         (r for r in log.records if (r["id"], r["member"]) in wanted),
         key=lambda r: position[(r["id"], r["member"])],
     )
-    summary = summarize(records, n, headline_metrics(cfg.data.tasks))
+    summary = summarize(records, n, headline_metrics(data_tasks(cfg.data)))
     summary["scoring"] = {
         "source": source,
         "plugins": [p.model_dump(mode="json") for p in reward.plugins],

@@ -76,7 +76,9 @@ def build_model(
     spec = check_model_config(cfg.model)
     if cfg.model.path is None:
         tokenizer = config_tokenizer(cfg, tokenizer_dir)
-        return spec.build(cfg.model, cfg.run.seed, codec_dir, tokenizer)
+        build = spec.build
+        assert build is not None, "check_model_config refuses a kind that does not build"
+        return build(cfg.model, cfg.run.seed, codec_dir, tokenizer)
     model = load_model(cfg.model.path)
     if model.visual_head != cfg.model.visual_head:
         raise ValueError(

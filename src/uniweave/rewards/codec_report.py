@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(codec, VQCodec):
             detail = f"K={codec.codebook_size} grid={codec.grid[0]}x{codec.grid[1]}"
         else:
+            assert isinstance(codec, BSQCodec), "the report compares a VQ and a BSQ codec"
             detail = f"L={codec.bits_per_position} grid={codec.grid[0]}x{codec.grid[1]}"
         r = codec_report(codec, classifier)
         print(

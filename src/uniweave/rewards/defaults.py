@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 
 from uniweave.config.errors import ConfigError
+from uniweave.config.resolved import data_tasks
 from uniweave.config.schema import RewardConfig, RewardPluginConfig, UniweaveConfig
 
 
@@ -87,7 +88,7 @@ def evaluation_reward(cfg: UniweaveConfig) -> tuple[RewardConfig, Source]:
     (module docstring)."""
     if cfg.reward.plugins:
         return cfg.reward, "reward.plugins"
-    return default_reward(cfg.data.tasks, cfg.reward), "task defaults"
+    return default_reward(data_tasks(cfg.data), cfg.reward), "task defaults"
 
 
 def headline_metrics(tasks: Sequence[str]) -> dict[str, str]:

@@ -120,7 +120,7 @@ def target_digit(sample: Sample) -> int:
     """meta["digit"], else int(answer); ValueError naming the sample if neither is 0-9."""
     value = sample.meta.get("digit", sample.answer)
     try:
-        digit = int(value)
+        digit = -1 if value is None else int(value)
     except (TypeError, ValueError):
         digit = -1
     if not 0 <= digit <= 9:

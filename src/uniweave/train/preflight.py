@@ -55,6 +55,8 @@ from uniweave.codecs.base import CONFIG_NAME as CODEC_CONFIG
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.errors import InputError
 from uniweave.config.methods import get_key, method, names
+from uniweave.config.resolved import data_tasks
+from uniweave.config.resolved import run_dir as run_dir_of
 from uniweave.config.schema import ModelConfig
 from uniweave.core.atomic import is_temporary
 from uniweave.data.images import processor_for
@@ -107,7 +109,7 @@ def preflight(cfg: UniweaveConfig, algorithms: Collection[str] | None = None) ->
     check_model_config(cfg.model)
     if cfg.trainer.parallel == "fsdp2":
         check_fsdp2_support()
-    check_run_dir(Path(cfg.run.output_dir))
+    check_run_dir(run_dir_of(cfg))
     check_weights(cfg.model.path, "model.path")
     check_weights(cfg.model.initial_adapter, "model.initial_adapter")
     check_initial_adapter(cfg)
@@ -166,7 +168,7 @@ def preflight_inference(
     need (`check_split_rows`; `verify` False: the rows only, for a command that scores
     nothing, `uniweave probe`). Raises the same one-line `ConfigError`s; writes nothing."""
     check_model_config(cfg.model)
-    out = Path(cfg.run.output_dir)
+    out = run_dir_of(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory", key="run.output_dir")
     check_weights(cfg.model.path, "model.path")
@@ -265,7 +267,8 @@ def _config_grid(model: ModelConfig) -> tuple[int, int]:
     (which must be of `model.visual_head`'s kind), else the one `model.codec` describes
     (a run's fitted codec, saved in its run directory, is of that geometry too)."""
     if model.codec.path is None:
-        return tuple(new_codec(model).grid)
+        grid = new_codec(model).grid
+        return int(grid[0]), int(grid[1])
     try:
         kind, grid, _ = codec_geometry(model.codec.path)
     except (OSError, ValueError) as err:
@@ -325,7 +328,7 @@ def _student_facts(cfg: UniweaveConfig) -> ModelFacts | None:
     from the config as the run builds it, writing nothing (module docstring)."""
     if cfg.model.path is not None:
         return _inspect(cfg.model.path, "model.path", full=True)
-    run_dir = Path(cfg.run.output_dir)
+    run_dir = run_dir_of(cfg)
     codec_dir, tokenizer_dir = run_dir / RUN_CODEC, run_dir / RUN_TOKENIZER
     model = build_model(
         cfg,
@@ -340,9 +343,11 @@ def _processor(cfg: UniweaveConfig, geometry: Geometry | None):
     `processor_for` the model's kind at its codec's image size); for a kind that cannot
     tell its geometry up front, no processor (images are only read here) and a
     placeholder grid."""
-    if geometry is None or geometry[1] is None:
-        return None, geometry[0] if geometry else (1, 1)
+    if geometry is None:
+        return None, (1, 1)
     grid, size, channels = geometry
+    if size is None:
+        return None, grid
     return processor_for(cfg.model.kind, size, cfg.data.image_resize, channels or 1), grid
 
 
@@ -406,7 +411,7 @@ def check_prompts(cfg: UniweaveConfig, rows: Rows, codec_grid: tuple[int, int] |
     (`algorithm.teacher.privilege: answer`) it has an answer."""
     params = sampling_params(cfg.rollout)
     own = method(cfg.algorithm.name).preflight_prompt  # OPD: a privileged teacher's answers
-    tasks = set(cfg.data.tasks)
+    tasks = set(data_tasks(cfg.data))
     for sample in rows.samples:
         if sample.task not in tasks:
             continue

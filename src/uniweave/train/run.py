@@ -45,6 +45,7 @@ import torch
 
 from uniweave.config import ConfigError, UniweaveConfig, config_hash, to_yaml
 from uniweave.config.methods import method, methods
+from uniweave.config.resolved import run_dir as resolved_run_dir
 from uniweave.config.trained_on import write_trained_on
 from uniweave.core.determinism import set_determinism
 from uniweave.core.host_memory import apply_mmap_threshold
@@ -129,7 +130,7 @@ def prepare_run_dir(cfg: UniweaveConfig, info: DistInfo) -> Path:
     """Open the run directory (module docstring): check that its newest intact checkpoint
     may be resumed under `cfg` (ConfigError otherwise, nothing changed), then create it,
     tidy it and record the resolved config and its hash (rank 0)."""
-    run_dir = Path(cfg.run.output_dir)
+    run_dir = resolved_run_dir(cfg)
     scan = ckpt.scan_checkpoints(run_dir)
     if scan.latest is not None:
         check_resume(scan.latest, cfg)

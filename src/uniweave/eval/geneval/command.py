@@ -36,6 +36,7 @@ from pathlib import Path
 
 from uniweave.config import COMMAND_LINE, ConfigError, UniweaveConfig
 from uniweave.config.hub import resolve
+from uniweave.config.resolved import run_dir
 from uniweave.eval.geneval.folder import read_folder
 from uniweave.eval.geneval.score import score_folder
 from uniweave.rewards.geneval.colour import ClipColourClassifier
@@ -139,7 +140,7 @@ def check_eval(args: argparse.Namespace, cfg: UniweaveConfig) -> GenEvalPlan:
     output folder (`check_out`); builds no model and writes nothing."""
     from uniweave.eval.geneval.generation import check_out
 
-    default = cfg.evaluation.output_dir or str(Path(cfg.run.output_dir) / "geneval")
+    default = cfg.evaluation.output_dir or str(run_dir(cfg) / "geneval")
     out = Path(args.out or default)
     thresholds, kind, detector_dir, clip_dir, classes = _scoring_options(args)
     rows = read_metadata(args.geneval, classes)

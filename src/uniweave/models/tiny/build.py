@@ -40,7 +40,7 @@ def build_or_load_codec(cfg: ModelConfig, seed: int, codec_dir: Path | None) -> 
     path = c.path or (str(codec_dir) if codec_dir and (codec_dir / CONFIG_NAME).is_file() else None)
     if path:
         codec = load_codec(path)
-        if codec.kind != cfg.visual_head:
+        if not isinstance(codec, ImageCodec) or codec.kind != cfg.visual_head:
             raise ValueError(
                 f"model.codec.path={path} holds a {codec.kind} codec but "
                 f"model.visual_head={cfg.visual_head}"

@@ -56,6 +56,8 @@ class TinyUnifiedModel(UnifiedModel):
     kind = "tiny"
     supports_packing = True
 
+    code_features: torch.Tensor  # a buffer: the VQ codebook's centred patch pixels
+
     def __init__(
         self, config: TinyArchitecture, tokenizer: PreTrainedTokenizerFast, codec: ImageCodec
     ) -> None:

@@ -180,7 +180,7 @@ class UniARModel(UnifiedModel):
     def prepare_prompts(self, prompts, pad_id: int) -> ModelInputs:
         return self._with_mrope(super().prepare_prompts(prompts, pad_id))
 
-    def decode_positions(self, prefill: ModelInputs) -> MRopeDecodePositions:
+    def decode_positions(self, prefill: ModelInputs) -> MRopeDecodePositions:  # type: ignore[override]  # the DecodePositions contract, M-RoPE positions
         return MRopeDecodePositions(
             prefill.token_ids, prefill.attention_mask, prefill.position_ids, self.parse_image_header
         )

@@ -223,7 +223,8 @@ class GenEvalReward(RewardPlugin):
         rows = [self.row(sample) for sample in samples]
         images = [one_image(r) for r in responses]
         valid = [i for i, image in enumerate(images) if image is not None]
-        verdicts = self.scorer.verdicts([rows[i] for i in valid], [images[i] for i in valid])
+        drawn = [image for image in images if image is not None]
+        verdicts = self.scorer.verdicts([rows[i] for i in valid], drawn)
         out = [0.0] * len(samples)
         for i, verdict in zip(valid, verdicts):
             out[i] = verdict_reward(verdict, self.partial)

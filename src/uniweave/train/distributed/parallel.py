@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import cast, Any
 
@@ -305,7 +305,7 @@ class Parallel:
         return norm, scale
 
     # -- replica drift (DDP) ---------------------------------------------------------
-    def check_replicas(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+    def check_replicas(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         """DDP: raise ReplicaDriftError naming the first tensor of `tensors` whose bytes
         (SHA-256) differ between ranks. Other modes: nothing (no replicas)."""
         if self.mode != "ddp" or not self.info.enabled:

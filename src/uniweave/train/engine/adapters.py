@@ -63,7 +63,7 @@ def save_adapter(model: UnifiedModel, cfg: UniweaveConfig, path: Path, targets: 
     path.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft takes a float alpha (scale alpha / r)
         lora_dropout=lora.dropout,
         target_modules=targets,
         use_rslora=lora.rslora,

@@ -7,6 +7,7 @@ The model itself, its device, tokenizer and dataset rows are built by
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ def apply_lora(model: UnifiedModel, cfg: UniweaveConfig) -> list[str]:
         raise ValueError(f"trainer.lora.target_modules={lora.target_modules!r} matches no Linear")
     config = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft takes a float alpha (scale alpha / r)
         lora_dropout=lora.dropout,
         target_modules=targets,
         use_rslora=lora.rslora,
@@ -69,6 +70,7 @@ def merged_state_dict(model: UnifiedModel) -> dict[str, torch.Tensor]:
     }
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-            state[f"{name}.weight"] = module.get_base_layer().weight.detach() + delta
+            layer: Any = module  # a peft lora.Linear: LoraLayer and the wrapped nn.Linear
+            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+            state[f"{name}.weight"] = layer.get_base_layer().weight.detach() + delta
     return state

@@ -90,7 +90,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=opt.lr,
-            betas=tuple(opt.betas),
+            betas=(opt.betas[0], opt.betas[1]),
             weight_decay=opt.weight_decay,
             eps=opt.eps,
         )
@@ -185,11 +185,11 @@ class Trainer:
             self._grads_checked = True
         keys = sorted(sums)
         flat = torch.tensor([sums[k] for k in keys] + [float(total), n_tokens], dtype=torch.float64)
-        flat = all_reduce_sum(flat, self.dist).tolist()
-        metrics = self.objective.finalize(dict(zip(keys, flat)), n_global)
-        metrics["loss"] = flat[-2]
+        summed = all_reduce_sum(flat, self.dist).tolist()
+        metrics = self.objective.finalize(dict(zip(keys, summed)), n_global)
+        metrics["loss"] = summed[-2]
         metrics["n_scored"] = float(n_global)
-        metrics["tokens"] = flat[-1]
+        metrics["tokens"] = summed[-1]
         metrics.update(diagnostics)
         return metrics
 
@@ -201,7 +201,7 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(f"non-finite gradient norm at update {self.update + 1}; stopping")
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.objective.after_step()
         self.scheduler.step()
@@ -302,10 +302,11 @@ class Trainer:
         plain, shown = main and not interactive(), method(self.cfg.algorithm.name).progress
         progress = Progress(total, self.update, log.progress_bar and main, plain, shown)
         start = self.update
-        if remeasures(self.cfg, self.checkpoints.from_parent, self.evaluator is not None):
+        evaluator = self.evaluator
+        if evaluator is not None and remeasures(self.cfg, self.checkpoints.from_parent, True):
             # rollout caps changed from the parent: the validation baseline under the new
             # caps (every rank that has an evaluator runs it: under ddp it is shared)
-            baseline = self.evaluator(self.update)
+            baseline = evaluator(self.update)
             if logger is not None:
                 logger.log(self.update, baseline, force=True)
         try:

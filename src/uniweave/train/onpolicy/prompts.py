@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from uniweave.config import ConfigError, UniweaveConfig
+from uniweave.config.resolved import data_tasks
 from uniweave.config.schema import RolloutConfig
 from uniweave.core.sample import Sample
 from uniweave.data.digits import make_task_samples
@@ -35,7 +36,7 @@ def prompt_pools(cfg: UniweaveConfig, model: UnifiedModel) -> dict[str, list[Sam
     (`dataset_rows`: images through the model's processor; a row a verifier would score
     without its answer is a DatasetError naming its file:line, `check_answers`), or the built-in digits tasks
     on the train split (`data.train_size` per task, 0 = one per train image)."""
-    tasks = list(cfg.data.tasks)
+    tasks = list(data_tasks(cfg.data))
     if cfg.data.path:
         rows = dataset_rows(cfg, model, "train")
         check_answers(cfg.reward, rows)

@@ -239,7 +239,7 @@ class RolloutWorkers:
 
         def make(index: int, first: bool):
             die = die_at if index == 0 and first else None
-            actor = remote.remote(
+            actor: Any = remote.remote(
                 self.model_ref,
                 self.version,
                 self.batch_size,

@@ -145,7 +145,7 @@ class OPDSource(RolloutSource):
     def batch_metrics(self, update: int) -> dict[str, float]:
         return dict(self._make_cached(update).metrics)
 
-    def rollout_record(self, update: int) -> tuple[list[Trajectory], dict]:
+    def rollout_record(self, update: int) -> tuple[list[RolloutTrajectory], dict]:
         """`update`'s student trajectories (every sampled row, dropped ones too) and the
         record of each row's verification and route, and of the GT replay selection
         (`checkpoint.save_rollouts`)."""

@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 
 from uniweave.config import ConfigError, UniweaveConfig
+from uniweave.config.resolved import data_tasks
 from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import Trajectory
 from uniweave.data.digits import make_task_samples
@@ -27,10 +28,10 @@ def task_sizes(cfg: UniweaveConfig, n_per_task: int) -> dict[str, int]:
     fresh random options)."""
     weights = cfg.data.task_weights or {}
     if not weights:
-        return {task: n_per_task for task in cfg.data.tasks}
-    w = {task: weights.get(task, 1.0) for task in cfg.data.tasks}
+        return {task: n_per_task for task in data_tasks(cfg.data)}
+    w = {task: weights.get(task, 1.0) for task in data_tasks(cfg.data)}
     mean = sum(w.values()) / len(w)
-    return {task: max(1, round(n_per_task * w[task] / mean)) for task in cfg.data.tasks}
+    return {task: max(1, round(n_per_task * w[task] / mean)) for task in data_tasks(cfg.data)}
 
 
 def sft_trajectories(cfg: UniweaveConfig, model: UnifiedModel, split: str, n_per_task: int):
