@@ -33,11 +33,11 @@ format: $(STAMP)
 # workers (one per core of the CI machine), a test file per worker at a time so that a
 # file's module fixtures are built once.
 TEST_WORKERS ?= 2
-test: lint
+test: lint typecheck
 	CI=true $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # A quick development loop without the tests marked slow.
-test-fast: lint
+test-fast: lint typecheck
 	CI=true $(BIN)/python -m pytest -m "not slow"
 
 test-full: test

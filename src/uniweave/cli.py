@@ -776,9 +776,9 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         out = evaluate(cfg)
     except KeyboardInterrupt:
-        out = e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}"
+        kept = e.output_dir or f"{cfg.run.output_dir}/eval-{e.split}"
         raise KeyboardInterrupt(
-            f"the records written so far are kept in {out}; run the same command to continue"
+            f"the records written so far are kept in {kept}; run the same command to continue"
         ) from None
     summary = json.loads((out / "summary.json").read_text())
     for task, stats in sorted(summary["tasks"].items()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeGuard, Union, get_args, get_origin
 
 import annotated_types as at
 from pydantic import BaseModel
@@ -40,7 +40,7 @@ def annotated_info(ann: Any) -> FieldInfo | None:
     return None
 
 
-def is_model(ann: Any) -> bool:
+def is_model(ann: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(ann, type) and issubclass(ann, BaseModel)
 
 

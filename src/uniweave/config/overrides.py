@@ -69,14 +69,18 @@ def _error(key: str, raw: str, node: Node, problem: str | None = None, **kw: Any
 
 
 def _branch(prefix: str, node: Node, here: Any, pending: Mapping[str, str]) -> type[BaseModel]:
-    disc, branches = union_branches(node)  # type: ignore[misc]
+    union = union_branches(node)
+    assert union is not None, "_branch is called at a union node"
+    disc, branches = union
     tag_key = join_key(prefix, disc)
     if tag_key in pending:
         tag: Any = pending[tag_key].strip()
     elif isinstance(here, dict) and disc in here:
         tag = here[disc]
     else:
-        tag = getattr(node[1].get_default(call_default_factory=True), disc)
+        info = node[1]
+        assert info is not None, "a discriminated union carries its FieldInfo"
+        tag = getattr(info.get_default(call_default_factory=True), disc)
     if tag not in branches:
         raise ConfigError(
             f"unknown {disc} {tag!r}",
@@ -99,15 +103,15 @@ def resolve_target(
     for i, part in enumerate(parts):
         prefix = ".".join(parts[:i])
         union = union_branches(node)
+        step: str | int = part
         if union is not None and part == union[0]:
             node = (Literal[tuple(union[1])], None)
         else:
             if union is not None:
                 node = (_branch(prefix, node, here, pending), None)
             node, step = _step(node, part, here, prefix, key)
-            part = step
-        path.append(part)
-        here = _child(here, part)
+        path.append(step)
+        here = _child(here, step)
     return node, path
 
 

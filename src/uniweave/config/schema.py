@@ -1109,7 +1109,7 @@ def _rebuild_algorithm_field() -> None:
     if members == get_args(field.annotation):
         return
     info = FieldInfo.merge_field_infos(
-        FieldInfo.from_annotation(Annotated[Union[members], Field(discriminator="name")]),
+        FieldInfo.from_annotation(Annotated[Union[members], Field(discriminator="name")]),  # type: ignore[arg-type]  # a union built at run time
         default_factory=field.default_factory,
         description=algorithm_description(),
     )

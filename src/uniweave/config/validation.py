@@ -52,6 +52,7 @@ def unknown_key_error(
     """
     names = list(parent.model_fields)
     close = suggest(name, names)
+    suggestion: str | None
     if close is not None:
         suggestion = join_key(parent_key, close)
     else:
@@ -109,7 +110,9 @@ def from_validation_error(
             other = join_key(section, other)
             problem += f" ({other} set in {source_of(other, provenance, 'the defaults')})"
     elif kind in ("union_tag_invalid", "union_tag_not_found"):
-        disc, branches = union_branches(node)  # type: ignore[misc]
+        union = union_branches(node) if node is not None else None
+        assert union is not None, "pydantic reports a union tag error at a union node"
+        disc, branches = union
         key = join_key(key, disc)
         expected = "one of " + ", ".join(map(repr, branches))
         if kind == "union_tag_invalid":

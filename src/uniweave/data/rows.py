@@ -120,6 +120,7 @@ def _split_rows(
 ) -> Rows:
     dedicated = {"val": data.val_path, "test": data.test_path}.get(split)
     source = dedicated or data.path
+    assert source is not None, "dataset rows are read with data.path set"
     rows = load_rows(source, processor, image_grid, data.default_task)
     if dedicated:
         for sid, value in rows.splits.items():

@@ -30,11 +30,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import NoReturn, get_args
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from uniweave.core.sample import ROLES, GenerationRequest, ImagePart, Part, Sample, TextPart
+from uniweave.core.sample import (
+    ROLES,
+    GenerationRequest,
+    ImagePart,
+    Part,
+    Role,
+    Sample,
+    TextPart,
+)
 from uniweave.core.trajectory import Trajectory
 from uniweave.core.types import Modality, Owner
 from uniweave.data.memo import memoized
@@ -82,7 +91,7 @@ def parse_image_header(
     if sp.image_gen not in ids:
         return None
     start = len(ids) - ids[::-1].index(sp.image_gen)
-    text = tokenizer.decode(ids[start:], skip_special_tokens=False)
+    text = str(tokenizer.decode(ids[start:], skip_special_tokens=False))
     m = _HEADER_RE.fullmatch(text)
     if m is None or int(m.group(1)) == 0 or int(m.group(2)) == 0:
         return None
@@ -258,7 +267,7 @@ class _Reader:
         self.t = 0
         self.image = 0
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str) -> NoReturn:
         raise ValueError(f"parse {self.traj.sample_id!r} at position {self.t}: {what}")
 
     def done(self) -> bool:
@@ -270,19 +279,18 @@ class _Reader:
             return True
         return False
 
-    def role(self) -> str:
+    def role(self) -> Role:
         if not self.take([self.sp.im_start]):
             self.fail("expected <|im_start|>")
-        for role in sorted(ROLES):
+        for role in sorted(get_args(Role)):
             if self.take([*_encode(self.tok, role), *self.newline]):
                 return role
         self.fail(f"expected a role ({', '.join(sorted(ROLES))}) and a newline")
-        return ""
 
-    def text(self, ids: list[int], role: str) -> list[Part]:
+    def text(self, ids: list[int], role: Role) -> list[Part]:
         if not ids:
             return []
-        return [TextPart(self.tok.decode(ids, skip_special_tokens=False), role)]
+        return [TextPart(str(self.tok.decode(ids, skip_special_tokens=False)), role)]
 
     def codes(self, h: int, w: int) -> torch.Tensor:
         n = h * w
@@ -307,7 +315,7 @@ class _Reader:
             self.fail("expected 'generate image H W' then <|vision_start|> after <image_gen>")
         return grid
 
-    def content(self, role: str) -> list[Part]:
+    def content(self, role: Role) -> list[Part]:
         parts: list[Part] = []
         text: list[int] = []
         while not self.done() and self.ids[self.t] != self.sp.im_end:

@@ -191,8 +191,8 @@ def image_counts(
          "n_noise", "n_colour", "n_grey", "n_with_source", "n_source_copy"),
         0.0,
     )  # fmt: skip
-    for sample, drawn in zip(samples, images):
-        drawn = [px for px in drawn if px is not None]
+    for sample, row_images in zip(samples, images):
+        drawn = [px for px in row_images if px is not None]
         sources = input_pixels(sample) if drawn else []
         for px in drawn:
             x = _array(px)

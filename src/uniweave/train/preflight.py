@@ -377,6 +377,7 @@ def check_rows(cfg: UniweaveConfig, geometry: Geometry | None = None) -> Rows:
     data = cfg.data
     spec = method(cfg.algorithm.name)
     rollouts = spec.rollouts
+    assert data.path is not None, "check_rows runs for a config with data.path"
     try:
         load_rows(data.path, processor, grid, data.default_task)
         train = split_rows(data, "train", processor, grid)

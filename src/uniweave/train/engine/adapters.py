@@ -144,6 +144,7 @@ def check_initial_adapter(cfg: UniweaveConfig) -> None:
 def load_initial_adapter(model: UnifiedModel, cfg: UniweaveConfig, targets: list[str]) -> None:
     """Give `model`'s LoRA layers (already injected, `apply_lora`: `targets`) the tensors
     of `model.initial_adapter` (checked first: `check_initial_adapter`)."""
+    assert cfg.model.initial_adapter is not None, "called with model.initial_adapter set"
     path = Path(cfg.model.initial_adapter)
     check_initial_adapter(cfg)
     record = read_record(path)

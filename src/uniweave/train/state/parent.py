@@ -24,6 +24,7 @@ def parent_checkpoint(cfg: UniweaveConfig) -> ckpt.Checkpoint:
     directory's newest intact checkpoint. ConfigError naming `run.parent` otherwise, and
     for a checkpoint inside a GRPO round (the spec's `updates_per_round`: GRPO's
     `algorithm.updates_per_batch` K > 1, update not a multiple of K: the round's rollouts stay in the parent's directory; not built)."""
+    assert cfg.run.parent is not None, "called for a run with run.parent set"
     root = Path(cfg.run.parent)
     try:
         if (root / ckpt.STATE).is_file():

@@ -11,6 +11,7 @@ import numpy as np
 
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.resolved import data_tasks
+from uniweave.config.schema import Split
 from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import Trajectory
 from uniweave.data.digits import make_task_samples
@@ -34,7 +35,7 @@ def task_sizes(cfg: UniweaveConfig, n_per_task: int) -> dict[str, int]:
     return {task: max(1, round(n_per_task * w[task] / mean)) for task in data_tasks(cfg.data)}
 
 
-def sft_trajectories(cfg: UniweaveConfig, model: UnifiedModel, split: str, n_per_task: int):
+def sft_trajectories(cfg: UniweaveConfig, model: UnifiedModel, split: Split, n_per_task: int):
     """Serialised SFT rows of `split`: the `data.path` rows of that split and of the
     `data.tasks` (`dataset_rows`: images through the model's processor), or
     `n_per_task` rows of each built-in digits task.
