@@ -140,8 +140,8 @@ def resume_conflicts(saved: ConfigLike, current: BaseModel) -> list[str]:
     any mode the method's own `resumable_keys` (`uniweave.config.methods`; the built-in
     methods have none).
     """
-    mode = current.checkpoint.resume_mode  # type: ignore[attr-defined]
-    algo = current.algorithm  # type: ignore[attr-defined]
+    mode = current.checkpoint.resume_mode  # type: ignore[attr-defined]  # a UniweaveConfig (this module sits below the schema)
+    algo = current.algorithm  # type: ignore[attr-defined]  # a UniweaveConfig (this module sits below the schema)
     own = tuple(f"algorithm.{key}" for key in method(algo.name).resumable_keys)
     allowed = ALWAYS_RESUMABLE + RESUME_MODES[mode] + own
     return [k for k in diff_configs(saved, current) if not _under(k, allowed)]
@@ -151,9 +151,9 @@ def check_extension(saved: ConfigLike, current: BaseModel) -> tuple[str, str] | 
     """Under `epoch_extension`, (key, why) when the run is not a longer constant-LR run
     of `saved`: the schedule must be constant (or past-warmup constant) and
     `trainer.total_updates` may only grow. None otherwise (and for every other mode)."""
-    if current.checkpoint.resume_mode != "epoch_extension":  # type: ignore[attr-defined]
+    if current.checkpoint.resume_mode != "epoch_extension":  # type: ignore[attr-defined]  # a UniweaveConfig (this module sits below the schema)
         return None
-    trainer = current.trainer  # type: ignore[attr-defined]
+    trainer = current.trainer  # type: ignore[attr-defined]  # a UniweaveConfig (this module sits below the schema)
     if trainer.scheduler.name not in CONSTANT_LR_SCHEDULES:
         return (
             "trainer.scheduler.name",

@@ -132,11 +132,11 @@ def _step(node: Node, part: str, here: Any, prefix: str, key: str) -> tuple[Node
                 expected=(f"an index below {size}, or " if size else "")
                 + f"the whole list: {prefix}=[...]",
             )
-        return item_node(node, int(part)), int(part)  # type: ignore[return-value]
+        return item_node(node, int(part)), int(part)  # type: ignore[return-value]  # a list/dict node always has an item node
     if origin is dict:
         key_type = get_args(inner)[0]
         coerce(part, (key_type, None), join_key(prefix, part))
-        return item_node(node, part), part  # type: ignore[return-value]
+        return item_node(node, part), part  # type: ignore[return-value]  # a list/dict node always has an item node
     raise ConfigError(
         f"{prefix} is {describe(node)}, not a section",
         key=key,

@@ -108,8 +108,7 @@ class TinyUnifiedModel(UnifiedModel):
 
     @staticmethod
     def _llama_config(config: TinyArchitecture, vocab_size: int) -> LlamaConfig:
-        # rope_theta and attn_implementation: taken through **kwargs (not in its signature)
-        return LlamaConfig(  # type: ignore[call-arg]
+        return LlamaConfig(  # type: ignore[call-arg]  # rope_theta, attn_implementation: **kwargs
             vocab_size=vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,12 +83,12 @@ class EMA:
             shadow = {n: s.detach().cpu().clone() for n, s in zip(self.names, self.shadow)}
         return {"decay": self.decay, "shadow": shadow}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; it takes effect at the next `attach` (or now, when
         attached)."""
-        if float(state["decay"]) != self.decay:  # type: ignore[arg-type]
+        if float(state["decay"]) != self.decay:
             raise ValueError(f"EMA state has decay {state['decay']}, this run {self.decay}")
-        shadow = dict(state["shadow"])  # type: ignore[call-overload]
+        shadow = dict(state["shadow"])
         if self.shadow is None:
             self._pending = shadow
             return
