@@ -1,7 +1,9 @@
 """The masked-drawn-image answer evaluation: where it cuts, that the mask removes every
 path from the drawn image (codes changed -> same hidden state), that without mixers it
-equals deleting those positions (positions kept), and the end-to-end metrics (the probe
-runs inside the one evaluator, `uniweave.eval.runner.evaluate`, on its rollouts)."""
+equals deleting those positions (positions kept), the per-row scores against answers
+decoded here one row at a time (non-zero, and different with the image masked), and the
+end-to-end metrics (the probe runs inside the one evaluator,
+`uniweave.eval.runner.evaluate`, on its rollouts)."""
 
 import dataclasses
 import json
@@ -16,13 +18,16 @@ from uniweave.core.types import Modality, Owner
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
 from uniweave.eval.masked import (
+    MAX_ANSWER_TOKENS,
     TASK,
     cut_after_drawn_image,
     evaluate_masked_answer,
     last_hidden,
+    masked_answer_scores,
 )
 from uniweave.eval.runner import engine_rollout, eval_samples, evaluate, make_request
 from uniweave.models.base import ModelInputs, image_positions
+from uniweave.rewards.plugins import ExactAnswer, build_responses, parse_response
 
 
 def _prefixes(model, n=3):
@@ -91,6 +96,74 @@ def test_without_mixers_masking_equals_deleting_the_positions():
         # two fp32 forwards over other key lengths (tests/tolerances.py)
         n = tiny_decoder_reductions(model.config, len(row), head=model.config.hidden_size)
         assert_within((masked - hidden).abs(), reduction_bound(magnitude(hidden), n), "deleted")
+
+
+def _greedy_answer(model, prefix, first, n_visual, mask_image):
+    """The answer decoded greedily after `prefix` (cut after its drawn image), one row
+    alone, each step a full forward whose key mask drops the drawn image's positions when
+    `mask_image`; the stripped text after the image (None: no text), as `ExactAnswer`
+    reads it."""
+    eos = model.special_ids.eos
+    ids, modality, owner = prefix.token_ids, prefix.modality, prefix.owner
+    codes = prefix.visual_codes
+    for _ in range(MAX_ANSWER_TOKENS):
+        T = len(ids)
+        keys = torch.ones(1, T, dtype=torch.bool)
+        if mask_image:
+            keys[0, first : first + n_visual] = False
+        mod = modality[None]
+        inputs = ModelInputs(
+            ids[None], mod, codes[None], keys, torch.arange(T)[None], image_positions(mod), [[]]
+        )
+        with torch.no_grad():
+            hidden = model.hidden(inputs).hidden[:, -1]
+        tok = int(model.text_logits(hidden).argmax(-1))
+        pad = torch.full((1, *codes.shape[1:]), -1 if codes.dim() == 1 else 0, dtype=codes.dtype)
+        ids = torch.cat([ids, torch.tensor([tok])])
+        modality = torch.cat([modality, torch.tensor([int(Modality.TEXT)])])
+        owner = torch.cat([owner, torch.tensor([int(Owner.POLICY)])])
+        codes = torch.cat([codes, pad])
+        if tok == eos:
+            break
+    row = dataclasses.replace(
+        prefix, token_ids=ids, modality=modality, owner=owner, visual_codes=codes
+    )
+    (response,), _ = build_responses([parse_response(row, model.tokenizer)], None)
+    return ExactAnswer.final_text(response)
+
+
+def test_scores_match_answers_decoded_here_and_masking_changes_them():
+    """Each row's answer is set to what this test decodes for it (unmasked for even rows,
+    with the image masked for odd ones), so the probe must score 1 exactly where its own
+    decode agrees: non-zero scores that differ between the two masks."""
+    model = tiny_model("vq", init=0.3)
+    n_visual = model.codec.grid[0] * model.codec.grid[1]
+    samples = make_task_samples(TASK, "val", 6, seed=2)
+    trajs = [serialize(s, tokenizer(), encode_image=model.codec.encode) for s in samples]
+    vision_end = model.special_ids.vision_end
+    plain, masked = [], []
+    for traj in trajs:
+        prefix, first = cut_after_drawn_image(traj, vision_end)
+        plain.append(_greedy_answer(model, prefix, first, n_visual, False))
+        masked.append(_greedy_answer(model, prefix, first, n_visual, True))
+    # each row's answer: the text decoded for it (even rows: unmasked, odd: masked; the
+    # other one where that decode ends without text)
+    answers = []
+    for i, (p, m) in enumerate(zip(plain, masked)):
+        first, second = (p, m) if i % 2 == 0 else (m, p)
+        answers.append(first if first is not None else second)
+    assert all(a is not None for a in answers)
+    rigged = [dataclasses.replace(s, answer=a) for s, a in zip(samples, answers)]
+    scores = masked_answer_scores(model, rigged, trajs, batch_size=4)
+    assert scores["unmasked"] == [float(a == p) for a, p in zip(answers, plain)]
+    assert scores["masked_image"] == [float(a == m) for a, m in zip(answers, masked)]
+    # non-zero under both masks, and the mask changes some row's answer
+    assert 0 < sum(scores["unmasked"]) and 0 < sum(scores["masked_image"])
+    assert scores["unmasked"] != scores["masked_image"]
+    metrics = evaluate_masked_answer(model, rigged, trajs, batch_size=4)
+    drop = metrics[f"{TASK}/exact_match_unmasked"] - metrics[f"{TASK}/exact_match_masked_image"]
+    assert metrics[f"{TASK}/exact_match_unmasked"] == sum(scores["unmasked"]) / 6
+    assert metrics[f"{TASK}/masked_drop"] == drop
 
 
 def _digits_config(tmp_path, **evaluation):
