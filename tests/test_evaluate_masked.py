@@ -17,6 +17,7 @@ from uniweave.config import validate_config
 from uniweave.core.types import Modality, Owner
 from uniweave.data.digits import make_task_samples
 from uniweave.data.template import serialize
+from uniweave.eval import runner
 from uniweave.eval.masked import (
     MAX_ANSWER_TOKENS,
     TASK,
@@ -28,6 +29,7 @@ from uniweave.eval.masked import (
 from uniweave.eval.runner import engine_rollout, eval_samples, evaluate, make_request
 from uniweave.models.base import ModelInputs, image_positions
 from uniweave.rewards.plugins import ExactAnswer, build_responses, parse_response
+from uniweave.rollout import RolloutTrajectory
 
 
 def _prefixes(model, n=3):
@@ -177,18 +179,67 @@ def _digits_config(tmp_path, **evaluation):
     )
 
 
-def test_end_to_end_unmasked_matches_the_engine_evaluation(tmp_path):
-    """The probe runs inside the evaluation, on its rollouts: per rollout, the unmasked
-    greedy re-decode scores what the engine's answer scored."""
-    model = tiny_model("vq")
-    summary = evaluate(_digits_config(tmp_path), model, tmp_path / "eval")
-    stats = summary["tasks"][TASK]
-    assert {"exact_match_unmasked", "exact_match_masked_image", "masked_drop"} <= set(stats)
-    assert stats["exact_match_unmasked"] == stats["exact_match"]
+def _decodes(model, samples):
+    """{sample id: (unmasked answer, masked answer)} decoded here after each sample's own
+    serialisation (its reference drawn image), cut after the image."""
+    n_visual = model.codec.grid[0] * model.codec.grid[1]
+    out = {}
+    for s in samples:
+        traj = serialize(s, model.tokenizer, encode_image=model.codec.encode)
+        prefix, first = cut_after_drawn_image(traj, model.special_ids.vision_end)
+        out[s.id] = tuple(_greedy_answer(model, prefix, first, n_visual, m) for m in (0, 1))
+    return out
+
+
+def test_end_to_end_records_hold_the_probe_of_each_rollout(tmp_path, monkeypatch):
+    """The probe runs inside the evaluation, on its rollouts: rollouts that draw each
+    row's reference image (its own serialisation), and answers set to this test's own
+    decodes (even rows unmasked, odd rows masked): every record's two scores are those
+    decodes', and the summary metrics their means (non-zero, and different)."""
+    model = tiny_model("vq", init=0.3)
+    cfg = _digits_config(tmp_path)
+    decodes = _decodes(model, eval_samples(cfg, model))
+    rigged = {}
+    for k, (sid, (p, m)) in enumerate(sorted(decodes.items())):
+        first, second = (p, m) if k % 2 == 0 else (m, p)
+        rigged[sid] = first if first is not None else second
+    original = runner.indexed_eval_samples
+    monkeypatch.setattr(
+        runner,
+        "indexed_eval_samples",
+        lambda *a, **kw: [
+            (k, dataclasses.replace(s, answer=rigged[s.id])) for k, s in original(*a, **kw)
+        ],
+    )
+
+    def reference(model):
+        def rollout(requests):
+            out = []
+            for r in requests:
+                t = serialize(r.prompt, model.tokenizer, encode_image=model.codec.encode)
+                state = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
+                out.append(RolloutTrajectory(**{**state, "finish_reason": "eos"}))
+            return out
+
+        return rollout
+
+    summary = evaluate(cfg, model, tmp_path / "eval", rollout=reference)
     records = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").open()]
     assert len(records) == 6
+    unmasked, masked = [], []
     for r in records:
-        assert r["masked"]["unmasked"] == r["scores"]["exact_answer"]
+        p, m = decodes[r["id"]]
+        want = {
+            "unmasked": float(rigged[r["id"]] == p),
+            "masked_image": float(rigged[r["id"]] == m),
+        }
+        assert r["masked"] == want
+        unmasked.append(want["unmasked"])
+        masked.append(want["masked_image"])
+    assert 0 < sum(unmasked) and 0 < sum(masked) and unmasked != masked
+    stats = summary["tasks"][TASK]
+    assert stats["exact_match_unmasked"] == sum(unmasked) / 6
+    assert stats["exact_match_masked_image"] == sum(masked) / 6
 
 
 def test_the_evaluation_rollouts_give_the_same_metrics(tmp_path):
