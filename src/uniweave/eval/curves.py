@@ -187,11 +187,11 @@ def draw(curves: Curves, out_png: Path, title: str | None = None) -> Path | None
             ax.plot(x, s.values, lw=1.2, label=s.key)
         fit = panel.fit
         if fit is not None:
-            x = np.array([u for u, _ in panel.series[0].points], dtype=float)
+            fx = np.array([u for u, _ in panel.series[0].points], dtype=float)
             y = np.array(panel.series[0].values)
             line = y.mean() + fit.slope * (np.arange(y.size) - (y.size - 1) / 2)
-            ax.plot(x, line, color="tab:red", lw=1.0)
-            ax.fill_between(x, line - fit.noise, line + fit.noise, color="tab:red", alpha=0.15)
+            ax.plot(fx, line, color="tab:red", lw=1.0)
+            ax.fill_between(fx, line - fit.noise, line + fit.noise, color="tab:red", alpha=0.15)
             ax.set_title(
                 f"{panel.title}: drift {fit.drift:+.3g}, noise {fit.noise:.3g}", fontsize=9
             )

@@ -343,9 +343,10 @@ class DigitsDetector(Detector):
         self.batch_size = batch_size
         self.device = torch.device("cpu")
         self.classes = DIGITS
-        self.classifier = (
-            classifier if classifier is not None else DigitClassifier.from_pretrained(path)
-        )
+        if classifier is None:
+            assert path is not None, "one of the two, checked above"
+            classifier = DigitClassifier.from_pretrained(path)
+        self.classifier = classifier
         scans = load_split("train").images
         self._scans = torch.from_numpy(scans.reshape(len(scans), -1)).double()
 
@@ -404,6 +405,7 @@ class DigitsDetector(Detector):
                 mask = np.zeros((image.height, image.width), dtype=bool)
                 mask[top : top + CELL, left : left + CELL] = where
                 box = mask_box(mask)
+                assert box is not None, "a kept cell has ink (cells)"
                 colour = stroke_colour(cell, ink, where)
                 dets.append(Detection(DIGITS[digit], score, box, mask, colour))
             out.append(dets)
