@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from uniweave.core.distributions import TextCategorical
+from uniweave.core.distributions import TextCategorical, VisualBits
 from uniweave.core.dtypes import at_least_fp32_dtype
 from uniweave.core.trajectory import TrajectoryBatch
 from uniweave.core.types import Modality
@@ -233,8 +233,8 @@ def replay_map(
             out = torch.zeros(shape, dtype=value.dtype, device=value.device)
         out = out.index_put((rows, cols), value)
     if out is None:
-        kw = {"device": batch.token_ids.device, "dtype": at_least_fp32_dtype(plan.hidden.dtype)}
-        return torch.zeros(len(batch), batch.max_length, **kw)
+        device, dtype = batch.token_ids.device, at_least_fp32_dtype(plan.hidden.dtype)
+        return torch.zeros(len(batch), batch.max_length, device=device, dtype=dtype)
     return out
 
 
@@ -252,17 +252,21 @@ def replay_logprobs(
     `replay_map`."""
     plan = _Plan(model, batch, records, params, share_prefix)
     B, T = len(batch), batch.max_length
-    kw = {"device": batch.token_ids.device, "dtype": at_least_fp32_dtype(plan.hidden.dtype)}
-    factors = torch.zeros(B, T, batch.n_factors, **kw) if batch.is_bits else None
-    logp = torch.zeros(B, T, **kw)
+    device, dtype = batch.token_ids.device, at_least_fp32_dtype(plan.hidden.dtype)
+    factors = (
+        torch.zeros(B, T, batch.n_factors, device=device, dtype=dtype) if batch.is_bits else None
+    )
+    logp = torch.zeros(B, T, device=device, dtype=dtype)
 
     def score(chunk: DistributionChunk) -> torch.Tensor:
         if batch.is_bits and chunk.modality == Modality.VISUAL:
+            assert isinstance(chunk.dist, VisualBits), "BSQ visual positions are bits"
             return chunk.dist.log_prob_factors(chunk.targets)
         return chunk.dist.log_prob(chunk.targets)
 
     for _, rows, cols, value in _apply(plan, chunk_size, score):
         if value.dim() == 2:
+            assert factors is not None, "per-factor values come only from BSQ rows"
             factors = factors.index_put((rows, cols), value)
             value = value.sum(-1)
         logp = logp.index_put((rows, cols), value)
@@ -317,6 +321,8 @@ class ReplayPlan:
         """The distributions of chunk `index`; with `rows`/`cols` (another replay's
         chunk) refuses a chunk at other positions (RuntimeError)."""
         g, r, c = self._chunks[index]
-        if rows is not None and not (torch.equal(r, rows) and torch.equal(c, cols)):
+        if rows is not None and not (
+            cols is not None and torch.equal(r, rows) and torch.equal(c, cols)
+        ):
             raise RuntimeError(f"chunk {index}: the two replays score different positions")
         return self._plan.distribution(g, *self._plan.inputs(g, r, c))

@@ -47,7 +47,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import cast, Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist

@@ -9,13 +9,13 @@ from pathlib import Path
 from uniweave.config import ConfigError, UniweaveConfig
 from uniweave.config.algorithms import GRPOConfig
 from uniweave.models.base import UnifiedModel
-from uniweave.rewards import build_reward_service
+from uniweave.rewards import RewardService, build_reward_service
 from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.grpo.objective import GRPOObjective, Reference, anchor_old_logprobs
 from uniweave.train.methods.grpo.source import GRPOSource
 from uniweave.train.onpolicy.prompts import PromptSampler, prompt_pools
 from uniweave.train.onpolicy.scoring import load_run_classifier
-from uniweave.train.onpolicy.workers import start_workers
+from uniweave.train.onpolicy.workers import RewardWorkers, start_workers
 
 
 def check_prefix_sharing(algo: GRPOConfig, supported: bool, model: str) -> None:
@@ -37,6 +37,7 @@ def build_grpo_job(
     Call before the trainer resumes: the reference is the model as given (the initial
     policy, e.g. the SFT checkpoint of `model.path`)."""
     algo = cfg.algorithm
+    assert isinstance(algo, GRPOConfig), "build_grpo_job of a GRPO config"
     # done by the preflight of `uniweave train` (from the model's config); free here
     check_prefix_sharing(algo, model.supports_prefix_sharing, type(model).__name__)
     resources = load_run_classifier(cfg, run_dir, info)
@@ -49,6 +50,7 @@ def build_grpo_job(
     workers = None
     if cfg.rollout.workers or cfg.reward.workers:
         workers = start_workers(cfg, model, resources)
+    rewards: RewardService | RewardWorkers
     if workers is not None and workers.rewards is not None:
         rewards = workers.rewards
     else:

@@ -57,6 +57,7 @@ import torch
 from uniweave.algorithms.grpo import group_advantages
 from uniweave.algorithms.necessity import rollout_necessity, shaped_rewards
 from uniweave.config import UniweaveConfig
+from uniweave.config.algorithms import GRPOConfig
 from uniweave.core.atomic import atomic_write
 from uniweave.core.sample import ImagePart, Sample, TextPart
 from uniweave.core.seeding import seed_for
@@ -117,6 +118,7 @@ class GRPOSource(RolloutSource):
     ) -> None:
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         r, algo = cfg.rollout, cfg.algorithm
+        assert isinstance(algo, GRPOConfig), "GRPOSource of a GRPO config"
         # done by the preflight of `uniweave train`; free here
         check_exact_length(r, tuple(model.codec.grid))
         anchored = algo.updates_per_batch > 1 or algo.mismatch.percentile is not None
@@ -223,7 +225,8 @@ class GRPOSource(RolloutSource):
         t1 = time.perf_counter()
         trajs, result = self.score(update, samples, local, indices)
         a = self.algo
-        total, ig_stats = result.total, {}
+        total = result.total
+        ig_stats: dict[str, float] = {}
         if a.information_gain.weight > 0:
             total, ig_stats = self._information_gain(trajs, result.total, result.tasks)
         adv, adv_stats = group_advantages(

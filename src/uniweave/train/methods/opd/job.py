@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from uniweave.config import UniweaveConfig
+from uniweave.config.algorithms import OPDConfig
 from uniweave.models.base import UnifiedModel
-from uniweave.rewards import build_reward_service
+from uniweave.rewards import RewardService, build_reward_service
 from uniweave.train.distributed.comm import DistInfo
 from uniweave.train.methods.opd.objective import OPDObjective, load_teacher, teacher_identity
 from uniweave.train.methods.opd.source import OPDSource
 from uniweave.train.onpolicy.prompts import PromptSampler, prompt_pools
 from uniweave.train.onpolicy.scoring import load_run_classifier
-from uniweave.train.onpolicy.workers import start_workers
+from uniweave.train.onpolicy.workers import RewardWorkers, start_workers
 
 
 def build_opd_job(
@@ -23,7 +24,8 @@ def build_opd_job(
     """OPD: student rollouts + verification + routing as the source, the trajectory-first
     JSD to the frozen teacher (+ GT-replay CE) as the objective."""
     teacher = load_teacher(cfg, model)
-    rewards, resources = None, {}
+    rewards: RewardService | RewardWorkers | None = None
+    resources: dict = {}
     if cfg.reward.plugins:
         resources = load_run_classifier(cfg, run_dir, info)
     workers = None
@@ -38,5 +40,8 @@ def build_opd_job(
         )
     sampler = PromptSampler(prompt_pools(cfg, model), cfg.data.task_weights, cfg.data.seed)
     source = OPDSource(model, teacher, sampler, rewards, cfg, info, workers)
-    identity = teacher_identity(cfg.algorithm.teacher.path)
-    return source, OPDObjective(cfg.algorithm, teacher, identity)
+    algo = cfg.algorithm
+    assert isinstance(algo, OPDConfig), "build_opd_job of an OPD config"
+    assert algo.teacher.path is not None, "the preflight requires algorithm.teacher.path"
+    identity = teacher_identity(algo.teacher.path)
+    return source, OPDObjective(algo, teacher, identity)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -180,7 +181,7 @@ class OPDObjective(Objective):
         `loss` ask for the same rows; `after_step` forgets them)."""
         key = (tuple(batch.sample_ids), tuple(batch.lengths.tolist()))
         if key not in self._carriers:
-            records = list(batch.sampling)
+            records = _sampling(batch)
             views = [teacher_view(t, r) for t, r in zip(batch.unbatch(), records)]
             shift = [len(v) - len(t) for v, t in zip(views, batch.unbatch())]
             tbatch = TrajectoryBatch.collate(views, batch.pad_id).to(batch.token_ids.device)
@@ -248,7 +249,7 @@ class OPDObjective(Objective):
         return fn
 
     def _distil(self, model: UnifiedModel, batch: TrajectoryBatch):
-        records = list(batch.sampling)
+        records = _sampling(batch)
         t0 = time.perf_counter()
         plan, shift = self._teacher_plan(batch, records)
         t_teacher = time.perf_counter() - t0
@@ -405,3 +406,10 @@ def _position_stats(
         "fallback_sum": float(fallback[cat].sum()),
         "n_categorical": float(cat.sum()),
     }
+
+
+def _sampling(batch: TrajectoryBatch) -> list[Any]:
+    """The rows' sampling records (the OPD source attaches one to every row)."""
+    if batch.sampling is None:
+        raise ValueError(f"rows {batch.sample_ids[:3]} carry no sampling records")
+    return list(batch.sampling)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from uniweave.config import UniweaveConfig
+from uniweave.config.algorithms import OPDConfig
 from uniweave.core.sample import Sample, TextPart
 from uniweave.core.seeding import seed_for
 from uniweave.core.trajectory import Trajectory
@@ -130,7 +131,9 @@ class OPDSource(RolloutSource):
         """`workers`: the Ray pools (their reward pool, if any, is `rewards`)."""
         super().__init__(model, rewards, cfg, info, workers)
         self.teacher = teacher
-        self.algo = cfg.algorithm
+        algo = cfg.algorithm
+        assert isinstance(algo, OPDConfig), "OPDSource of an OPD config"
+        self.algo = algo
         self.prompt_sampler = prompts
         greedy = self.algo.student_sampling == "greedy"
         self.params = sampling_params(cfg.rollout, greedy=greedy)
