@@ -416,15 +416,59 @@ def saved_tiny(tmp_path_factory, small_vq_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def saved_uniar(tmp_path_factory) -> Path:
+    """A tiny UniAR (the test sizes, a random 16-bit BSQ codec), saved: a model.path."""
+    from model_fixtures import UNIAR_SIZES, random_bsq_codec
+
+    from uniweave.models.uniar.tiny import build_tiny_uniar
+
+    path = tmp_path_factory.mktemp("saved_uniar") / "model"
+    build_tiny_uniar(random_bsq_codec(16, 2, 1), UNIAR_SIZES, seed=0).save_pretrained(path)
+    return path
+
+
+def test_a_uniar_model_path_checks_model_tiny_against_its_qwen_config(
+    tmp_path, capsys, saved_uniar
+):
+    """With a UniAR model.path, `model.tiny` is what the directory's Qwen3-VL config.json
+    records: a recipe's sizes equal to it (and mixer_kernel 0, Qwen3-VL has no mixer) are
+    accepted and the config records the loaded sizes; a size it does not have exits 2
+    naming the key (it would be ignored)."""
+    from model_fixtures import UNIAR_SIZES
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"run: {{output_dir: {tmp_path / 'run'}}}\nmodel: {{kind: uniar, visual_head: bsq}}\n"
+    )
+    base = ["inspect", str(config), f"model.path={saved_uniar}"]
+    capsys.readouterr()
+    assert cli.main([*base, "model.tiny.mixer_kernel=0"]) == 0
+    shown = capsys.readouterr().out
+    for name, value in (("hidden_size", UNIAR_SIZES.hidden_size), ("num_layers", 2)):
+        assert f"model.tiny.{name} = {value}" in shown or f"{name}: {value}" in shown
+    wrong = 96  # neither the model's width nor the default (a default is filled, not refused)
+    assert cli.main([*base, f"model.tiny.hidden_size={wrong}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "uniweave: error: <command line>: model.tiny.hidden_size: acts only for a model built "
+        f"from the config (model.path null); model.path {saved_uniar} is loaded with its own "
+        f"sizes (hidden_size {UNIAR_SIZES.hidden_size})"
+    ]
+
+
 @pytest.mark.parametrize(
     ("override", "key", "what"),
     [
         ("model.tiny.hidden_size=256", "model.tiny.hidden_size", "its own sizes (hidden_size 16)"),
-        ("model.codec.path=/nonexistent", "model.codec.path", "its own image codec"),
+        (
+            "model.codec.path=/nonexistent",
+            "model.codec.path",
+            "its own image codec ({saved}/codec, not /nonexistent)",
+        ),
     ],
 )
 def test_train_refuses_a_model_setting_that_model_path_ignores(
-    tmp_path, capsys, saved_tiny, override, key, what
+    tmp_path, capsys, saved_tiny, small_vq_dir, override, key, what
 ):
     """A model.path checkpoint is loaded as saved: a `model.tiny` size it does not have and
     `model.codec.path` do not act, and `uniweave train` refuses them (exit 2, one line
@@ -437,12 +481,14 @@ def test_train_refuses_a_model_setting_that_model_path_ignores(
     assert cli.main(["train", str(config), f"model.path={saved_tiny}", override]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"uniweave: error: <command line>: {key}: acts only for a model built from the config "
-        f"(model.path null); model.path {saved_tiny} is loaded with {what}"
+        f"(model.path null); model.path {saved_tiny} is loaded with "
+        + what.format(saved=saved_tiny)
     ]
     assert not out.exists()
     for fine in (
         "model.tiny.hidden_size=128",
         "model.tiny.hidden_size=16",
         "model.codec.path=null",
+        f"model.codec.path={small_vq_dir}",  # the codec the model was built with: the same bytes
     ):
         assert cli.main(["inspect", str(config), f"model.path={saved_tiny}", fine]) == 0

@@ -1661,13 +1661,8 @@ INERT: list[tuple[str, dict, str, str, dict]] = [
     ("kl_coef_without_kl", {**GRPO_RUN, "algorithm": {"name": "grpo", "kl": {"coef": 0.1}}},
      "algorithm.kl.coef", "coef=0.1 has no effect with type='none'",
      {"algorithm": {"kl": {"type": "k3"}}}),
-    ("tiny_sizes_with_a_uniar_path", {"model": {"kind": "uniar", "visual_head": "bsq",
-                                                 "path": "/ckpt/uniar", "tiny": {"hidden_size": 256}}},
-     "model.tiny.hidden_size", "model.path /ckpt/uniar is loaded with its own sizes",
-     {"model": {"path": None}}),
-    ("codec_path_with_a_path", {"model": {"path": "/ckpt/tiny", "codec": {"path": "/none"}}},
-     "model.codec.path", "model.path /ckpt/tiny is loaded with its own image codec",
-     {"model": {"path": None}}),
+    # a tiny or uniar model.path's sizes and a tiny one's codec path are checked against the
+    # directory (with_saved_sizes): tests/test_cli.py, real saved models
     ("uniar_codec_with_a_path", {"model": {**UNIAR["model"], "path": "/ckpt/uniar", "tiny": {},
                                            "codec": {"bits": 8}}},
      "model.codec.bits", "acts only for a model built from the config (model.path null)",

@@ -137,15 +137,23 @@ def _kind_reads(section: str, name: str | None = None) -> Callable[[Any], bool]:
     return reads
 
 
+RECORDS_SIZES: dict[str, tuple[str, ...]] = {"tiny": ("tiny", "uniar"), "codec": ("tiny",)}
+"""Per `model.<section>`: the kinds whose model directories record that section's values
+(`uniweave.models.registry.saved_sizes`: a tiny model's `uniweave_model.json` and codec, a
+UniAR's Qwen3-VL `config.json`), so that a value given next to their `model.path` is checked
+against the directory there."""
+
+
 def _built_here(section: str) -> ActsWhen:
     """`model.<section>` acts only for a model built from the config: a `model.path`
     checkpoint is loaded with its own sizes and codec. A tiny model directory records
     them, so there `uniweave.models.registry.with_saved_sizes` takes them from it and
     refuses a given value that differs (it reads files; the schema does not)."""
     return ActsWhen(
-        lambda cfg: cfg.model.path is None or cfg.model.kind == "tiny",
-        "for a model built from the config (model.path null; with a tiny model.path, a "
-        "value given must be the one its directory records, which fills the others)",
+        lambda cfg: cfg.model.path is None or cfg.model.kind in RECORDS_SIZES[section],
+        "for a model built from the config (model.path null; with a "
+        f"{' or '.join(RECORDS_SIZES[section])} model.path, a value given must be the one its "
+        "directory records, which fills the others)",
         lambda cfg: (
             f"acts only for a model built from the config (model.path null); "
             f"model.path {cfg.model.path} is loaded with {LOADED_WITH[section]}"
@@ -154,8 +162,9 @@ def _built_here(section: str) -> ActsWhen:
 
 
 OWN_CODEC = ActsWhen(
-    lambda cfg: cfg.model.path is None,
-    "for a model built from the config (model.path null)",
+    lambda cfg: cfg.model.path is None or cfg.model.kind == "tiny",
+    "for a model built from the config (model.path null; with a tiny model.path, only as "
+    "the codec the model directory holds)",
     lambda cfg: (
         "acts only for a model built from the config (model.path null); "
         f"model.path {cfg.model.path} is loaded with its own image codec"

@@ -462,7 +462,11 @@ def saved_sizes(model: ModelConfig) -> dict[str, Any]:
     """{dotted `model.` key: value} of the sizes a tiny model directory at `model.path`
     records (`uniweave_model.json`'s `config`, its `codec/codec.json`); {} without model.path, for another kind, or for a directory that
     records none (the loader's own checks report a broken one)."""
-    if model.path is None or model.kind != "tiny" or not Path(model.path).is_dir():
+    if model.path is None or not Path(model.path).is_dir():
+        return {}
+    if model.kind == "uniar":
+        return _uniar_sizes(Path(model.path))
+    if model.kind != "tiny":
         return {}
     root = Path(model.path)
     try:
@@ -492,6 +496,54 @@ def saved_sizes(model: ModelConfig) -> dict[str, Any]:
     return {f"model.{key}": value for key, value in found.items()}
 
 
+_QWEN_SIZES = {  # a Qwen3-VL config.json's text_config field -> model.tiny key
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+def _uniar_sizes(root: Path) -> dict[str, Any]:
+    """The `model.tiny` sizes a UniAR directory's Qwen3-VL `config.json` records (its
+    text decoder's; Qwen3-VL has no depthwise mixer, so `mixer_kernel` 0), {} when it
+    records none (the loader's own checks report a broken directory)."""
+    try:
+        text = read_json(root / "config.json").get("text_config")
+    except ValueError:
+        return {}
+    if not isinstance(text, dict):
+        return {}
+    found: dict[str, Any] = {
+        f"model.tiny.{key}": text[f] for f, key in _QWEN_SIZES.items() if f in text
+    }
+    return {**found, "model.tiny.mixer_kernel": 0} if found else {}
+
+
+def _check_codec_path(cfg: UniweaveConfig) -> None:
+    """With a tiny `model.path`, a `model.codec.path` acts only as the codec the model
+    directory holds (`<model.path>/codec`, which the loader reads): the same `codec.json`
+    and weights bytes are accepted (a recipe's pre-fitted codec, evaluated with the model
+    trained on it), anything else is a ConfigError naming the key."""
+    given = cfg.model.codec.path
+    if cfg.model.kind != "tiny" or cfg.model.path is None or given is None:
+        return
+    own = Path(cfg.model.path) / "codec"
+    same = own.is_dir() and Path(given).is_dir()
+    for name in ("codec.json", "codec.safetensors"):
+        if not same:
+            break
+        a, b = own / name, Path(given) / name
+        same = a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
+    if not same:
+        raise ConfigError(
+            "acts only for a model built from the config (model.path null); model.path "
+            f"{cfg.model.path} is loaded with its own image codec ({own}, not {given})",
+            key="model.codec.path",
+        )
+
+
 def with_saved_sizes(cfg: UniweaveConfig) -> UniweaveConfig:
     """`cfg` itself, or, when `model.path` is a tiny model directory whose sizes differ from
     `model.tiny` / `model.codec` (`saved_sizes`), `cfg` with the loaded model's sizes in
@@ -500,6 +552,7 @@ def with_saved_sizes(cfg: UniweaveConfig) -> UniweaveConfig:
     A size the config gives explicitly (`uniweave.config.base.changed`) that differs does
     not act: a ConfigError naming its key (the schema's "acts only" rule for a loaded
     model, `uniweave.config.schema._built_here`, which cannot read the directory)."""
+    _check_codec_path(cfg)
     current = cfg.model.model_dump()
     found = {
         key: value
