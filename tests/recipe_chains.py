@@ -177,10 +177,9 @@ def recheck_eval(step: Step, extra: list[str], run_dir: Path) -> str | None:
     if not results_path.is_file():
         return "the run wrote no eval.json"
     out = run_dir / "recheck-eval"
-    # the saved model ships its codec: a model.codec.path (the step's, or a recipe's own)
-    # does not act next to model.path
-    own = [o for o in (*step.overrides, *extra) if not o.startswith("model.codec.path=")]
-    argv = ["eval", step.recipe, *own, f"model.path={run_dir / 'model'}", "model.codec.path=null"]
+    # what a user types: the step's recipe and overrides, plus the model it trained (its
+    # sizes and codec are the recipe's, so they are accepted next to model.path)
+    argv = ["eval", step.recipe, *step.overrides, *extra, f"model.path={run_dir / 'model'}"]
     argv += ["evaluation.split=test", f"evaluation.output_dir={out}"]
     code, text = run_cli(argv)
     if code:
