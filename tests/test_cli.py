@@ -416,6 +416,22 @@ def saved_tiny(tmp_path_factory, small_vq_dir) -> Path:
     return path
 
 
+def test_a_missing_model_path_is_named_before_its_codec_path(tmp_path, capsys):
+    """With no model directory at model.path, a model.codec.path next to it is not compared
+    with one: the error names model.path (the loader's), nothing is written."""
+    config = tmp_path / "c.yaml"
+    out = tmp_path / "run"
+    config.write_text(f"run: {{output_dir: {out}}}\n")
+    missing = tmp_path / "no_model"
+    capsys.readouterr()
+    argv = ["train", str(config), f"model.path={missing}", "model.codec.path=/nonexistent"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"uniweave: error: {missing}: not found (model.path in <command line>)"
+    ]
+    assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def saved_uniar(tmp_path_factory) -> Path:
     """A tiny UniAR (the test sizes, a random 16-bit BSQ codec), saved: a model.path."""

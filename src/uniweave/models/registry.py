@@ -529,6 +529,8 @@ def _check_codec_path(cfg: UniweaveConfig) -> None:
     given = cfg.model.codec.path
     if cfg.model.kind != "tiny" or cfg.model.path is None or given is None:
         return
+    if not Path(cfg.model.path).is_dir():
+        return  # no model directory: the loader's own error names model.path
     own = Path(cfg.model.path) / "codec"
     same = own.is_dir() and Path(given).is_dir()
     for name in ("codec.json", "codec.safetensors"):

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from uniweave.config import ConfigError, UniweaveConfig
-from uniweave.config.fingerprint import digest, fingerprint
+from uniweave.config.fingerprint import path_identity
 from uniweave.models import UnifiedModel
 
 ADAPTER_DIR = "adapter"
@@ -41,7 +41,7 @@ KEY = "model.initial_adapter"
 def base_digest(path: str | None) -> str | None:
     """The digest of the fingerprint of the base model directory `path` (None: a model
     built from the config)."""
-    return None if path is None else digest(fingerprint(path))
+    return None if path is None else path_identity(path)["digest"]
 
 
 def _peft_name(key: str) -> str:
@@ -57,18 +57,11 @@ def _model_name(key: str) -> str:
 
 def save_adapter(model: UnifiedModel, cfg: UniweaveConfig, path: Path, targets: list[str]) -> None:
     """Write `model`'s LoRA adapter into directory `path` (module docstring)."""
-    from peft import LoraConfig
+    from uniweave.train.engine.lora import lora_config
 
     lora = cfg.trainer.lora
     path.mkdir(parents=True, exist_ok=True)
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft takes a float alpha (scale alpha / r)
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        use_rslora=lora.rslora,
-        base_model_name_or_path=cfg.model.path,
-    )
+    config = lora_config(lora, targets, base_model_name_or_path=cfg.model.path)
     config.save_pretrained(str(path))
     state = {
         _peft_name(k): v.detach().to("cpu").contiguous().clone()

@@ -12,15 +12,32 @@ from typing import Any
 import torch
 
 from uniweave.config.schema import UniweaveConfig
+from uniweave.config.trainer import LoRAConfig
 from uniweave.models import UnifiedModel
 
 __all__ = ["adapter_state", "apply_lora", "merged_state_dict", "set_adapters_enabled"]
 
 
+def lora_config(lora: LoRAConfig, targets: list[str], **extra: Any) -> Any:
+    """peft's `LoraConfig` for `trainer.lora` (`lora`) on the modules `targets`; `extra`
+    adds peft fields (the adapter file's `base_model_name_or_path`). One construction for
+    the adapters injected here and the ones `adapters.save_adapter` writes."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft takes a float alpha (scale alpha / r)
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        use_rslora=lora.rslora,
+        **extra,
+    )
+
+
 def apply_lora(model: UnifiedModel, cfg: UniweaveConfig) -> list[str]:
     """Inject peft LoRA adapters into modules whose full name matches the regex, freeze
     every other parameter, and return the names of the adapted modules."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
     lora = cfg.trainer.lora
     pattern = re.compile(lora.target_modules)
@@ -31,14 +48,7 @@ def apply_lora(model: UnifiedModel, cfg: UniweaveConfig) -> list[str]:
     ]
     if not targets:
         raise ValueError(f"trainer.lora.target_modules={lora.target_modules!r} matches no Linear")
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft takes a float alpha (scale alpha / r)
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        use_rslora=lora.rslora,
-    )
-    inject_adapter_in_model(config, model)
+    inject_adapter_in_model(lora_config(lora, targets), model)
     for name, param in model.named_parameters():
         param.requires_grad = "lora_" in name
     return targets
