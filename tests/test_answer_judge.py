@@ -80,17 +80,19 @@ class Endpoint:
                     endpoint.in_flight += 1
                     endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
                     first = endpoint.requests.count(answer) == 1
-                try:
-                    self._reply(answer, first)
+                try:  # the request's work; it leaves the in-flight count before its reply
+                    # is sent, so a client thread freed by a reply cannot be counted
+                    # beside a handler that has not yet reached this finally
+                    if answer == "slow":
+                        time.sleep(1.2)
+                    if answer.startswith("wait"):
+                        time.sleep(0.2)
                 finally:
                     with endpoint.lock:
                         endpoint.in_flight -= 1
+                self._reply(answer, first)
 
             def _reply(self, answer, first):
-                if answer == "slow":
-                    time.sleep(1.2)
-                if answer.startswith("wait"):
-                    time.sleep(0.2)
                 if answer == "flaky" and first:
                     self.send_error(500)
                     return
